@@ -1,0 +1,143 @@
+"""The invoke's side effects. Each failure leaves here as an `ApplicationError` whose `type` is
+the Reach error type and whose details say whether it is retryable; the workflow, through
+`reach.policy`, decides what happens next, so these are never retried by Temporal itself
+(except the callback POST, which is always safe to repeat: the receiver dedupes on RequestID).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import httpx
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from connectors import ConnectorSet
+from reach.errors import NoInstance, ReachError, UnknownCapability
+from reach.invocation import CallbackInput, CallInput, Endpoint, ResolveInput
+from reach.messages import Reply
+from reach.registry import Registry
+from reach.routing import Router
+
+log = logging.getLogger("reach.activities")
+
+RESOLVE = "reach.resolve"
+CALL = "reach.call"
+DELIVER_CALLBACK = "reach.deliver_callback"
+HEARTBEAT_EVERY_S = 2.0
+
+
+def to_application_error(err: ReachError) -> ApplicationError:
+    return ApplicationError(
+        err.message, {"retryable": err.retryable}, type=err.type, non_retryable=True
+    )
+
+
+class ReachActivities:
+    def __init__(
+        self,
+        registry: Registry,
+        router: Router,
+        connectors: ConnectorSet,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.registry = registry
+        self.router = router
+        self.connectors = connectors
+        self._http = http or httpx.AsyncClient(trust_env=False)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @activity.defn(name=RESOLVE)
+    async def resolve(self, inp: ResolveInput) -> Endpoint:
+        try:
+            return await self._resolve(inp)
+        except ReachError as err:
+            raise to_application_error(err) from err
+
+    async def _resolve(self, inp: ResolveInput) -> Endpoint:
+        instances = await self.registry.instances(inp.capability)
+        if not instances and not await self.registry.known(inp.capability):
+            raise UnknownCapability(f"no agent has ever registered capability {inp.capability!r}")
+        routable = [i for i in instances if i.routable]
+        if not routable:
+            raise NoInstance(
+                f"capability {inp.capability!r} has no healthy instance "
+                f"({len(instances)} registered, all unhealthy)"
+                if instances
+                else f"capability {inp.capability!r} has no live instance"
+            )
+        # A retry goes elsewhere when it can; with one instance left, that one is still tried.
+        fresh = [i for i in routable if i.instance_id not in inp.exclude] or routable
+        chosen = await self.router.pick(inp.capability, fresh, inp.routing_key)
+        log.info(
+            "routed request=%s capability=%s instance=%s of %d",
+            inp.request_id,
+            inp.capability,
+            chosen.instance_id,
+            len(fresh),
+        )
+        return Endpoint(
+            instance_id=chosen.instance_id,
+            capability=chosen.capability,
+            protocol=chosen.protocol,
+            address=chosen.address,
+        )
+
+    @activity.defn(name=CALL)
+    async def call(self, inp: CallInput) -> Reply:
+        connector = self.connectors.get(inp.endpoint.protocol)
+        work = connector.invoke(inp.endpoint, inp.message, inp.timeout_ms / 1000)
+        try:
+            if activity.info().is_local:
+                return await work
+            return await _heartbeating(work)
+        except ReachError as err:
+            raise to_application_error(err) from err
+
+    @activity.defn(name=DELIVER_CALLBACK)
+    async def deliver_callback(self, inp: CallbackInput) -> None:
+        info = activity.info()
+        response = inp.response
+        try:
+            r = await self._http.post(
+                inp.url,
+                content=response.model_dump_json(exclude_none=True),
+                headers={
+                    "Content-Type": "application/json",
+                    "X-Reach-Request-Id": response.request_id,
+                    "X-Reach-Delivery-Attempt": str(info.attempt),
+                },
+                timeout=info.start_to_close_timeout.total_seconds()
+                if info.start_to_close_timeout
+                else 10.0,
+            )
+        except httpx.HTTPError as exc:
+            raise ApplicationError(
+                f"callback {inp.url} unreachable: {exc!r}", type="transport_error"
+            ) from exc
+        if r.is_success:
+            return
+        permanent = 400 <= r.status_code < 500 and r.status_code not in (408, 425, 429)
+        raise ApplicationError(
+            f"callback {inp.url} answered HTTP {r.status_code}",
+            type="callback_rejected" if permanent else "callback_failed",
+            non_retryable=permanent,
+        )
+
+
+async def _heartbeating(work: Coroutine[Any, Any, Reply]) -> Reply:
+    """Await a long call as a regular activity, heartbeating so a lost worker is noticed."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY_S)
+            if done:
+                return task.result()
+            activity.heartbeat()
+    finally:
+        task.cancel()

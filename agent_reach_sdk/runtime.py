@@ -1,0 +1,397 @@
+"""AgentRuntime: join Reach, heartbeat with a health report, serve operations (R2, R8, R21, R24).
+
+    runtime = AgentRuntime(reach_address="10.0.0.5:7600", capability="knowledge-retriever",
+                           instance_id="retriever-01", protocol="http",
+                           service_address="10.0.1.8:9001", heartbeat_interval=5)
+
+    @runtime.operation("query")
+    async def query(payload: dict, ctx: RequestContext) -> dict: ...
+
+    runtime.start()        # plain scripts: runs in a background thread
+    async with runtime:    # asyncio code: runs on the current loop
+
+Activities run at least once, so a request can be delivered twice (a worker crashed between the
+agent's answer and the workflow recording it). The runtime remembers recent RequestIDs with their
+answers and answers a re-delivered request without running the operation again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from agent_reach_sdk.context import (
+    Deferred,
+    RequestContext,
+    current_request_id,
+    install_request_id_logging,
+)
+from agent_reach_sdk.server import HttpAgentServer, HttpRequest, HttpResponse
+
+log = logging.getLogger("agent_reach_sdk")
+
+OperationFunc = Callable[..., Any]
+HealthCheck = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+class OperationError(Exception):
+    """Raise from an operation to answer with a typed error instead of a result."""
+
+    def __init__(self, message: str, *, type: str = "agent_error", status: int = 422) -> None:
+        super().__init__(message)
+        self.message = message
+        self.type = type
+        self.status = status
+
+
+def _split(address: str) -> tuple[str, int]:
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def _url(address: str) -> str:
+    return address.rstrip("/") if "://" in address else f"http://{address.rstrip('/')}"
+
+
+class AgentRuntime:
+    def __init__(
+        self,
+        reach_address: str,
+        capability: str,
+        instance_id: str,
+        protocol: str = "http",
+        service_address: str = "127.0.0.1:0",
+        heartbeat_interval: float = 5.0,
+        *,
+        token: str | None = None,
+        health_check: HealthCheck | None = None,
+        listen: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        async_callback: bool = True,
+        remember: int = 4096,
+    ) -> None:
+        if protocol != "http":
+            raise ValueError(f"protocol {protocol!r} is not served by this SDK version; use 'http'")
+        install_request_id_logging()
+        self.reach_url = _url(reach_address)
+        self.capability = capability
+        self.instance_id = instance_id
+        self.protocol = protocol
+        self.service_address = service_address
+        self.heartbeat_interval = heartbeat_interval
+        self.token = token
+        self.health_check = health_check
+        self.max_message_bytes = max_message_bytes
+        self.async_callback = async_callback
+        self.ack: dict[str, Any] | None = None
+        self._listen = listen or service_address
+        self._operations: dict[str, OperationFunc] = {}
+        self._remember = remember
+        self._recent: OrderedDict[str, HttpResponse] = OrderedDict()
+        self._inflight: dict[str, asyncio.Future[HttpResponse]] = {}
+        self._server: HttpAgentServer | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._joined = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.executed = 0  # operations actually run (re-deliveries answered from memory excluded)
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def operation(self, name: str) -> Callable[[OperationFunc], OperationFunc]:
+        """Register `func(payload)` or `func(payload, ctx)`, sync or async, as operation `name`."""
+
+        def register(func: OperationFunc) -> OperationFunc:
+            self._operations[name] = func
+            return func
+
+        return register
+
+    @property
+    def operations(self) -> list[str]:
+        return sorted(self._operations)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.astart()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.astop()
+
+    async def astart(self) -> None:
+        install_request_id_logging()
+        host, port = _split(self._listen)
+        self._server = HttpAgentServer(self._handle, host, port, self.max_message_bytes)
+        await self._server.start()
+        if port == 0:  # an ephemeral port: advertise the one we got
+            adv_host, _ = _split(self.service_address)
+            self.service_address = f"{adv_host}:{self._server.port}"
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self._client = httpx.AsyncClient(
+            base_url=self.reach_url, headers=headers, timeout=5.0, trust_env=False
+        )
+        try:
+            await self._join()
+        except httpx.HTTPError as exc:
+            log.warning("cannot join Reach at %s yet (%r); retrying", self.reach_url, exc)
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+
+    async def astop(self, *, leave: bool = True) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+            self._heartbeat_task = None
+        if leave and self._client is not None and self._joined.is_set():
+            try:
+                await self._client.delete(f"/reach/agents/{self.instance_id}")
+                log.info("left Reach instance=%s", self.instance_id)
+            except httpx.HTTPError:
+                pass
+        self._joined.clear()
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def start(self) -> None:
+        """Start in a background thread (for plain, non-asyncio scripts)."""
+        if self._thread is not None:
+            raise RuntimeError("already started")
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self.astart())
+            except BaseException as exc:
+                failure.append(exc)
+                started.set()
+                return
+            started.set()
+            loop.run_forever()
+            loop.run_until_complete(self.astop())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"reach-{self.instance_id}", daemon=True)
+        self._thread.start()
+        started.wait()
+        if failure:
+            self._thread = None
+            raise failure[0]
+
+    def stop(self) -> None:
+        if self._thread is None or self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._thread = None
+
+    def wait_joined(self, timeout: float | None = None) -> bool:
+        return self._joined.wait(timeout)
+
+    # -- talking to Reach ---------------------------------------------------------------------
+
+    async def _join(self) -> None:
+        assert self._client is not None
+        body = {
+            "capability": self.capability,
+            "instance_id": self.instance_id,
+            "protocol": self.protocol,
+            "service_address": self.service_address,
+            "heartbeat_interval": self.heartbeat_interval,
+            "operations": self.operations,
+            "max_message_bytes": self.max_message_bytes,
+            "async_callback": self.async_callback,
+        }
+        r = await self._client.post("/reach/agents", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"Reach refused the join: HTTP {r.status_code} {r.text}")
+        self.ack = r.json()
+        self.heartbeat_interval = float(self.ack["heartbeat_interval"])
+        self.max_message_bytes = int(self.ack["max_message_bytes"])
+        if self._server is not None:
+            self._server.max_body_bytes = self.max_message_bytes
+        self._joined.set()
+        log.info(
+            "joined Reach capability=%s instance=%s address=%s heartbeat=%.1fs",
+            self.capability,
+            self.instance_id,
+            self.service_address,
+            self.heartbeat_interval,
+        )
+
+    async def _health(self) -> dict[str, Any]:
+        report: dict[str, Any] = {"status": "ok", "checks": {}}
+        if self.health_check is not None:
+            try:
+                got = self.health_check()
+                if inspect.isawaitable(got):
+                    got = await got
+                report.update(got)
+            except Exception as exc:
+                report = {"status": "unhealthy", "checks": {"health_check": repr(exc)}}
+        report["inflight"] = len(self._inflight)
+        return report
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._client is not None
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                if not self._joined.is_set():
+                    await self._join()
+                    continue
+                r = await self._client.put(
+                    f"/reach/agents/{self.instance_id}/heartbeat", json=await self._health()
+                )
+                if r.status_code == 404:
+                    # Evicted, or the gateway restarted with an empty registry: join again.
+                    log.warning(
+                        "Reach no longer knows instance %s; joining again", self.instance_id
+                    )
+                    self._joined.clear()
+                    await self._join()
+            except (httpx.HTTPError, RuntimeError) as exc:
+                logging.getLogger("agent_reach_sdk.heartbeat").debug("heartbeat failed: %r", exc)
+
+    async def send_result(
+        self,
+        request_id: str,
+        result: dict[str, Any] | None = None,
+        *,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        """Deliver the answer to a request this instance accepted with `ctx.defer()` (R3)."""
+        body: dict[str, Any] = {"instance_id": self.instance_id}
+        if error_type or error_message:
+            body.update(status="error", error_type=error_type, error_message=error_message)
+        else:
+            body.update(status="success", result=result or {})
+        client = self._client or httpx.AsyncClient(base_url=self.reach_url, trust_env=False)
+        delay = 0.5
+        for attempt in range(8):
+            try:
+                r = await client.post(f"/reach/requests/{request_id}/result", json=body)
+            except httpx.HTTPError as exc:
+                log.warning("late answer for %s not delivered (%r); retrying", request_id, exc)
+            else:
+                if r.status_code in (200, 202):
+                    return
+                if r.status_code < 500:
+                    raise RuntimeError(f"Reach refused the late answer: {r.status_code} {r.text}")
+            await asyncio.sleep(delay * (2**attempt))
+        raise RuntimeError(f"could not deliver the late answer for {request_id}")
+
+    # -- serving ------------------------------------------------------------------------------
+
+    async def _handle(self, request: HttpRequest) -> HttpResponse:
+        prefix = "/reach/"
+        if request.method != "POST" or not request.path.startswith(prefix):
+            return _error(404, "invalid_request", f"no route {request.method} {request.path}")
+        name = request.path[len(prefix) :]
+        func = self._operations.get(name)
+        if func is None:
+            return _error(404, "invalid_request", f"operation {name!r} is not served here")
+        h = request.headers
+        request_id = h.get("x-reach-request-id") or f"local-{time.time_ns()}"
+        cached = self._recent.get(request_id)
+        if cached is not None:
+            return cached
+        running = self._inflight.get(request_id)
+        if running is not None:
+            return await asyncio.shield(running)
+        future: asyncio.Future[HttpResponse] = asyncio.get_running_loop().create_future()
+        self._inflight[request_id] = future
+        try:
+            response = await self._execute(func, name, request_id, request)
+            future.set_result(response)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: a waiting duplicate sees it, nobody else must
+            raise
+        finally:
+            self._inflight.pop(request_id, None)
+        if response.status in (200, 202):
+            self._recent[request_id] = response
+            while len(self._recent) > self._remember:
+                self._recent.popitem(last=False)
+        return response
+
+    async def _execute(
+        self, func: OperationFunc, name: str, request_id: str, request: HttpRequest
+    ) -> HttpResponse:
+        h = request.headers
+        deadline = int(h["x-reach-deadline-ms"]) if h.get("x-reach-deadline-ms") else None
+        ctx = RequestContext(
+            request_id=request_id,
+            operation=name,
+            caller=h.get("x-reach-caller", "anonymous"),
+            attempt=int(h.get("x-reach-attempt", "1")),
+            deadline_ms=deadline,
+            idempotency_key=h.get("idempotency-key"),
+            headers=h,
+        )
+        try:
+            payload = json.loads(request.body or b"{}")
+        except ValueError:
+            return _error(400, "invalid_request", "body is not JSON")
+        remaining = (deadline / 1000 - time.time()) if deadline else None
+        if remaining is not None and remaining <= 0:
+            return _error(504, "timeout", "the request's deadline passed before it started")
+        token = current_request_id.set(request_id)
+        try:
+            self.executed += 1
+            result = await asyncio.wait_for(self._call(func, payload, ctx), timeout=remaining)
+        except TimeoutError:
+            log.warning("operation %s passed its deadline", name)
+            return _error(504, "timeout", "the operation passed the request's deadline")
+        except OperationError as exc:
+            return _error(exc.status, exc.type, exc.message)
+        except Exception as exc:
+            log.exception("operation %s failed", name)
+            return _error(500, "agent_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            current_request_id.reset(token)
+        if isinstance(result, Deferred):
+            return HttpResponse(202, {"request_id": request_id, "status": "accepted"})
+        if not isinstance(result, dict):
+            result = {"value": result}
+        return HttpResponse(200, result)
+
+    @staticmethod
+    async def _call(func: OperationFunc, payload: Any, ctx: RequestContext) -> Any:
+        params = len(inspect.signature(func).parameters)
+        args = (payload, ctx) if params >= 2 else (payload,)
+        if inspect.iscoroutinefunction(func):
+            return await func(*args)
+        return await asyncio.to_thread(func, *args)
+
+
+def _error(status: int, error_type: str, message: str) -> HttpResponse:
+    return HttpResponse(status, {"error": {"type": error_type, "message": message}})

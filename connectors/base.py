@@ -1,0 +1,38 @@
+"""The one interface every protocol plug-in implements (R1, R4).
+
+Shaped like httpx's transports: one async method that takes the standard message and returns a
+`Reply`, `aclose()`, and async-context-manager use. A connector raises only `reach.errors`
+exceptions (mapped from its library's exceptions in one place), so the policy engine can act on
+failures without knowing the protocol.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from types import TracebackType
+from typing import ClassVar, Self
+
+from reach.invocation import Endpoint
+from reach.messages import Message, Reply
+
+
+class Connector(ABC):
+    protocol: ClassVar[str]
+
+    @abstractmethod
+    async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
+        """Deliver `message` to `endpoint` and return its answer within `timeout_s`."""
+
+    async def aclose(self) -> None:
+        return None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

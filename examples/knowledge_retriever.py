@@ -1,0 +1,132 @@
+"""A demo `knowledge-retriever` agent built on the SDK (HTTP protocol).
+
+    python examples/knowledge_retriever.py --reach 127.0.0.1:7600 --instance-id retriever-01
+
+Operations: `query` ({"text", "top_k"} -> ranked passages) and `get_metadata`. Flags make it
+misbehave on purpose for demos and tests: --delay-ms (slow), --defer (answer 202, POST the result
+later), --health-file (read ok/degraded/unhealthy from a file at every heartbeat), --ledger (append
+every executed RequestID to a file, to check nothing runs twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from agent_reach_sdk import AgentRuntime, RequestContext, install_request_id_logging
+
+log = logging.getLogger("knowledge_retriever")
+
+CORPUS = [
+    "Temporal persists workflow history, so a crashed worker's request resumes elsewhere.",
+    "A capability name routes a request; addresses of instances drift and are never needed.",
+    "Heartbeats carry a light self-check; an unhealthy instance receives no traffic.",
+    "Idempotent operations retry with exponential backoff: 1 s, 2 s, 4 s.",
+    "The RequestID travels through every hop, including the agent's own logs.",
+    "Round robin spreads requests evenly over the healthy instances of a capability.",
+]
+
+
+def _words(text: str) -> set[str]:
+    return {w.strip(".,;:!?\"'()").rstrip("s") for w in text.lower().split()}
+
+
+def rank(text: str, top_k: int) -> list[dict[str, Any]]:
+    words = _words(text)
+    scored = [(len(words & _words(doc)), i, doc) for i, doc in enumerate(CORPUS)]
+    scored.sort(key=lambda t: (-t[0], t[1]))
+    return [{"id": i, "score": s, "text": doc} for s, i, doc in scored[: max(0, top_k)]]
+
+
+def build(args: argparse.Namespace) -> AgentRuntime:
+    health_file = Path(args.health_file) if args.health_file else None
+
+    def health() -> dict[str, Any]:
+        status = health_file.read_text().strip() if health_file and health_file.exists() else "ok"
+        return {"status": status or "ok", "checks": {"corpus": len(CORPUS)}}
+
+    runtime = AgentRuntime(
+        reach_address=args.reach,
+        capability=args.capability,
+        instance_id=args.instance_id,
+        protocol="http",
+        service_address=f"{args.host}:{args.port}",
+        heartbeat_interval=args.heartbeat_interval,
+        health_check=health,
+    )
+    ledger = Path(args.ledger) if args.ledger else None
+    pending: set[asyncio.Task[None]] = set()
+
+    async def answer_later(request_id: str, result: dict[str, Any]) -> None:
+        await asyncio.sleep(args.delay_ms / 1000)
+        await runtime.send_result(request_id, result)
+        log.info("late answer sent for %s", request_id)
+
+    @runtime.operation("query")
+    async def query(payload: dict[str, Any], ctx: RequestContext) -> Any:
+        log.info("query from %s (attempt %d)", ctx.caller, ctx.attempt)
+        if ledger:
+            with ledger.open("a") as f:
+                f.write(f"{ctx.request_id} {args.instance_id}\n")
+        text = str(payload.get("text", ""))
+        result = {
+            "instance_id": args.instance_id,
+            "request_id": ctx.request_id,
+            "passages": rank(text, int(payload.get("top_k", 3))),
+            "fingerprint": hashlib.sha256(text.encode()).hexdigest()[:12],
+        }
+        if args.defer:
+            task = asyncio.create_task(answer_later(ctx.request_id, result))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            return ctx.defer()
+        if args.delay_ms:
+            await asyncio.sleep(args.delay_ms / 1000)
+        return result
+
+    @runtime.operation("get_metadata")
+    def get_metadata(payload: dict[str, Any]) -> dict[str, Any]:
+        return {"instance_id": args.instance_id, "documents": len(CORPUS)}
+
+    return runtime
+
+
+async def amain(args: argparse.Namespace) -> None:
+    runtime = build(args)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with runtime:
+        print(f"agent {args.instance_id} serving at {runtime.service_address}", flush=True)
+        await stop.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="demo knowledge-retriever agent")
+    p.add_argument("--reach", default="127.0.0.1:7600", help="gateway address")
+    p.add_argument("--capability", default="knowledge-retriever")
+    p.add_argument("--instance-id", default="retriever-01")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = any free port")
+    p.add_argument("--heartbeat-interval", type=float, default=5.0)
+    p.add_argument("--delay-ms", type=int, default=0)
+    p.add_argument("--defer", action="store_true")
+    p.add_argument("--health-file")
+    p.add_argument("--ledger")
+    args = p.parse_args()
+    install_request_id_logging()
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s",
+    )
+    asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The FastAPI application factory. Nothing is built at import time: `create_app(settings)`
+wires everything in the lifespan, so tests and several processes configure their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+import reach
+from gateway_api.errors import install_error_handlers
+from gateway_api.routes import agents, health, invoke
+from gateway_api.service import Gateway
+from reach.config import ReachSettings
+from reach.registry import Registry
+from worker import (
+    build_services,
+    build_workers,
+    connect_temporal,
+    ensure_search_attributes,
+    running_workers,
+)
+
+log = logging.getLogger("reach.gateway")
+
+
+async def _sweep(registry: Registry, every_s: float) -> None:
+    """Prune evicted instances promptly so 'evicted' is logged even when nobody is calling."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await registry.sweep()
+        except Exception:
+            log.exception("registry sweep failed")
+
+
+def create_app(settings: ReachSettings, *, run_worker: bool = True) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = await connect_temporal(settings, wait_s=30)
+        await ensure_search_attributes(client, client.namespace)
+        services = build_services(settings)
+        # A memory registry is invisible to other processes, so queue-mode capabilities are
+        # served here too; with Redis, `worker.py --capability` processes serve them.
+        queue_caps = (
+            [n for n, c in settings.capabilities.items() if c.mode == "queue"]
+            if settings.registry.type == "memory"
+            else []
+        )
+        workers = build_workers(client, services, invoke=run_worker, capabilities=queue_caps)
+        app.state.gateway = Gateway(settings, client, services.registry)
+        sweeper = asyncio.create_task(
+            _sweep(services.registry, min(1.0, settings.registry.heartbeat_interval))
+        )
+        try:
+            async with running_workers(workers):
+                log.info(
+                    "gateway ready on %s (registry=%s, task queue=%s)",
+                    settings.gateway_url,
+                    settings.registry.type,
+                    settings.temporal.task_queue,
+                )
+                yield
+        finally:
+            sweeper.cancel()
+            await services.aclose()
+
+    app = FastAPI(
+        title="Agent-Reach",
+        version=reach.__version__,
+        summary="Invoke agents by capability name, durably, over any protocol.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    app.include_router(invoke.router)
+    app.include_router(agents.router)
+    app.include_router(health.router)
+    return app

@@ -1,0 +1,224 @@
+"""`reach` — the command line.
+
+reach up        the whole stack in the foreground: Temporal dev server, gateway + invoke worker,
+                two demo knowledge-retriever agents (memory registry). Ctrl-C stops it all.
+reach gateway   the gateway alone (with its invoke worker), against an existing Temporal.
+reach worker    a worker alone (same as `python worker.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from gateway_api.app import create_app
+from gateway_api.devserver import DevServer, PortInUse, require_free
+from reach.config import ConfigError, ReachSettings, load_settings
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT)
+    # Heartbeats are frequent and routine: kept out of the main log unless asked for (R25).
+    logging.getLogger("reach.heartbeat").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("temporalio").setLevel(logging.WARNING)
+
+
+def _uvicorn(settings: ReachSettings) -> uvicorn.Server:
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.listen_host,
+        port=settings.listen_port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+    )
+    return uvicorn.Server(config)
+
+
+def cmd_gateway(settings: ReachSettings) -> None:
+    require_free(
+        settings.listen_port,
+        "gateway",
+        "reach.listen_port / REACH_LISTEN_PORT",
+        settings.listen_host,
+    )
+    asyncio.run(_uvicorn(settings).serve())
+
+
+def _start_agent(gateway: str, instance_id: str, log_dir: Path) -> subprocess.Popen[bytes]:
+    out = open(log_dir / f"{instance_id}.log", "ab")  # noqa: SIM115
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(EXAMPLES / "knowledge_retriever.py"),
+            "--reach",
+            gateway,
+            "--instance-id",
+            instance_id,
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _banner(settings: ReachSettings, ui_port: int | None, agents: int) -> str:
+    url = settings.gateway_url
+    ui = f"http://127.0.0.1:{ui_port}" if ui_port else "(headless)"
+    example = json.dumps(
+        {
+            "target": "knowledge-retriever",
+            "operation": "query",
+            "payload": {"text": "durable retries", "top_k": 2},
+            "timeout_ms": 3000,
+        }
+    )
+    return f"""
+  Agent-Reach is up.
+    gateway      {url}      (OpenAPI: {url}/docs)
+    temporal UI  {ui}
+    agents       {agents} x knowledge-retriever (logs in .reach/logs/)
+
+  Try:
+    curl -s -X POST {url}/reach/invoke -H 'Content-Type: application/json' \\
+      -d '{example}'
+
+  Ctrl-C stops everything; requests stay in {settings.temporal.dev_server.db_filename}.
+"""
+
+
+async def _announce_when_ready(settings: ReachSettings, ui_port: int | None, agents: int) -> None:
+    async with httpx.AsyncClient(base_url=settings.gateway_url, trust_env=False) as client:
+        for _ in range(600):
+            with contextlib.suppress(httpx.HTTPError):
+                r = await client.get("/reach/capabilities")
+                caps = {c["name"]: c["routable"] for c in r.json()["capabilities"]}
+                if r.status_code == 200 and caps.get("knowledge-retriever", 0) >= agents:
+                    print(_banner(settings, ui_port, agents), flush=True)
+                    return
+            await asyncio.sleep(0.1)
+
+
+async def _run_gateway_and_announce(
+    settings: ReachSettings, ui_port: int | None, agents: int
+) -> None:
+    server = _uvicorn(settings)
+    announce = asyncio.create_task(_announce_when_ready(settings, ui_port, agents))
+    try:
+        await server.serve()
+    finally:
+        announce.cancel()
+
+
+def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
+    dev = settings.temporal.dev_server
+    ui_port = None if dev.headless else dev.ui_port
+    require_free(
+        settings.listen_port,
+        "gateway",
+        "reach.listen_port / REACH_LISTEN_PORT",
+        settings.listen_host,
+    )
+    require_free(
+        dev.port,
+        "Temporal dev server",
+        "reach.temporal.dev_server.port / REACH_TEMPORAL__DEV_SERVER__PORT",
+    )
+    if ui_port:
+        require_free(
+            ui_port,
+            "Temporal UI",
+            "reach.temporal.dev_server.ui_port / REACH_TEMPORAL__DEV_SERVER__UI_PORT",
+        )
+    state = Path(dev.db_filename).parent
+    log_dir = state / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # The all-in-one talks to its own dev server, whatever TEMPORAL_ADDRESS says.
+    os.environ["TEMPORAL_ADDRESS"] = f"127.0.0.1:{dev.port}"
+    settings = settings.model_copy(
+        update={
+            "temporal": settings.temporal.model_copy(update={"address": f"127.0.0.1:{dev.port}"})
+        }
+    )
+    server = DevServer(dev.db_filename, dev.port, ui_port, log_file=log_dir / "temporal.log")
+    print(
+        f"starting Temporal dev server on 127.0.0.1:{dev.port} ({dev.db_filename}) ...", flush=True
+    )
+    server.start()
+    agents: list[subprocess.Popen[bytes]] = []
+    try:
+        if demo:
+            agents = [
+                _start_agent(settings.gateway_url, f"retriever-0{i}", log_dir) for i in (1, 2)
+            ]
+        asyncio.run(_run_gateway_and_announce(settings, ui_port, len(agents)))
+    finally:
+        print("stopping agents and the Temporal dev server ...", flush=True)
+        for proc in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in agents:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        server.stop()
+        print("stopped.", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="reach", description="Agent-Reach")
+    parser.add_argument(
+        "--config", help="path to reach.yaml (default: $REACH_CONFIG or ./reach.yaml)"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs, heartbeats too")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="the whole stack, in the foreground")
+    up.add_argument("--no-demo", action="store_true", help="do not start the demo agents")
+    sub.add_parser("gateway", help="the gateway (with its invoke worker)")
+    worker = sub.add_parser("worker", help="a worker (see worker.py --help)")
+    worker.add_argument("--capability", action="append", default=[], metavar="NAME")
+    worker.add_argument("--invoke", action="store_true")
+    args = parser.parse_args(argv)
+
+    _configure_logging(args.verbose)
+    try:
+        settings = load_settings(args.config)
+        if args.command == "up":
+            cmd_up(settings, demo=not args.no_demo)
+        elif args.command == "gateway":
+            cmd_gateway(settings)
+        else:
+            import worker as worker_main
+
+            extra = ["--invoke"] if args.invoke else []
+            for cap in args.capability:
+                extra += ["--capability", cap]
+            if args.config:
+                extra += ["--config", args.config]
+            worker_main.main(extra)
+    except (ConfigError, PortInUse, FileNotFoundError, ConnectionError) as exc:
+        sys.exit(f"error: {exc}")
+    except KeyboardInterrupt:
+        pass
+    # Worker shutdown can abort in native teardown at interpreter exit (a known SDK issue).
+    time.sleep(0.2)
+    sys.stdout.flush()
+    os._exit(0)

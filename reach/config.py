@@ -1,0 +1,189 @@
+"""One validated settings model for `reach.yaml` plus `REACH_…` environment overrides (R7, R26).
+
+Precedence, highest first: explicit keyword arguments, `REACH_…` environment variables (nested
+fields with `__`, e.g. `REACH_REGISTRY__TYPE=redis`), the YAML file, the defaults below. The
+Temporal connection also honours the standard `TEMPORAL_ADDRESS`, `TEMPORAL_NAMESPACE`,
+`TEMPORAL_API_KEY` and `TEMPORAL_TLS_*` variables (applied where the client connects).
+
+A wrong field fails at start-up with a message that names the file and the field.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from reach.invocation import CapabilityMode
+
+DEFAULT_CONFIG_FILE = "reach.yaml"
+CONFIG_ENV_VAR = "REACH_CONFIG"
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the source and the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegistrySettings(_Section):
+    type: Literal["memory", "redis"] = "memory"
+    heartbeat_timeout: float = Field(default=30.0, gt=0, description="seconds")
+    heartbeat_interval: float = Field(default=5.0, gt=0, description="seconds")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = Field(default="reach", min_length=1)
+
+    @model_validator(mode="after")
+    def _interval_below_timeout(self) -> RegistrySettings:
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise ValueError("heartbeat_interval must be shorter than heartbeat_timeout")
+        return self
+
+
+class TransportSettings(_Section):
+    default_protocol: str = "http"
+    ports: dict[str, int] = Field(default_factory=lambda: {"http": 7600, "grpc": 7601})
+    max_message_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+
+
+class CircuitBreakerSettings(_Section):
+    error_threshold: int = Field(default=3, ge=1)
+    open_duration_ms: int = Field(default=10_000, ge=1)
+
+
+class OperationSettings(_Section):
+    timeout_ms: int | None = Field(default=None, ge=1)
+    idempotent: bool | None = None
+
+
+class PolicySettings(_Section):
+    default_retry: int = Field(default=2, ge=0, le=10)
+    default_timeout_ms: int = Field(default=5000, ge=1)
+    backoff_s: list[float] = Field(default_factory=lambda: [1.0, 2.0, 4.0])
+    idempotent_operations: list[str] = Field(
+        default_factory=lambda: ["query", "read", "get", "search", "retrieve", "list", "lookup"],
+        description="Operations retried automatically (R13); others need an idempotency_key.",
+    )
+    operations: dict[str, OperationSettings] = Field(
+        default_factory=dict, description="Per 'capability:operation' overrides (R23)."
+    )
+    circuit_breaker: CircuitBreakerSettings = Field(default_factory=CircuitBreakerSettings)
+
+
+class CapabilitySettings(_Section):
+    mode: CapabilityMode = "inline"
+
+
+class CallbackSettings(_Section):
+    attempt_timeout_s: float = Field(default=10.0, gt=0)
+    retry_window_s: float = Field(default=3600.0, gt=0)
+    initial_backoff_s: float = Field(default=1.0, gt=0)
+    max_backoff_s: float = Field(default=60.0, gt=0)
+
+
+class DevServerSettings(_Section):
+    """The embedded Temporal dev server that `reach up` starts."""
+
+    db_filename: str = ".reach/temporal.db"
+    port: int = 7233
+    ui_port: int = 8233
+    headless: bool = False
+
+
+class TemporalSettings(_Section):
+    address: str = "127.0.0.1:7233"
+    namespace: str = "default"
+    task_queue: str = "reach-invoke"
+    dev_server: DevServerSettings = Field(default_factory=DevServerSettings)
+
+
+class ReachSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="REACH_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = Field(default=7600, ge=1, le=65535)
+    public_url: str | None = Field(
+        default=None, description="How agents reach this gateway; defaults to listen host:port."
+    )
+    registry: RegistrySettings = Field(default_factory=RegistrySettings)
+    transport: TransportSettings = Field(default_factory=TransportSettings)
+    policy: PolicySettings = Field(default_factory=PolicySettings)
+    capabilities: dict[str, CapabilitySettings] = Field(default_factory=dict)
+    callback: CallbackSettings = Field(default_factory=CallbackSettings)
+    temporal: TemporalSettings = Field(default_factory=TemporalSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The YAML file is passed as init kwargs by `load_settings`, below the environment.
+        return env_settings, init_settings
+
+    def capability_mode(self, capability: str) -> CapabilityMode:
+        cap = self.capabilities.get(capability)
+        return cap.mode if cap else "inline"
+
+    @property
+    def gateway_url(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = "127.0.0.1" if self.listen_host in ("0.0.0.0", "::") else self.listen_host
+        return f"http://{host}:{self.listen_port}"
+
+
+def _format_errors(source: str, exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        lines.append(f"  reach.{loc}: {err['msg']}")
+    return f"invalid configuration in {source}:\n" + "\n".join(lines)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read configuration file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or set(raw) != {"reach"} or not isinstance(raw["reach"], dict):
+        raise ConfigError(f"{path}: expected one top-level mapping 'reach:' (see R7)")
+    return dict(raw["reach"])
+
+
+def load_settings(path: str | Path | None = None, **overrides: Any) -> ReachSettings:
+    """Load settings from `path` (or $REACH_CONFIG, or ./reach.yaml if present) and the env."""
+    chosen = path or os.environ.get(CONFIG_ENV_VAR)
+    file_path: Path | None = None
+    if chosen:
+        file_path = Path(chosen)
+        if not file_path.is_file():
+            raise ConfigError(f"configuration file {file_path} does not exist")
+    elif Path(DEFAULT_CONFIG_FILE).is_file():
+        file_path = Path(DEFAULT_CONFIG_FILE)
+    data = read_yaml(file_path) if file_path else {}
+    data.update(overrides)
+    source = str(file_path) if file_path else "environment/defaults"
+    try:
+        return ReachSettings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(f"{source} (or REACH_* variables)", exc)) from exc

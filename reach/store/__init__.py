@@ -1,0 +1,21 @@
+"""The one small store the registry and the policy counters sit on.
+
+Two backends behind one interface: `memory` (one process) and `redis` (several gateways and
+workers on several hosts; key TTLs make eviction happen even when no gateway is alive).
+"""
+
+from __future__ import annotations
+
+from reach.config import RegistrySettings
+from reach.store.base import Store
+from reach.store.memory import MemoryStore
+
+__all__ = ["MemoryStore", "Store", "create_store"]
+
+
+def create_store(settings: RegistrySettings) -> Store:
+    if settings.type == "redis":
+        from reach.store.redis import RedisStore
+
+        return RedisStore.from_url(settings.redis_url, prefix=settings.key_prefix)
+    return MemoryStore()

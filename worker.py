@@ -1,0 +1,205 @@
+"""Temporal worker entry point and the wiring the gateway shares.
+
+    python worker.py                              # invoke worker: workflows + inline calls
+    python worker.py --capability content-generator   # serves reach-cap-content-generator
+    python worker.py --invoke --capability a --capability b
+
+The gateway process runs the invoke worker too (eager start needs the worker on the starting
+client); extra `worker.py` processes add capacity and take over requests from a crashed one.
+Several processes need the shared registry: `REACH_REGISTRY__TYPE=redis`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import (
+    AddSearchAttributesRequest,
+    ListSearchAttributesRequest,
+)
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.envconfig import ClientConfig
+from temporalio.service import RPCError
+from temporalio.worker import Worker
+
+from activities import ReachActivities
+from connectors import ConnectorSet
+from reach.config import ConfigError, ReachSettings, load_settings
+from reach.registry import Registry
+from reach.routing import create_router
+from reach.store import Store, create_store
+from workflows.invoke import SEARCH_ATTRIBUTES, InvokeWorkflow, capability_queue
+
+log = logging.getLogger("reach.worker")
+
+
+async def connect_temporal(settings: ReachSettings, *, wait_s: float = 0.0) -> Client:
+    """Connect with the standard TEMPORAL_* variables winning over reach.yaml's `temporal:`."""
+    config = ClientConfig.load_client_connect_config()
+    config.setdefault("target_host", settings.temporal.address)
+    config.setdefault("namespace", settings.temporal.namespace)
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        try:
+            return await Client.connect(**config, data_converter=pydantic_data_converter)
+        except RuntimeError as exc:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise ConnectionError(
+                    f"cannot connect to Temporal at {config['target_host']} "
+                    f"(namespace {config['namespace']}): {exc}. Is the server running? "
+                    "`reach up` starts one; otherwise set TEMPORAL_ADDRESS."
+                ) from exc
+            await asyncio.sleep(0.25)
+
+
+async def ensure_search_attributes(client: Client, namespace: str) -> None:
+    """Register the Reach search attributes if the cluster lacks them (the dev server has them)."""
+    ops = client.operator_service
+    try:
+        existing = await ops.list_search_attributes(
+            ListSearchAttributesRequest(namespace=namespace)
+        )
+        missing = {
+            key.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD
+            for key in SEARCH_ATTRIBUTES
+            if key.name not in existing.custom_attributes
+        }
+        if missing:
+            await ops.add_search_attributes(
+                AddSearchAttributesRequest(namespace=namespace, search_attributes=missing)
+            )
+            log.info("registered search attributes %s", sorted(missing))
+    except RPCError as exc:
+        # Temporal Cloud and locked-down clusters refuse this; the operator registers them.
+        log.warning("could not check/register search attributes: %s", exc)
+
+
+@dataclass
+class Services:
+    """What activities need, built once per process and closed together."""
+
+    settings: ReachSettings
+    store: Store
+    registry: Registry
+    connectors: ConnectorSet
+    activities: ReachActivities
+    workers: list[Worker] = field(default_factory=list)
+
+    async def aclose(self) -> None:
+        await self.activities.aclose()
+        await self.connectors.aclose()
+        await self.store.aclose()
+
+
+def build_services(settings: ReachSettings) -> Services:
+    store = create_store(settings.registry)
+    registry = Registry(store, settings.registry, settings.transport)
+    connectors = ConnectorSet()
+    activities = ReachActivities(registry, create_router("round_robin", store), connectors)
+    return Services(settings, store, registry, connectors, activities)
+
+
+def build_workers(
+    client: Client,
+    services: Services,
+    *,
+    invoke: bool = True,
+    capabilities: Sequence[str] = (),
+) -> list[Worker]:
+    acts = services.activities
+    workers: list[Worker] = []
+    if invoke:
+        workers.append(
+            Worker(
+                client,
+                task_queue=services.settings.temporal.task_queue,
+                workflows=[InvokeWorkflow],
+                activities=[acts.resolve, acts.call, acts.deliver_callback],
+            )
+        )
+    for capability in capabilities:
+        workers.append(
+            Worker(
+                client,
+                task_queue=capability_queue(capability),
+                activities=[acts.resolve, acts.call],
+            )
+        )
+    return workers
+
+
+@contextlib.asynccontextmanager
+async def running_workers(workers: Sequence[Worker]) -> AsyncIterator[None]:
+    tasks = [asyncio.create_task(w.run()) for w in workers]
+    try:
+        yield
+    finally:
+        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # The SDK's native threads can still be tearing down; let them finish before exit.
+        await asyncio.sleep(0.5)
+
+
+async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence[str]) -> None:
+    client = await connect_temporal(settings, wait_s=30)
+    await ensure_search_attributes(client, client.namespace)
+    services = build_services(settings)
+    workers = build_workers(client, services, invoke=invoke, capabilities=capabilities)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    queues = [w.task_queue for w in workers]
+    log.info("worker serving task queues %s on %s", queues, settings.temporal.address)
+    print(f"reach worker: serving {', '.join(queues)}", flush=True)
+    async with running_workers(workers):
+        await stop.wait()
+    await services.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="worker.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--config", help="path to reach.yaml (default: $REACH_CONFIG or ./reach.yaml)"
+    )
+    parser.add_argument(
+        "--capability",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="serve task queue reach-cap-NAME (repeatable)",
+    )
+    parser.add_argument(
+        "--invoke",
+        action="store_true",
+        help="also run the invoke worker (implied when no --capability is given)",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        sys.exit(f"error: {exc}")
+    invoke = args.invoke or not args.capability
+    try:
+        asyncio.run(serve(settings, invoke=invoke, capabilities=args.capability))
+    except ConnectionError as exc:
+        sys.exit(f"error: {exc}")
+    # Worker shutdown can abort in native teardown at interpreter exit (a known SDK issue).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

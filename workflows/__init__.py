@@ -1,0 +1,1 @@
+"""Temporal workflows only: deterministic, no I/O."""
