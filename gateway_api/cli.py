@@ -40,9 +40,9 @@ def _configure_logging(verbose: bool) -> None:
     logging.getLogger("temporalio").setLevel(logging.WARNING)
 
 
-def _uvicorn(settings: ReachSettings) -> uvicorn.Server:
+def _uvicorn(settings: ReachSettings, *, run_worker: bool = True) -> uvicorn.Server:
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, run_worker=run_worker),
         host=settings.listen_host,
         port=settings.listen_port,
         log_config=None,
@@ -52,31 +52,31 @@ def _uvicorn(settings: ReachSettings) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
-def cmd_gateway(settings: ReachSettings) -> None:
+def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
     require_free(
         settings.listen_port,
         "gateway",
         "reach.listen_port / REACH_LISTEN_PORT",
         settings.listen_host,
     )
-    asyncio.run(_uvicorn(settings).serve())
+    asyncio.run(_uvicorn(settings, run_worker=run_worker).serve())
 
 
 def _start_agent(gateway: str, instance_id: str, log_dir: Path) -> subprocess.Popen[bytes]:
-    out = open(log_dir / f"{instance_id}.log", "ab")  # noqa: SIM115
-    return subprocess.Popen(
-        [
-            sys.executable,
-            str(EXAMPLES / "knowledge_retriever.py"),
-            "--reach",
-            gateway,
-            "--instance-id",
-            instance_id,
-        ],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(log_dir / f"{instance_id}.log", "ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                str(EXAMPLES / "knowledge_retriever.py"),
+                "--reach",
+                gateway,
+                "--instance-id",
+                instance_id,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _banner(settings: ReachSettings, ui_port: int | None, agents: int) -> str:
@@ -192,7 +192,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="the whole stack, in the foreground")
     up.add_argument("--no-demo", action="store_true", help="do not start the demo agents")
-    sub.add_parser("gateway", help="the gateway (with its invoke worker)")
+    gw = sub.add_parser("gateway", help="the gateway (with its invoke worker)")
+    gw.add_argument(
+        "--no-worker",
+        action="store_true",
+        help="API only: workflows run on separate `worker.py` processes (no eager start)",
+    )
     worker = sub.add_parser("worker", help="a worker (see worker.py --help)")
     worker.add_argument("--capability", action="append", default=[], metavar="NAME")
     worker.add_argument("--invoke", action="store_true")
@@ -204,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.command == "up":
             cmd_up(settings, demo=not args.no_demo)
         elif args.command == "gateway":
-            cmd_gateway(settings)
+            cmd_gateway(settings, run_worker=not args.no_worker)
         else:
             import worker as worker_main
 

@@ -146,13 +146,16 @@ class DevServer:
 
     def start(self, timeout_s: float = 60.0) -> None:
         Path(self.db_filename).parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
-        self.process = subprocess.Popen(
-            command(self.db_filename, self.port, self.ui_port, namespace=self.namespace),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        cmd = command(self.db_filename, self.port, self.ui_port, namespace=self.namespace)
+        if self.log_file:
+            with open(self.log_file, "ab") as out:  # the child keeps its own descriptor
+                self.process = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+        else:
+            self.process = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+            )
         try:
             wait_port(self.port, timeout_s)
         except TimeoutError:

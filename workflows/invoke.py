@@ -18,7 +18,13 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    FailureError,
+    TimeoutError,
+    TimeoutType,
+)
 
 with workflow.unsafe.imports_passed_through():
     from reach.invocation import (
@@ -66,8 +72,9 @@ class _Failed(Exception):
         self.instance_id = instance_id
 
 
-def _error_of(exc: ActivityError, instance_id: str | None) -> _Failed:
-    cause = exc.cause
+def _error_of(exc: FailureError, instance_id: str | None) -> _Failed:
+    # Regular activities fail with ActivityError(cause=...); local ones with the cause itself.
+    cause = exc.cause if isinstance(exc, ActivityError) else exc
     if isinstance(cause, TimeoutError):
         if cause.type == TimeoutType.HEARTBEAT:
             info = ErrorInfo(type="transport_error", message="worker lost mid-call", retryable=True)
@@ -255,7 +262,7 @@ class InvokeWorkflow:
                 schedule_to_close_timeout=budget,
                 retry_policy=ONE_ATTEMPT,
             )
-        except ActivityError as exc:
+        except (ActivityError, ApplicationError, TimeoutError) as exc:
             raise _error_of(exc, instance_id) from exc
 
     async def _await_late_answer(self, inp: InvokeInput, instance_id: str) -> InvokeResponse:

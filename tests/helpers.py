@@ -1,0 +1,245 @@
+"""Real processes for integration tests: gateways, workers, demo agents, a callback receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agent_reach_sdk.server import HttpAgentServer, HttpRequest, HttpResponse
+from gateway_api.devserver import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT_SCRIPT = ROOT / "examples" / "knowledge_retriever.py"
+
+
+def _env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "TEMPORAL_"))}
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+
+
+SPAWNED: list[Proc] = []
+
+
+def spawn(args: list[str], env: Mapping[str, str], log: Path) -> Proc:
+    with log.open("ab") as out:
+        popen = subprocess.Popen(
+            args,
+            env=_env(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+        )
+    proc = Proc(popen, log)
+    SPAWNED.append(proc)
+    return proc
+
+
+def stop_spawned(since: int = 0) -> None:
+    """Stop every process spawned after index `since` (SIGCONT first: some tests SIGSTOP)."""
+    procs = SPAWNED[since:]
+    del SPAWNED[since:]
+    for proc in procs:
+        if proc.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, signal.SIGCONT)
+    for proc in procs:
+        proc.stop()
+
+
+@dataclass
+class Stack:
+    """Settings shared by the gateways and workers of one test."""
+
+    temporal: str
+    tmp: Path
+    task_queue: str
+    registry: str = "memory"
+    key_prefix: str = "reach"
+    heartbeat_timeout: float = 3.0
+    heartbeat_interval: float = 0.5
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def env(self, port: int | None = None) -> dict[str, str]:
+        env = {
+            "TEMPORAL_ADDRESS": self.temporal,
+            "REACH_TEMPORAL__TASK_QUEUE": self.task_queue,
+            "REACH_REGISTRY__TYPE": self.registry,
+            "REACH_REGISTRY__KEY_PREFIX": self.key_prefix,
+            "REACH_REGISTRY__HEARTBEAT_TIMEOUT": str(self.heartbeat_timeout),
+            "REACH_REGISTRY__HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
+            "REACH_CALLBACK__INITIAL_BACKOFF_S": "0.2",
+            "REACH_CONFIG": str(ROOT / "reach.yaml"),
+            **self.extra,
+        }
+        if port is not None:
+            env["REACH_LISTEN_PORT"] = str(port)
+        return env
+
+
+class Gateway:
+    def __init__(self, stack: Stack, name: str = "gateway", *, worker: bool = True) -> None:
+        self.stack = stack
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = spawn(
+            [sys.executable, "-m", "gateway_api", "gateway", *([] if worker else ["--no-worker"])],
+            stack.env(self.port),
+            stack.tmp / f"{name}-{self.port}.log",
+        )
+
+    async def ready(self, timeout_s: float = 60.0) -> Gateway:
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(trust_env=False) as client:
+            while time.monotonic() < deadline:
+                if self.proc.popen.poll() is not None:
+                    raise RuntimeError(f"gateway exited:\n{self.proc.output()}")
+                try:
+                    r = await client.get(f"{self.url}/readyz", timeout=1)
+                    if r.status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+        raise TimeoutError(f"gateway not ready:\n{self.proc.output()}")
+
+
+class Worker:
+    def __init__(self, stack: Stack, *args: str) -> None:
+        self.proc = spawn(
+            [sys.executable, str(ROOT / "worker.py"), *args],
+            stack.env(),
+            stack.tmp / f"worker-{time.monotonic_ns()}.log",
+        )
+
+    async def ready(self, timeout_s: float = 30.0) -> Worker:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if "reach worker: serving" in self.proc.output():
+                return self
+            if self.proc.popen.poll() is not None:
+                raise RuntimeError(f"worker exited:\n{self.proc.output()}")
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"worker not ready:\n{self.proc.output()}")
+
+
+class Agent:
+    def __init__(
+        self,
+        gateway: Gateway,
+        instance_id: str,
+        capability: str,
+        *flags: str,
+        heartbeat_interval: float = 0.5,
+    ) -> None:
+        self.instance_id = instance_id
+        self.proc = spawn(
+            [
+                sys.executable,
+                str(AGENT_SCRIPT),
+                "--reach",
+                gateway.url,
+                "--capability",
+                capability,
+                "--instance-id",
+                instance_id,
+                "--heartbeat-interval",
+                str(heartbeat_interval),
+                *flags,
+            ],
+            {},
+            gateway.stack.tmp / f"agent-{instance_id}.log",
+        )
+
+    async def ready(self, timeout_s: float = 20.0) -> Agent:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out = self.proc.output()
+            if "serving at" in out and "joined Reach" in out:
+                return self
+            if self.proc.popen.poll() is not None:
+                raise RuntimeError(f"agent exited:\n{out}")
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"agent not ready:\n{self.proc.output()}")
+
+
+async def start_agents(gateway: Gateway, capability: str, count: int, *flags: str) -> list[Agent]:
+    agents = [Agent(gateway, f"{capability}-{i:02d}", capability, *flags) for i in range(count)]
+    await asyncio.gather(*(a.ready() for a in agents))
+    return agents
+
+
+class CallbackReceiver:
+    """A real HTTP endpoint that records every callback POST."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[dict[str, str], dict[str, Any]]] = []
+        self.arrived = asyncio.Event()
+        self._server = HttpAgentServer(self._handle, "127.0.0.1", 0, 1 << 20)
+
+    async def _handle(self, request: HttpRequest) -> HttpResponse:
+        self.received.append((request.headers, json.loads(request.body)))
+        self.arrived.set()
+        return HttpResponse(200, {"ok": True})
+
+    async def __aenter__(self) -> CallbackReceiver:
+        await self._server.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._server.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.port}/callback"
+
+    async def wait(self, count: int = 1, timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.received) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+async def wait_until(predicate: Any, timeout_s: float, every_s: float = 0.1) -> float:
+    """Await an async predicate; return the seconds it took, raise if it never held."""
+    start = time.monotonic()
+    while True:
+        if await predicate():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(every_s)

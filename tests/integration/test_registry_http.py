@@ -1,0 +1,102 @@
+"""Join/Ack, heartbeat and eviction through the gateway's HTTP API (R2, R8, R11a, R21)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import Agent, Gateway, start_agents, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+async def test_join_negotiates_parameters(gateway: Gateway, http: httpx.AsyncClient) -> None:
+    r = await http.post(
+        f"{gateway.url}/reach/agents",
+        json={
+            "capability": "negotiator",
+            "instance_id": "neg-01",
+            "protocol": "http",
+            "service_address": "127.0.0.1:1",
+            "heartbeat_interval": 60,
+            "operations": ["query"],
+            "max_message_bytes": 1 << 30,
+            "async_callback": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    ack = r.json()
+    assert ack["heartbeat_timeout"] == 3.0  # the test stack's setting
+    assert ack["heartbeat_interval"] == 1.5  # clamped: two heartbeats fit in one timeout
+    assert ack["max_message_bytes"] == 4 * 1024 * 1024  # the smaller of the two
+    assert ack["async_callback"] is True
+    hb = await http.put(f"{gateway.url}/reach/agents/neg-01/heartbeat", json={"status": "degraded"})
+    assert hb.status_code == 200
+    assert hb.json()["status"] == "degraded"
+    gone = await http.delete(f"{gateway.url}/reach/agents/neg-01")
+    assert gone.status_code == 204
+    again = await http.put(f"{gateway.url}/reach/agents/neg-01/heartbeat", json={})
+    assert again.status_code == 404
+    assert again.json()["error"]["type"] == "unknown_instance"
+
+
+async def test_join_with_unknown_protocol_is_422(gateway: Gateway, http: httpx.AsyncClient) -> None:
+    r = await http.post(
+        f"{gateway.url}/reach/agents",
+        json={
+            "capability": "x",
+            "instance_id": "x-1",
+            "protocol": "carrier-pigeon",
+            "service_address": "127.0.0.1:1",
+        },
+    )
+    assert r.status_code == 422
+    assert "carrier-pigeon" in r.json()["error"]["message"]
+    assert "http" in r.json()["error"]["message"]
+
+
+async def test_silent_instance_is_evicted_within_timeout_plus_interval(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    """R11(a) with the test stack's heartbeat_timeout=3s, interval=0.5s."""
+    agents = await start_agents(gateway, capability, 2)
+    agents[0].proc.kill(signal.SIGSTOP)  # alive but silent: no more heartbeats
+    stopped = time.monotonic()
+    try:
+
+        async def evicted() -> bool:
+            r = await http.get(f"{gateway.url}/reach/capabilities/{capability}")
+            ids = {i["instance_id"] for i in r.json()["instances"]}
+            return ids == {agents[1].instance_id}
+
+        await wait_until(evicted, 10, every_s=0.05)
+        took = time.monotonic() - stopped
+        assert took <= 3.0 + 0.5 + 0.3, took
+        # Requests go to the healthy instance only.
+        for _ in range(4):
+            r = await http.post(
+                f"{gateway.url}/reach/invoke",
+                json={"target": capability, "operation": "query", "timeout_ms": 3000},
+            )
+            assert r.json()["instance_id"] == agents[1].instance_id
+    finally:
+        agents[0].proc.kill(signal.SIGCONT)
+    assert "evicted" in gateway.proc.output()
+
+
+async def test_agent_rejoins_after_the_gateway_forgets_it(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    agent = await Agent(gateway, f"{capability}-01", capability).ready()
+    r = await http.delete(f"{gateway.url}/reach/agents/{agent.instance_id}")
+    assert r.status_code == 204
+
+    async def back() -> bool:
+        r = await http.get(f"{gateway.url}/reach/capabilities/{capability}")
+        return [i["instance_id"] for i in r.json()["instances"]] == [agent.instance_id]
+
+    await wait_until(back, 5)
+    assert "joining again" in agent.proc.output()
