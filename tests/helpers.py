@@ -229,9 +229,17 @@ class CallbackReceiver:
         return f"http://127.0.0.1:{self._server.port}/callback"
 
     async def wait(self, count: int = 1, timeout_s: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.received) < count and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        """Until `count` callbacks arrived or the time is up (the caller asserts the count)."""
+
+        async def enough() -> None:
+            while True:
+                self.arrived.clear()
+                if len(self.received) >= count:
+                    return
+                await self.arrived.wait()
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(enough(), timeout_s)
 
 
 async def wait_until(predicate: Any, timeout_s: float, every_s: float = 0.1) -> float:
