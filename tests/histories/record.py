@@ -1,0 +1,120 @@
+"""Record InvokeWorkflow histories for the replay test.
+
+    python -m tests.histories.record
+
+Runs the workflow against a fresh dev server with scripted activities (replay never runs
+activities, so their stand-ins only shape the history) and writes one JSON file per path.
+Re-record only on purpose: the committed files are what requests in flight look like.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Worker
+
+from gateway_api.devserver import DevServer, free_port
+from reach.invocation import (
+    CallbackInput,
+    CallInput,
+    CallPlan,
+    Endpoint,
+    InvokeInput,
+    LateAnswer,
+    ResolveInput,
+)
+from reach.messages import Reply
+from workflows.invoke import LATE_ANSWER_SIGNAL, InvokeWorkflow
+
+HERE = Path(__file__).parent
+QUEUE = "record"
+
+
+@activity.defn(name="reach.resolve")
+async def resolve(inp: ResolveInput) -> Endpoint:
+    n = len(inp.exclude)
+    return Endpoint(instance_id=f"i{n}", capability=inp.capability, protocol="http", address="x")
+
+
+@activity.defn(name="reach.call")
+async def call(inp: CallInput) -> Reply:
+    op = inp.message.header.operation
+    if op == "flaky" and inp.message.header.attempt == 1:
+        raise ApplicationError(
+            "refused", {"retryable": True}, type="transport_error", non_retryable=True
+        )
+    if op == "defer":
+        return Reply(status="accepted")
+    if op == "slow":
+        await asyncio.sleep(inp.timeout_ms / 1000 + 0.5)
+    return Reply(status="ok", result={"answer": 42})
+
+
+@activity.defn(name="reach.deliver_callback")
+async def deliver_callback(inp: CallbackInput) -> None:
+    return None
+
+
+def _input(name: str, operation: str, **kw: Any) -> InvokeInput:
+    now = int(time.time() * 1000)
+    timeout = kw.pop("timeout_ms", 5000)
+    return InvokeInput(
+        request_id=f"replay-{name}",
+        caller="recorder",
+        target="knowledge-retriever",
+        operation=operation,
+        payload={"text": "hello"},
+        accepted_at_ms=now,
+        deadline_ms=now + timeout,
+        plan=CallPlan(timeout_ms=timeout, idempotent=True, max_retries=2),
+        **kw,
+    )
+
+
+async def main() -> None:
+    port = free_port()
+    server = DevServer(str(HERE / ".record.db"), port, None)
+    server.start()
+    try:
+        client = await Client.connect(f"127.0.0.1:{port}", data_converter=pydantic_data_converter)
+        async with Worker(
+            client,
+            task_queue=QUEUE,
+            workflows=[InvokeWorkflow],
+            activities=[resolve, call, deliver_callback],
+        ):
+            cases = {
+                "success": _input("success", "query"),
+                "retry": _input("retry", "flaky"),
+                "timeout": _input("timeout", "slow", timeout_ms=300),
+                "late-answer": _input("late-answer", "defer"),
+                "callback": _input("callback", "query", callback="http://127.0.0.1:1/cb"),
+            }
+            for name, inp in cases.items():
+                handle = await client.start_workflow(
+                    InvokeWorkflow.run, inp, id=inp.request_id, task_queue=QUEUE
+                )
+                if name == "late-answer":
+                    await asyncio.sleep(0.3)
+                    await handle.signal(
+                        LATE_ANSWER_SIGNAL, LateAnswer(status="success", result={"late": True})
+                    )
+                result = await handle.result()
+                history = await handle.fetch_history()
+                (HERE / f"{name}.json").write_text(history.to_json())
+                print(f"{name}: {result.status}")
+    finally:
+        server.stop()
+        for leftover in HERE.glob(".record.db*"):
+            leftover.unlink()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

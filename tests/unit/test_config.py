@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reach.config import ConfigError, ReachSettings, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("REACH_"):
+            monkeypatch.delenv(key)
+
+
+def test_shipped_reach_yaml_has_the_seed_schema() -> None:
+    s = load_settings(ROOT / "reach.yaml")
+    assert s.listen_port == 7600
+    assert s.registry.type == "memory"
+    assert (s.registry.heartbeat_timeout, s.registry.heartbeat_interval) == (30, 5)
+    assert s.transport.default_protocol == "http"
+    assert s.transport.ports == {"http": 7600, "grpc": 7601}
+    assert (s.policy.default_retry, s.policy.default_timeout_ms) == (2, 5000)
+    assert s.policy.circuit_breaker.error_threshold == 3
+    assert s.policy.circuit_breaker.open_duration_ms == 10000
+    assert s.policy.operations["knowledge-retriever:query"].timeout_ms == 3000
+
+
+def test_defaults_without_a_file_equal_the_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    s = load_settings()
+    assert s == ReachSettings()
+    assert s.listen_port == 7600
+
+
+def test_a_wrong_field_is_named_with_its_file(tmp_path: Path) -> None:
+    bad = tmp_path / "reach.yaml"
+    bad.write_text("reach:\n  registry:\n    type: etcd\n    heartbeat_timeuot: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(bad)
+    text = str(err.value)
+    assert str(bad) in text
+    assert "reach.registry.type" in text
+    assert "reach.registry.heartbeat_timeuot" in text
+
+
+def test_wrong_shape_and_missing_file_are_clear(tmp_path: Path) -> None:
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("listen_port: 7600\n")
+    with pytest.raises(ConfigError, match="top-level mapping 'reach:'"):
+        load_settings(flat)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("reach: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(broken)
+
+
+def test_heartbeat_interval_must_be_below_timeout(tmp_path: Path) -> None:
+    f = tmp_path / "r.yaml"
+    f.write_text("reach:\n  registry: {heartbeat_timeout: 5, heartbeat_interval: 5}\n")
+    with pytest.raises(ConfigError, match="heartbeat_interval must be shorter"):
+        load_settings(f)
+
+
+def test_environment_overrides_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REACH_REGISTRY__TYPE", "redis")
+    monkeypatch.setenv("REACH_LISTEN_PORT", "7700")
+    s = load_settings(ROOT / "reach.yaml")
+    assert s.registry.type == "redis"
+    assert s.listen_port == 7700
+    assert s.registry.heartbeat_timeout == 30  # the rest of the section still comes from the file
+    monkeypatch.setenv("REACH_LISTEN_PORT", "http")
+    with pytest.raises(ConfigError, match=r"reach\.listen_port"):
+        load_settings(ROOT / "reach.yaml")
+
+
+def test_capability_mode_defaults_to_inline() -> None:
+    s = ReachSettings(capabilities={"content-generator": {"mode": "queue"}})  # type: ignore[arg-type]
+    assert s.capability_mode("content-generator") == "queue"
+    assert s.capability_mode("anything-else") == "inline"
