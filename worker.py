@@ -30,7 +30,8 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
 from temporalio.service import RPCError
-from temporalio.worker import Worker
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from activities import ReachActivities
 from connectors import ConnectorSet
@@ -119,12 +120,16 @@ def build_workers(
     acts = services.activities
     workers: list[Worker] = []
     if invoke:
+        sandbox = services.settings.temporal.workflow_sandbox
         workers.append(
             Worker(
                 client,
                 task_queue=services.settings.temporal.task_queue,
                 workflows=[InvokeWorkflow],
                 activities=[acts.resolve, acts.call, acts.deliver_callback],
+                workflow_runner=SandboxedWorkflowRunner()
+                if sandbox
+                else UnsandboxedWorkflowRunner(),
             )
         )
     for capability in capabilities:

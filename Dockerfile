@@ -1,0 +1,15 @@
+# The gateway and worker image used by docker-compose.temporal.yml.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml constraints.txt README.md reach.yaml worker.py ./
+COPY reach ./reach
+COPY workflows ./workflows
+COPY activities ./activities
+COPY connectors ./connectors
+COPY gateway_api ./gateway_api
+COPY agent_reach_sdk ./agent_reach_sdk
+COPY examples ./examples
+RUN pip install --no-cache-dir -c constraints.txt .
+ENV REACH_CONFIG=/app/reach.yaml
+EXPOSE 7600
+CMD ["reach", "gateway"]
