@@ -207,12 +207,18 @@ async def start_agents(gateway: Gateway, capability: str, count: int, *flags: st
 class CallbackReceiver:
     """A real HTTP endpoint that records every callback POST."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, fail_first: int = 0, fail_status: int = 500) -> None:
         self.received: list[tuple[dict[str, str], dict[str, Any]]] = []
+        self.refused = 0
         self.arrived = asyncio.Event()
+        self._fail_first = fail_first
+        self._fail_status = fail_status
         self._server = HttpAgentServer(self._handle, "127.0.0.1", 0, 1 << 20)
 
     async def _handle(self, request: HttpRequest) -> HttpResponse:
+        if self.refused < self._fail_first:
+            self.refused += 1
+            return HttpResponse(self._fail_status, {"error": "not now"})
         self.received.append((request.headers, json.loads(request.body)))
         self.arrived.set()
         return HttpResponse(200, {"ok": True})

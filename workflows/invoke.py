@@ -110,10 +110,15 @@ class InvokeWorkflow:
             + ([SA_INSTANCE.value_set(response.instance_id)] if response.instance_id else [])
         )
         if inp.callback:
-            plan = inp.callback_plan
+            await self._deliver(inp, inp.callback, response)
+        return response
+
+    async def _deliver(self, inp: InvokeInput, url: str, response: InvokeResponse) -> None:
+        plan = inp.callback_plan
+        try:
             await workflow.execute_activity(
                 DELIVER_CALLBACK,
-                CallbackInput(url=inp.callback, response=response),
+                CallbackInput(url=url, response=response),
                 start_to_close_timeout=timedelta(seconds=plan.attempt_timeout_s),
                 schedule_to_close_timeout=timedelta(seconds=plan.retry_window_s),
                 retry_policy=RetryPolicy(
@@ -122,7 +127,10 @@ class InvokeWorkflow:
                     backoff_coefficient=2.0,
                 ),
             )
-        return response
+        except ActivityError as exc:
+            # The result itself is not lost: it stays the workflow's result (GET
+            # /reach/requests/{id}); the failed delivery is in the history for the operator.
+            workflow.logger.warning("callback to %s not delivered: %s", url, exc.cause or exc)
 
     def _now_ms(self) -> int:
         return int(workflow.now().timestamp() * 1000)

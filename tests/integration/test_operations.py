@@ -1,0 +1,152 @@
+"""What operators and scale-out rely on: queue-mode workers, search attributes, the CLI audit
+trail, callback delivery that survives a failing receiver, keyed retries."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from temporalio.client import Client
+
+from gateway_api.devserver import temporal_binary
+from tests.conftest import new_stack
+from tests.helpers import Agent, CallbackReceiver, Gateway, Worker, start_agents
+from workflows.invoke import SA_CALLER, SA_CAPABILITY, SA_INSTANCE, SA_OPERATION, SA_STATUS
+
+pytestmark = pytest.mark.integration
+
+
+async def test_queue_mode_capability_is_served_by_its_own_worker(
+    temporal_server: str, redis_url: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """A `queue` capability runs on reach-cap-<name>, served by `worker.py --capability`."""
+    capability = f"gen-{uuid.uuid4().hex[:6]}"
+    stack = new_stack(
+        temporal_server,
+        tmp_path,
+        registry="redis",
+        key_prefix=f"test-{uuid.uuid4().hex[:8]}",
+        extra={"REACH_CAPABILITIES": f'{{"{capability}": {{"mode": "queue"}}}}'},
+    )
+    gateway = Gateway(stack, worker=True)
+    await gateway.ready()
+    await Agent(gateway, f"{capability}-01", capability).ready()
+    body = {"target": capability, "operation": "query", "payload": {}, "timeout_ms": 4000}
+    # No capability worker yet: the activity waits on its queue until the deadline.
+    r = await http.post(f"{gateway.url}/reach/invoke", json=body)
+    assert r.status_code == 504, r.text
+    cap_worker = Worker(stack, "--capability", capability)
+    await cap_worker.ready()
+    r = await http.post(f"{gateway.url}/reach/invoke", json={**body, "timeout_ms": 10_000})
+    assert r.status_code == 200, r.text
+    assert r.json()["instance_id"] == f"{capability}-01"
+    assert "routed request=" in cap_worker.proc.output()  # it was this process that called
+
+
+async def test_search_attributes_and_cli_audit_trail(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str, temporal_server: str
+) -> None:
+    agents = await start_agents(gateway, capability, 1)
+    rid = f"req-{uuid.uuid4().hex}"
+    r = await http.post(
+        f"{gateway.url}/reach/invoke",
+        headers={"X-Reach-Caller": "orchestrator"},
+        json={"request_id": rid, "target": capability, "operation": "query", "payload": {}},
+    )
+    assert r.status_code == 200
+    client = await Client.connect(temporal_server)
+    desc = await client.get_workflow_handle(rid).describe()
+    sa = desc.typed_search_attributes
+    assert sa.get(SA_CALLER) == "orchestrator"
+    assert sa.get(SA_CAPABILITY) == capability
+    assert sa.get(SA_OPERATION) == "query"
+    assert sa.get(SA_STATUS) == "success"
+    assert sa.get(SA_INSTANCE) == agents[0].instance_id
+
+    # The UI/CLI filter by them:
+    async def listed() -> list[str]:
+        return [wf.id async for wf in client.list_workflows(f'ReachCapability="{capability}"')]
+
+    for _ in range(50):
+        if rid in await listed():
+            break
+        await asyncio.sleep(0.1)
+    assert rid in await listed()
+    cli = await asyncio.create_subprocess_exec(
+        temporal_binary(),
+        "workflow",
+        "show",
+        "--workflow-id",
+        rid,
+        "--address",
+        temporal_server,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await asyncio.wait_for(cli.communicate(), 30)
+    assert cli.returncode == 0
+    shown = out.decode()
+    for step in ("WorkflowExecutionStarted", "MarkerRecorded", "WorkflowExecutionCompleted"):
+        assert step in shown, shown
+
+
+async def test_callback_is_retried_until_the_receiver_accepts(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(gateway, capability, 1)
+    async with CallbackReceiver(fail_first=2) as receiver:
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json={"target": capability, "operation": "query", "callback": receiver.url},
+        )
+        assert r.status_code == 202
+        await receiver.wait(1, timeout_s=20)
+        assert receiver.refused == 2
+        assert len(receiver.received) == 1
+        headers, envelope = receiver.received[0]
+        assert headers["x-reach-delivery-attempt"] == "3"
+        assert envelope["status"] == "success"
+
+
+async def test_callback_rejected_with_4xx_is_not_retried_and_the_result_stays(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(gateway, capability, 1)
+    async with CallbackReceiver(fail_first=5, fail_status=410) as receiver:
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json={"target": capability, "operation": "query", "callback": receiver.url},
+        )
+        rid = r.json()["request_id"]
+        for _ in range(100):
+            status = (await http.get(f"{gateway.url}/reach/requests/{rid}")).json()
+            if status["status"] != "running":
+                break
+            await asyncio.sleep(0.1)
+        # Not retried, and the result is not lost: it stays readable by id.
+        assert receiver.refused == 1
+        assert status["status"] == "success"
+        assert receiver.received == []
+
+
+async def test_non_idempotent_operation_with_a_key_is_retried_elsewhere(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    agents = await start_agents(gateway, capability, 2)
+    agents[0].proc.kill()
+    seen = set()
+    for _ in range(2):
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json={
+                "target": capability,
+                "operation": "query",
+                "payload": {},
+                "idempotency_key": f"k-{uuid.uuid4().hex}",
+            },
+        )
+        assert r.status_code == 200, r.text
+        seen.add(r.json()["instance_id"])
+    assert seen == {agents[1].instance_id}
