@@ -57,25 +57,32 @@ class HttpAgentServer:
         self.port = port
         self.max_body_bytes = max_body_bytes
         self._server: asyncio.Server | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for task in list(self._conns):
+    async def close(self, grace_s: float = 2.0) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        # Closing the transports ends idle keep-alive reads with EOF; a handler still running
+        # gets a moment to finish before it is cancelled.
+        for writer in self._conns.values():
+            writer.close()
+        if self._conns:
+            _, running = await asyncio.wait(set(self._conns), timeout=grace_s)
+            for task in running:
                 task.cancel()
-            await asyncio.gather(*self._conns, return_exceptions=True)
-            await self._server.wait_closed()
-            self._server = None
+            await asyncio.gather(*running, return_exceptions=True)
+        await self._server.wait_closed()
+        self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._conns.add(task)
+        self._conns[task] = writer
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -103,7 +110,7 @@ class HttpAgentServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
-            self._conns.discard(task)
+            self._conns.pop(task, None)
             writer.close()
 
     async def _read(self, reader: asyncio.StreamReader) -> HttpRequest | HttpResponse | None:
