@@ -113,9 +113,11 @@ class Stack:
 
 
 class Gateway:
-    def __init__(self, stack: Stack, name: str = "gateway", *, worker: bool = True) -> None:
+    def __init__(
+        self, stack: Stack, name: str = "gateway", *, worker: bool = True, port: int | None = None
+    ) -> None:
         self.stack = stack
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = spawn(
             [sys.executable, "-m", "gateway_api", "gateway", *([] if worker else ["--no-worker"])],

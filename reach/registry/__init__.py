@@ -188,7 +188,7 @@ class Registry:
         return self._parse(raw)
 
     async def known(self, capability: str) -> bool:
-        return capability in await self.store.members(CAPS_KEY)
+        return await self.store.is_member(CAPS_KEY, capability)
 
     async def capabilities(self) -> list[str]:
         return sorted(await self.store.members(CAPS_KEY))

@@ -27,6 +27,9 @@ class Store(ABC):
     async def members(self, set_key: str) -> set[str]: ...
 
     @abstractmethod
+    async def is_member(self, set_key: str, member: str) -> bool: ...
+
+    @abstractmethod
     async def incr(self, key: str) -> int: ...
 
     async def ping(self) -> bool:

@@ -44,6 +44,9 @@ class MemoryStore(Store):
     async def members(self, set_key: str) -> set[str]:
         return set(self._sets.get(set_key, ()))
 
+    async def is_member(self, set_key: str, member: str) -> bool:
+        return member in self._sets.get(set_key, ())
+
     async def incr(self, key: str) -> int:
         self._counters[key] = self._counters.get(key, 0) + 1
         return self._counters[key]

@@ -46,6 +46,9 @@ class RedisStore(Store):
         found = await self._r.smembers(self._k(set_key))
         return cast(set[str], found)
 
+    async def is_member(self, set_key: str, member: str) -> bool:
+        return bool(await self._r.sismember(self._k(set_key), member))
+
     async def incr(self, key: str) -> int:
         return int(await self._r.incr(self._k(key)))
 

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import new_stack
 from tests.helpers import Agent, Gateway, start_agents, wait_until
 
 pytestmark = pytest.mark.integration
@@ -100,3 +101,25 @@ async def test_agent_rejoins_after_the_gateway_forgets_it(
 
     await wait_until(back, 5)
     assert "joining again" in agent.proc.output()
+
+
+async def test_agent_rejoins_a_restarted_gateway(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory, http: httpx.AsyncClient
+) -> None:
+    """A memory registry starts empty after a restart; agents notice (404) and join again."""
+    stack = new_stack(temporal_server, tmp_path_factory.mktemp("restart"))
+    first = await Gateway(stack, "first").ready()
+    agent = await Agent(first, "phoenix-01", "phoenix").ready()
+    first.proc.stop()
+    second = await Gateway(stack, "second", port=first.port).ready()
+
+    async def rejoined() -> bool:
+        r = await http.get(f"{second.url}/reach/capabilities/phoenix")
+        return r.status_code == 200 and len(r.json()["instances"]) == 1
+
+    await wait_until(rejoined, 10)
+    r = await http.post(
+        f"{second.url}/reach/invoke", json={"target": "phoenix", "operation": "query"}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["instance_id"] == agent.instance_id
