@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import (
@@ -94,7 +94,6 @@ class Services:
     registry: Registry
     connectors: ConnectorSet
     activities: ReachActivities
-    workers: list[Worker] = field(default_factory=list)
 
     async def aclose(self) -> None:
         await self.activities.aclose()

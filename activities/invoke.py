@@ -17,16 +17,21 @@ from temporalio.exceptions import ApplicationError
 
 from connectors import ConnectorSet
 from reach.errors import NoInstance, ReachError, UnknownCapability
-from reach.invocation import CallbackInput, CallInput, Endpoint, ResolveInput
+from reach.invocation import (
+    ACTIVITY_CALL,
+    ACTIVITY_DELIVER_CALLBACK,
+    ACTIVITY_RESOLVE,
+    CallbackInput,
+    CallInput,
+    Endpoint,
+    ResolveInput,
+)
 from reach.messages import Reply
 from reach.registry import Registry
 from reach.routing import Router
 
 log = logging.getLogger("reach.activities")
 
-RESOLVE = "reach.resolve"
-CALL = "reach.call"
-DELIVER_CALLBACK = "reach.deliver_callback"
 HEARTBEAT_EVERY_S = 2.0
 
 
@@ -52,7 +57,7 @@ class ReachActivities:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    @activity.defn(name=RESOLVE)
+    @activity.defn(name=ACTIVITY_RESOLVE)
     async def resolve(self, inp: ResolveInput) -> Endpoint:
         try:
             return await self._resolve(inp)
@@ -88,7 +93,7 @@ class ReachActivities:
             address=chosen.address,
         )
 
-    @activity.defn(name=CALL)
+    @activity.defn(name=ACTIVITY_CALL)
     async def call(self, inp: CallInput) -> Reply:
         connector = self.connectors.get(inp.endpoint.protocol)
         work = connector.invoke(inp.endpoint, inp.message, inp.timeout_ms / 1000)
@@ -99,7 +104,7 @@ class ReachActivities:
         except ReachError as err:
             raise to_application_error(err) from err
 
-    @activity.defn(name=DELIVER_CALLBACK)
+    @activity.defn(name=ACTIVITY_DELIVER_CALLBACK)
     async def deliver_callback(self, inp: CallbackInput) -> None:
         info = activity.info()
         response = inp.response

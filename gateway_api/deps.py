@@ -19,5 +19,13 @@ def get_caller(
     return x_reach_caller or "anonymous"
 
 
+def get_traceparent(
+    traceparent: Annotated[str | None, Header(max_length=128)] = None,
+) -> str | None:
+    # W3C trace context from the caller, passed on to the agent unchanged.
+    return traceparent
+
+
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
+TraceparentDep = Annotated[str | None, Depends(get_traceparent)]
 CallerDep = Annotated[str, Depends(get_caller)]

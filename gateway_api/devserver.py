@@ -17,13 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-SEARCH_ATTRIBUTES = (
-    "ReachCaller",
-    "ReachCapability",
-    "ReachOperation",
-    "ReachStatus",
-    "ReachInstance",
-)
+from workflows.invoke import SEARCH_ATTRIBUTES
+
 TUNING = (
     "--dynamic-config-value",
     "history.transferProcessorMaxPollRPS=1000",
@@ -125,8 +120,8 @@ def command(
         "error",
         *TUNING,
     ]
-    for name in SEARCH_ATTRIBUTES:
-        cmd += ["--search-attribute", f"{name}=Keyword"]
+    for key in SEARCH_ATTRIBUTES:
+        cmd += ["--search-attribute", f"{key.name}=Keyword"]
     if ui_port is None:
         cmd.append("--headless")
     else:

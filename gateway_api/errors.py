@@ -27,10 +27,9 @@ def envelope_response(response: InvokeResponse, status_code: int) -> JSONRespons
 
 def error_body(request: Request, error_type: str, message: str, retryable: bool) -> dict[str, Any]:
     request_id = getattr(request.state, "request_id", None) or request.path_params.get("request_id")
-    status = "error"
     return {
         "request_id": request_id,
-        "status": status,
+        "status": "error",
         "error": ErrorInfo(type=error_type, message=message, retryable=retryable).model_dump(),
     }
 

@@ -34,7 +34,7 @@ from reach.errors import (
     UnknownCapability,
     UnknownRequest,
 )
-from reach.invocation import CallbackPlan, InvokeInput, LateAnswer
+from reach.invocation import SIGNAL_LATE_ANSWER, CallbackPlan, InvokeInput, LateAnswer
 from reach.messages import (
     ErrorInfo,
     InvokeRequest,
@@ -45,7 +45,6 @@ from reach.messages import (
 from reach.policy import plan_call
 from reach.registry import Registry
 from workflows.invoke import (
-    LATE_ANSWER_SIGNAL,
     SA_CALLER,
     SA_CAPABILITY,
     SA_INSTANCE,
@@ -66,7 +65,9 @@ class Gateway:
     client: Client
     registry: Registry
 
-    async def invoke(self, req: InvokeRequest, caller: str) -> InvokeResponse:
+    async def invoke(
+        self, req: InvokeRequest, caller: str, traceparent: str | None = None
+    ) -> InvokeResponse:
         request_id = req.request_id or new_request_id()
         limit = self.settings.transport.max_message_bytes
         size = json_size(req.payload)
@@ -96,7 +97,9 @@ class Gateway:
             callback_plan=CallbackPlan(**cb.model_dump()),
             idempotency_key=req.idempotency_key,
             routing_key=req.routing_key,
+            traceparent=traceparent,
             plan=plan,
+            payload_bytes=size,
         )
         handle = await self._start(inp)
         if req.callback:
@@ -179,7 +182,7 @@ class Gateway:
             raise PayloadTooLarge(f"result is larger than the limit of {limit} bytes")
         handle = self.client.get_workflow_handle(request_id)
         try:
-            await handle.signal(LATE_ANSWER_SIGNAL, answer)
+            await handle.signal(SIGNAL_LATE_ANSWER, answer)
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:
                 raise

@@ -156,12 +156,6 @@ ERRORS_BY_TYPE: dict[str, type[ReachError]] = {
 }
 
 
-def error_from_type(error_type: str, message: str, *, retryable: bool | None = None) -> ReachError:
-    """Rebuild a typed error from its wire form (an unknown type becomes an agent error)."""
-    cls = ERRORS_BY_TYPE.get(error_type, AgentError)
-    return cls(message, retryable=retryable)
-
-
 def http_status_for(error_type: str) -> int:
     cls = ERRORS_BY_TYPE.get(error_type)
     return cls.http_status if cls else 500

@@ -15,6 +15,12 @@ from reach.messages import InvokeResponse, Message
 
 CapabilityMode = Literal["inline", "queue"]
 
+# Activity and signal names: the workflow schedules by name, the activities register by name.
+ACTIVITY_RESOLVE = "reach.resolve"
+ACTIVITY_CALL = "reach.call"
+ACTIVITY_DELIVER_CALLBACK = "reach.deliver_callback"
+SIGNAL_LATE_ANSWER = "late_answer"
+
 
 class CallPlan(BaseModel):
     """What policy decided for this request when it was accepted."""
@@ -24,7 +30,6 @@ class CallPlan(BaseModel):
     max_retries: int
     backoff_s: list[float] = Field(default_factory=lambda: [1.0, 2.0, 4.0])
     mode: CapabilityMode = "inline"
-    late_answers: bool = True
 
 
 class CallbackPlan(BaseModel):
@@ -48,6 +53,7 @@ class InvokeInput(BaseModel):
     routing_key: str | None = None
     traceparent: str | None = None
     plan: CallPlan
+    payload_bytes: int = 0
 
 
 class Endpoint(BaseModel):

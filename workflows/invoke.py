@@ -28,6 +28,10 @@ from temporalio.exceptions import (
 
 with workflow.unsafe.imports_passed_through():
     from reach.invocation import (
+        ACTIVITY_CALL,
+        ACTIVITY_DELIVER_CALLBACK,
+        ACTIVITY_RESOLVE,
+        SIGNAL_LATE_ANSWER,
         CallbackInput,
         CallInput,
         Endpoint,
@@ -46,10 +50,6 @@ with workflow.unsafe.imports_passed_through():
     )
     from reach.policy import GiveUp, next_step
 
-RESOLVE = "reach.resolve"
-CALL = "reach.call"
-DELIVER_CALLBACK = "reach.deliver_callback"
-LATE_ANSWER_SIGNAL = "late_answer"
 
 SA_CALLER = SearchAttributeKey.for_keyword("ReachCaller")
 SA_CAPABILITY = SearchAttributeKey.for_keyword("ReachCapability")
@@ -96,7 +96,7 @@ class InvokeWorkflow:
     def __init__(self) -> None:
         self._late: LateAnswer | None = None
 
-    @workflow.signal(name=LATE_ANSWER_SIGNAL)
+    @workflow.signal(name=SIGNAL_LATE_ANSWER)
     def late_answer(self, answer: LateAnswer) -> None:
         # The first answer wins; a re-sent answer must not change what the caller got.
         if self._late is None:
@@ -117,7 +117,7 @@ class InvokeWorkflow:
         plan = inp.callback_plan
         try:
             await workflow.execute_activity(
-                DELIVER_CALLBACK,
+                ACTIVITY_DELIVER_CALLBACK,
                 CallbackInput(url=url, response=response),
                 start_to_close_timeout=timedelta(seconds=plan.attempt_timeout_s),
                 schedule_to_close_timeout=timedelta(seconds=plan.retry_window_s),
@@ -173,7 +173,7 @@ class InvokeWorkflow:
             try:
                 endpoint = await self._run(
                     inp,
-                    RESOLVE,
+                    ACTIVITY_RESOLVE,
                     ResolveInput(
                         capability=inp.target,
                         exclude=tried,
@@ -196,12 +196,12 @@ class InvokeWorkflow:
                         traceparent=inp.traceparent,
                     ),
                     payload=inp.payload,
-                    metadata=Metadata(),
+                    metadata=Metadata(size_bytes=inp.payload_bytes),
                 )
                 remaining = inp.deadline_ms - self._now_ms()
                 reply = await self._run(
                     inp,
-                    CALL,
+                    ACTIVITY_CALL,
                     CallInput(endpoint=endpoint, message=message, timeout_ms=max(1, remaining)),
                     Reply,
                     instance_id,
@@ -260,7 +260,7 @@ class InvokeWorkflow:
                     result_type=result_type,
                     task_queue=capability_queue(inp.target),
                     schedule_to_close_timeout=budget,
-                    heartbeat_timeout=timedelta(seconds=10) if name == CALL else None,
+                    heartbeat_timeout=timedelta(seconds=10) if name == ACTIVITY_CALL else None,
                     retry_policy=ONE_ATTEMPT,
                 )
             return await workflow.execute_local_activity(

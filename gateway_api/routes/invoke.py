@@ -5,7 +5,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from gateway_api.deps import CallerDep, GatewayDep
+from gateway_api.deps import CallerDep, GatewayDep, TraceparentDep
 from gateway_api.errors import envelope_response
 from reach.errors import http_status_for
 from reach.invocation import LateAnswer
@@ -46,11 +46,15 @@ def status_code_of(response: InvokeResponse) -> int:
     summary="Invoke a capability by name (sync without callback, 202 with one)",
 )
 async def invoke(
-    body: InvokeRequest, request: Request, gateway: GatewayDep, caller: CallerDep
+    body: InvokeRequest,
+    request: Request,
+    gateway: GatewayDep,
+    caller: CallerDep,
+    traceparent: TraceparentDep,
 ) -> JSONResponse:
     body.request_id = body.request_id or new_request_id()
     request.state.request_id = body.request_id
-    response = await gateway.invoke(body, caller)
+    response = await gateway.invoke(body, caller, traceparent)
     return envelope_response(response, status_code_of(response))
 
 

@@ -22,6 +22,7 @@ from temporalio.worker import Worker
 
 from gateway_api.devserver import DevServer, free_port
 from reach.invocation import (
+    SIGNAL_LATE_ANSWER,
     CallbackInput,
     CallInput,
     CallPlan,
@@ -31,7 +32,7 @@ from reach.invocation import (
     ResolveInput,
 )
 from reach.messages import Reply
-from workflows.invoke import LATE_ANSWER_SIGNAL, InvokeWorkflow
+from workflows.invoke import InvokeWorkflow
 
 HERE = Path(__file__).parent
 QUEUE = "record"
@@ -104,7 +105,7 @@ async def main() -> None:
                 if name == "late-answer":
                     await asyncio.sleep(0.3)
                     await handle.signal(
-                        LATE_ANSWER_SIGNAL, LateAnswer(status="success", result={"late": True})
+                        SIGNAL_LATE_ANSWER, LateAnswer(status="success", result={"late": True})
                     )
                 result = await handle.result()
                 history = await handle.fetch_history()

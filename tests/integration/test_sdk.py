@@ -17,6 +17,9 @@ from tests.helpers import Gateway, wait_until
 pytestmark = pytest.mark.integration
 
 
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
 class Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
@@ -43,7 +46,11 @@ def make_runtime(gateway: Gateway, capability: str) -> tuple[AgentRuntime, list[
         executed.append(ctx.request_id)
         agent_log.warning("serving %s", payload.get("text"))
         await asyncio.sleep(float(payload.get("sleep", 0)))
-        return {"echo": payload.get("text"), "caller": ctx.caller}
+        return {
+            "echo": payload.get("text"),
+            "caller": ctx.caller,
+            "traceparent": ctx.headers.get("traceparent"),
+        }
 
     @runtime.operation("refuse")
     def refuse(payload: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +70,7 @@ async def test_request_id_is_on_the_agents_own_log_records(
             rid = f"req-{uuid.uuid4().hex}"
             r = await http.post(
                 f"{gateway.url}/reach/invoke",
-                headers={"X-Reach-Caller": "orchestrator"},
+                headers={"X-Reach-Caller": "orchestrator", "traceparent": TRACEPARENT},
                 json={
                     "request_id": rid,
                     "target": capability,
@@ -72,7 +79,12 @@ async def test_request_id_is_on_the_agents_own_log_records(
                 },
             )
             assert r.status_code == 200, r.text
-            assert r.json()["result"] == {"echo": "hi", "caller": "orchestrator"}
+            # The caller's identity and trace context reach the agent unchanged.
+            assert r.json()["result"] == {
+                "echo": "hi",
+                "caller": "orchestrator",
+                "traceparent": TRACEPARENT,
+            }
     finally:
         logging.getLogger("test.agent").removeHandler(handler)
     served = [rec for rec in handler.records if rec.getMessage() == "serving hi"]
