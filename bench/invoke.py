@@ -6,7 +6,7 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
   direct HTTP      the agent called straight, no Reach (the network/agent floor)
   raw Temporal     a minimal workflow: eager start + one local activity doing that HTTP call
   reach inline     POST /reach/invoke, capability in inline mode (local activities)
-  reach inline, no sandbox   the same with temporal.workflow_sandbox=false
+  reach inline, sandboxed    the same with temporal.workflow_sandbox=true
   reach queue      POST /reach/invoke, capability in queue mode (regular activities)
 
 Sequential p50/p95/p99 over --requests calls after a warm-up, then throughput with
@@ -148,14 +148,14 @@ async def main(args: argparse.Namespace) -> None:
         REACH_CAPABILITIES='{"bench-queue": {"mode": "queue"}}',
         REACH_CONFIG=str(ROOT / "reach.yaml"),
     )
-    # A second gateway, same settings but the workflow sandbox off, on its own task queue.
+    # A second gateway, same settings but the workflow sandbox on, on its own task queue.
     gw2_port = free_port()
     gw2 = f"http://127.0.0.1:{gw2_port}"
     env2 = dict(
         env,
         REACH_LISTEN_PORT=str(gw2_port),
         REACH_TEMPORAL__TASK_QUEUE=f"bench-{uuid.uuid4().hex[:6]}",
-        REACH_TEMPORAL__WORKFLOW_SANDBOX="false",
+        REACH_TEMPORAL__WORKFLOW_SANDBOX="true",
         REACH_CAPABILITIES="{}",  # reach-cap-* queues are per namespace: leave them to gateway 1
     )
     try:
@@ -252,7 +252,7 @@ async def main(args: argparse.Namespace) -> None:
             "direct HTTP": direct,
             "raw Temporal": raw,
             "reach inline": reach("bench-inline"),
-            "reach inline, no sandbox": reach("bench-inline", gw2),
+            "reach inline, sandboxed": reach("bench-inline", gw2),
             "reach queue": reach("bench-queue"),
         }
         async with Worker(

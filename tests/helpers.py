@@ -104,6 +104,8 @@ class Stack:
             "REACH_REGISTRY__HEARTBEAT_TIMEOUT": str(self.heartbeat_timeout),
             "REACH_REGISTRY__HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
             "REACH_CALLBACK__INITIAL_BACKOFF_S": "0.2",
+            # Determinism guard: tests run the workflow in the SDK sandbox (production doesn't).
+            "REACH_TEMPORAL__WORKFLOW_SANDBOX": "true",
             "REACH_CONFIG": str(ROOT / "reach.yaml"),
             **self.extra,
         }
