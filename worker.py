@@ -20,6 +20,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import (
@@ -50,10 +51,16 @@ async def connect_temporal(settings: ReachSettings, *, wait_s: float = 0.0) -> C
     config.setdefault("target_host", settings.temporal.address)
     config.setdefault("namespace", settings.temporal.namespace)
     deadline = asyncio.get_running_loop().time() + wait_s
+    announced = False
     while True:
         try:
             return await Client.connect(**config, data_converter=pydantic_data_converter)
         except RuntimeError as exc:
+            if not announced and wait_s > 0:
+                log.warning(
+                    "waiting up to %.0fs for Temporal at %s ...", wait_s, config["target_host"]
+                )
+                announced = True
             if asyncio.get_running_loop().time() >= deadline:
                 raise ConnectionError(
                     f"cannot connect to Temporal at {config['target_host']} "
@@ -155,7 +162,7 @@ async def running_workers(workers: Sequence[Worker]) -> AsyncIterator[None]:
 
 
 async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence[str]) -> None:
-    client = await connect_temporal(settings, wait_s=30)
+    client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
     await ensure_search_attributes(client, client.namespace)
     services = build_services(settings)
     workers = build_workers(client, services, invoke=invoke, capabilities=capabilities)
@@ -192,17 +199,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         settings = load_settings(args.config)
-    except ConfigError as exc:
-        sys.exit(f"error: {exc}")
-    invoke = args.invoke or not args.capability
-    try:
+        invoke = args.invoke or not args.capability
         asyncio.run(serve(settings, invoke=invoke, capabilities=args.capability))
-    except ConnectionError as exc:
-        sys.exit(f"error: {exc}")
-    # Worker shutdown can abort in native teardown at interpreter exit (a known SDK issue).
+    except (ConfigError, ConnectionError) as exc:
+        exit_now(1, f"error: {exc}")
+    except KeyboardInterrupt:
+        pass
+    exit_now(0)
+
+
+def exit_now(code: int, message: str | None = None) -> NoReturn:
+    """Leave without interpreter teardown.
+
+    Once the Temporal SDK's native runtime has started, the interpreter can abort in its
+    teardown (PyGILState_Release; a known SDK issue), turning a clean exit into SIGABRT.
+    """
+    if message:
+        print(message, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from temporalio.client import Client
 
 import reach
 from gateway_api.errors import install_error_handlers
@@ -38,11 +39,18 @@ async def _sweep(registry: Registry, every_s: float) -> None:
             log.exception("registry sweep failed")
 
 
-def create_app(settings: ReachSettings, *, run_worker: bool = True) -> FastAPI:
+def create_app(
+    settings: ReachSettings, *, run_worker: bool = True, client: Client | None = None
+) -> FastAPI:
+    """The gateway app. Pass a connected `client` to fail fast before serving; without one the
+    lifespan connects (waiting up to `temporal.connect_wait_s`)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = await connect_temporal(settings, wait_s=30)
-        await ensure_search_attributes(client, client.namespace)
+        temporal = client or await connect_temporal(
+            settings, wait_s=settings.temporal.connect_wait_s
+        )
+        await ensure_search_attributes(temporal, temporal.namespace)
         services = build_services(settings)
         # A memory registry is invisible to other processes, so queue-mode capabilities are
         # served here too; with Redis, `worker.py --capability` processes serve them.
@@ -51,8 +59,8 @@ def create_app(settings: ReachSettings, *, run_worker: bool = True) -> FastAPI:
             if settings.registry.type == "memory"
             else []
         )
-        workers = build_workers(client, services, invoke=run_worker, capabilities=queue_caps)
-        app.state.gateway = Gateway(settings, client, services.registry)
+        workers = build_workers(temporal, services, invoke=run_worker, capabilities=queue_caps)
+        app.state.gateway = Gateway(settings, temporal, services.registry)
         sweeper = asyncio.create_task(
             _sweep(services.registry, min(1.0, settings.registry.heartbeat_interval))
         )

@@ -17,9 +17,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -27,8 +27,10 @@ import uvicorn
 from gateway_api.app import create_app
 from gateway_api.devserver import DevServer, PortInUse, die_with_parent, require_free
 from reach.config import ConfigError, ReachSettings, load_settings
+from worker import connect_temporal, exit_now
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+Announce = Callable[[], Coroutine[Any, Any, None]]
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -40,16 +42,26 @@ def _configure_logging(verbose: bool) -> None:
     logging.getLogger("temporalio").setLevel(logging.WARNING)
 
 
-def _uvicorn(settings: ReachSettings, *, run_worker: bool = True) -> uvicorn.Server:
+async def _serve(
+    settings: ReachSettings, *, run_worker: bool = True, announce: Announce | None = None
+) -> None:
+    """Connect to Temporal first (a clear error, no traceback), then serve."""
+    client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
     config = uvicorn.Config(
-        create_app(settings, run_worker=run_worker),
+        create_app(settings, run_worker=run_worker, client=client),
         host=settings.listen_host,
         port=settings.listen_port,
         log_config=None,
         access_log=False,
         lifespan="on",
     )
-    return uvicorn.Server(config)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(announce()) if announce else None
+    try:
+        await server.serve()
+    finally:
+        if task:
+            task.cancel()
 
 
 def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
@@ -59,7 +71,7 @@ def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
         "reach.listen_port / REACH_LISTEN_PORT",
         settings.listen_host,
     )
-    asyncio.run(_uvicorn(settings, run_worker=run_worker).serve())
+    asyncio.run(_serve(settings, run_worker=run_worker))
 
 
 def _start_agent(gateway: str, instance_id: str, log_dir: Path) -> subprocess.Popen[bytes]:
@@ -117,17 +129,6 @@ async def _announce_when_ready(settings: ReachSettings, ui_port: int | None, age
             await asyncio.sleep(0.1)
 
 
-async def _run_gateway_and_announce(
-    settings: ReachSettings, ui_port: int | None, agents: int
-) -> None:
-    server = _uvicorn(settings)
-    announce = asyncio.create_task(_announce_when_ready(settings, ui_port, agents))
-    try:
-        await server.serve()
-    finally:
-        announce.cancel()
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -176,7 +177,9 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
             agents = [
                 _start_agent(settings.gateway_url, f"retriever-0{i}", log_dir) for i in (1, 2)
             ]
-        asyncio.run(_run_gateway_and_announce(settings, ui_port, len(agents)))
+        asyncio.run(
+            _serve(settings, announce=lambda: _announce_when_ready(settings, ui_port, len(agents)))
+        )
     finally:
         print("stopping agents and the Temporal dev server ...", flush=True)
         for proc in agents:
@@ -228,10 +231,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 extra += ["--config", args.config]
             worker_main.main(extra)
     except (ConfigError, PortInUse, FileNotFoundError, ConnectionError) as exc:
-        sys.exit(f"error: {exc}")
+        exit_now(1, f"error: {exc}")
     except KeyboardInterrupt:
         pass
-    # Worker shutdown can abort in native teardown at interpreter exit (a known SDK issue).
-    time.sleep(0.2)
-    sys.stdout.flush()
-    os._exit(0)
+    exit_now(0)

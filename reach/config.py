@@ -104,6 +104,9 @@ class TemporalSettings(_Section):
     address: str = "127.0.0.1:7233"
     namespace: str = "default"
     task_queue: str = "reach-invoke"
+    connect_wait_s: float = Field(
+        default=30.0, ge=0, description="How long start-up waits for Temporal to answer."
+    )
     workflow_sandbox: bool = Field(
         default=False,
         description="Run InvokeWorkflow in the SDK's determinism sandbox. The sandbox re-imports "

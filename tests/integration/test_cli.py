@@ -63,3 +63,20 @@ def test_bad_config_names_file_and_field(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert str(bad) in done.stderr
     assert "reach.policy.default_retyr" in done.stderr
+
+
+@pytest.mark.parametrize("command", [["gateway"], ["worker"]])
+def test_unreachable_temporal_is_one_clear_line(command: list[str]) -> None:
+    port = free_port()  # nothing listens there
+    done = run_reach(
+        *command,
+        env={
+            "TEMPORAL_ADDRESS": f"127.0.0.1:{port}",
+            "REACH_TEMPORAL__CONNECT_WAIT_S": "1",
+            "REACH_LISTEN_PORT": str(free_port()),
+        },
+    )
+    assert done.returncode == 1
+    assert f"cannot connect to Temporal at 127.0.0.1:{port}" in done.stderr
+    assert "TEMPORAL_ADDRESS" in done.stderr
+    assert "Traceback" not in done.stderr
