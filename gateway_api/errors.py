@@ -37,8 +37,16 @@ def error_body(request: Request, error_type: str, message: str, retryable: bool)
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+        loc = err.get("loc", ())
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            parts.append(f"body is not valid JSON (at character {loc[-1]}): {detail}")
+            continue
+        if tuple(loc) == ("body",) and err.get("type") == "model_attributes_type":
+            parts.append("body must be a JSON object (Content-Type: application/json)")
+            continue
+        where = ".".join(str(p) for p in loc if p != "body") or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
     return "; ".join(parts)
 
 
@@ -65,7 +73,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _temporal_down(request: Request, exc: RPCError) -> JSONResponse:
         log.error("Temporal call failed on %s: %s", request.url.path, exc)
         return JSONResponse(
-            error_body(request, "internal", f"workflow engine unavailable: {exc.message}", True),
+            error_body(request, "unavailable", f"workflow engine unavailable: {exc.message}", True),
             status_code=503,
             headers={"Retry-After": "1"},
         )

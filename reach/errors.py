@@ -15,6 +15,7 @@
     ├── UnknownInstance             unknown_instance    404  (heartbeat: join again)
     ├── UnknownRequest              unknown_request     404  (status/result of an unknown id)
     ├── RequestClosed               request_closed      409  (a late answer after the end)
+    ├── Unavailable                 unavailable         503  (Temporal or the store is down)
     └── InternalError               internal            500
 
 `retryable` says whether the same request may succeed if tried again (possibly elsewhere); the
@@ -40,6 +41,7 @@ ErrorType = Literal[
     "unknown_instance",
     "unknown_request",
     "request_closed",
+    "unavailable",
     "internal",
 ]
 
@@ -129,6 +131,12 @@ class RequestClosed(ReachError):
     http_status = 409
 
 
+class Unavailable(ReachError):
+    type = "unavailable"
+    http_status = 503
+    default_retryable = True
+
+
 class InternalError(ReachError):
     type = "internal"
     http_status = 500
@@ -151,6 +159,7 @@ ERRORS_BY_TYPE: dict[str, type[ReachError]] = {
         UnknownInstance,
         UnknownRequest,
         RequestClosed,
+        Unavailable,
         InternalError,
     )
 }

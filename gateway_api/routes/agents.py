@@ -37,6 +37,7 @@ class CapabilityDetail(BaseModel):
 _ERR: dict[int | str, dict[str, Any]] = {
     404: {"description": "Unknown instance (join again) or capability"},
     422: {"description": "Invalid body or unknown protocol"},
+    503: {"description": "The registry store is unavailable"},
 }
 
 
@@ -72,7 +73,12 @@ async def leave(instance_id: str, gateway: GatewayDep) -> Response:
     return Response(status_code=204)
 
 
-@router.get("/capabilities", response_model=CapabilityList, summary="Capabilities and instances")
+@router.get(
+    "/capabilities",
+    response_model=CapabilityList,
+    responses={503: _ERR[503]},
+    summary="Capabilities and instances",
+)
 async def list_capabilities(gateway: GatewayDep) -> CapabilityList:
     out = []
     for name in await gateway.registry.capabilities():

@@ -22,7 +22,7 @@ def _codes(*codes: int) -> dict[int | str, dict[str, Any]]:
         413: "Payload larger than the negotiated maximum",
         422: "Invalid request body",
         502: "The agent failed or could not be reached",
-        503: "No healthy instance, circuit open, or workflow engine unavailable",
+        503: "No healthy instance, circuit open, or Temporal/registry unavailable",
         504: "No answer within timeout_ms",
         500: "The request ended without a result",
     }
@@ -72,7 +72,7 @@ async def get_request(request_id: str, gateway: GatewayDep) -> JSONResponse:
 @router.post(
     "/requests/{request_id}/result",
     status_code=202,
-    responses=_codes(404, 409, 413, 422),
+    responses=_codes(404, 409, 413, 422, 503),
     summary="An agent's late (asynchronous) answer to a request it accepted with 202",
 )
 async def post_late_result(

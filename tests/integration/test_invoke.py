@@ -257,6 +257,22 @@ async def test_invalid_body_is_422_naming_the_field(
     assert needle in data["error"]["message"]
 
 
+async def test_malformed_bodies_get_a_plain_explanation(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    url = f"{gateway.url}/reach/invoke"
+    broken = await http.post(url, content=b'{"target": "x", oops}', headers=JSON)
+    assert broken.status_code == 422
+    assert "not valid JSON (at character 16)" in broken.json()["error"]["message"]
+    for raw, headers in ((b"[1]", JSON), (b"target=x", {})):
+        r = await http.post(url, content=raw, headers=headers)
+        assert r.status_code == 422
+        assert "body must be a JSON object" in r.json()["error"]["message"]
+
+
+JSON = {"Content-Type": "application/json"}
+
+
 async def test_payload_over_the_limit_is_413(
     gateway: Gateway, http: httpx.AsyncClient, capability: str
 ) -> None:

@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from gateway_api.devserver import free_port
 from reach.config import RegistrySettings
-from reach.errors import UnknownInstance
+from reach.errors import Unavailable, UnknownInstance
 from reach.registry import HealthReport, JoinRequest, Registry
 from reach.routing import RoundRobin
 from reach.store import MemoryStore, Store
@@ -83,3 +84,16 @@ async def test_round_robin_counter_is_shared_by_all_routers(store: Store) -> Non
     candidates = await reg.instances("retriever")
     picks = await asyncio.gather(*(routers[n % 2].pick("retriever", candidates) for n in range(40)))
     assert Counter(p.instance_id for p in picks) == {f"i{i}": 10 for i in range(4)}
+
+
+async def test_redis_outage_is_a_typed_retryable_error() -> None:
+    dead = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", prefix="nowhere")
+    try:
+        with pytest.raises(Unavailable) as err:
+            await Registry(dead, SETTINGS).join(join("a"))
+        assert err.value.http_status == 503
+        assert err.value.retryable
+        assert "nowhere" in err.value.message
+        assert await dead.ping() is False
+    finally:
+        await dead.aclose()
