@@ -293,9 +293,21 @@ class AgentRuntime:
             body.update(status="error", error_type=error_type, error_message=error_message)
         else:
             body.update(status="success", result=result or {})
-        client = self._client or httpx.AsyncClient(base_url=self.reach_url, trust_env=False)
-        delay = 0.5
-        for attempt in range(8):
+        if self._client is not None:
+            await self._post_result(self._client, request_id, body)
+            return
+        # Not running (e.g. a restarted process answering an old request): a one-off client.
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        async with httpx.AsyncClient(
+            base_url=self.reach_url, headers=headers, timeout=5.0, trust_env=False
+        ) as client:
+            await self._post_result(client, request_id, body)
+
+    @staticmethod
+    async def _post_result(
+        client: httpx.AsyncClient, request_id: str, body: dict[str, Any], attempts: int = 8
+    ) -> None:
+        for attempt in range(attempts):
             try:
                 r = await client.post(f"/reach/requests/{request_id}/result", json=body)
             except httpx.HTTPError as exc:
@@ -305,7 +317,7 @@ class AgentRuntime:
                     return
                 if r.status_code < 500:
                     raise RuntimeError(f"Reach refused the late answer: {r.status_code} {r.text}")
-            await asyncio.sleep(delay * (2**attempt))
+            await asyncio.sleep(0.5 * 2**attempt)
         raise RuntimeError(f"could not deliver the late answer for {request_id}")
 
     # -- serving ------------------------------------------------------------------------------

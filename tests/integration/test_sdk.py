@@ -6,13 +6,14 @@ import asyncio
 import logging
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from agent_reach_sdk import AgentRuntime, OperationError, RequestContext
-from tests.helpers import Gateway, wait_until
+from tests.helpers import Agent, CallbackReceiver, Gateway, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -157,3 +158,42 @@ async def test_start_and_stop_for_plain_scripts(
 def test_unsupported_protocol_is_refused_up_front() -> None:
     with pytest.raises(ValueError, match="grpc"):
         AgentRuntime("127.0.0.1:7600", "c", "i", protocol="grpc")
+
+
+async def test_late_answer_after_the_agent_crashed_and_restarted(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    """R3: the agent accepted (202), died, and a new process answers with the kept RequestID."""
+    ledger = tmp_path / "ledger.txt"
+    agent = await Agent(
+        gateway,
+        f"{capability}-01",
+        capability,
+        "--defer",
+        "--delay-ms",
+        "60000",
+        "--ledger",
+        str(ledger),
+    ).ready()
+    async with CallbackReceiver() as receiver:
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json={
+                "target": capability,
+                "operation": "query",
+                "timeout_ms": 30_000,
+                "callback": receiver.url,
+            },
+        )
+        rid = r.json()["request_id"]
+
+        async def accepted() -> bool:
+            return ledger.exists() and rid in ledger.read_text()
+
+        await wait_until(accepted, 10)
+        agent.proc.kill()
+        restarted = AgentRuntime(gateway.url, capability, agent.instance_id)  # never started
+        await restarted.send_result(rid, {"answer": "after restart"})
+        await receiver.wait(1)
+        assert receiver.received[0][1]["status"] == "success"
+        assert receiver.received[0][1]["result"] == {"answer": "after restart"}
