@@ -7,10 +7,12 @@ STAMP   := $(VENV)/.installed
 .PHONY: up test lint fmt test-only bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "installing agent-reach into $(VENV) (first run or dependencies changed; about a minute) ..."
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	@$(BIN)/python -m pip install --quiet --upgrade pip
+	@$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
+	@echo "installed."
 
 install: $(STAMP)
 
