@@ -43,6 +43,17 @@ from reach.store import Store, create_store
 from workflows.invoke import SEARCH_ATTRIBUTES, InvokeWorkflow, capability_queue
 
 log = logging.getLogger("reach.worker")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT)
+    # Heartbeats are frequent and routine: kept out of the main log unless asked for (R25).
+    logging.getLogger("reach.heartbeat").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("temporalio").setLevel(logging.WARNING)
+    # ...but the workflow's own decisions (retry, give up, callback not delivered) are kept.
+    logging.getLogger("temporalio.workflow").setLevel(logging.INFO)
 
 
 async def connect_temporal(settings: ReachSettings, *, wait_s: float = 0.0) -> Client:
@@ -196,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="also run the invoke worker (implied when no --capability is given)",
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging()
     try:
         settings = load_settings(args.config)
         invoke = args.invoke or not args.capability

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -27,19 +26,10 @@ import uvicorn
 from gateway_api.app import create_app
 from gateway_api.devserver import DevServer, PortInUse, die_with_parent, require_free
 from reach.config import ConfigError, ReachSettings, load_settings
-from worker import connect_temporal, exit_now
+from worker import configure_logging, connect_temporal, exit_now
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 Announce = Callable[[], Coroutine[Any, Any, None]]
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def _configure_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT)
-    # Heartbeats are frequent and routine: kept out of the main log unless asked for (R25).
-    logging.getLogger("reach.heartbeat").setLevel(logging.DEBUG if verbose else logging.WARNING)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("temporalio").setLevel(logging.WARNING)
 
 
 async def _serve(
@@ -214,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     worker.add_argument("--invoke", action="store_true")
     args = parser.parse_args(argv)
 
-    _configure_logging(args.verbose)
+    configure_logging(args.verbose)
     try:
         settings = load_settings(args.config)
         if args.command == "up":

@@ -295,6 +295,8 @@ async def test_agent_crash_is_a_502_and_a_retry_goes_elsewhere(
         assert r.status_code == 200, r.text
         rid_seen.append(r.json()["instance_id"])
     assert set(rid_seen) == {agents[1].instance_id}
+    # The retry decision is in the gateway's log (and, as a timer, in the workflow history).
+    assert "failed (transport_error); retrying in 1.0s" in gateway.proc.output()
     # A non-idempotent operation without an idempotency key is never retried.
     agents[1].proc.kill()
     r = await http.post(
