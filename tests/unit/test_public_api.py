@@ -1,0 +1,32 @@
+"""What users import stays importable; connectors are found through their entry-point group."""
+
+from __future__ import annotations
+
+import pytest
+
+import agent_reach_sdk
+import connectors
+from connectors.http import HttpConnector
+
+
+def test_sdk_public_api() -> None:
+    assert set(agent_reach_sdk.__all__) == {
+        "AgentRuntime",
+        "Deferred",
+        "OperationError",
+        "RequestContext",
+        "current_request_id",
+        "install_request_id_logging",
+    }
+    for name in agent_reach_sdk.__all__:
+        assert getattr(agent_reach_sdk, name) is not None
+
+
+def test_http_connector_is_registered_as_an_entry_point() -> None:
+    assert connectors.available()["http"] == "connectors.http:HttpConnector"
+    assert connectors.load("http") is HttpConnector
+
+
+def test_unknown_protocol_fails_loudly_with_the_known_names() -> None:
+    with pytest.raises(LookupError, match=r"'smoke-signals'.*known: http"):
+        connectors.load("smoke-signals")
