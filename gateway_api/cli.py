@@ -97,6 +97,7 @@ def _banner(settings: ReachSettings, ui_port: int | None, agents: int) -> str:
   Agent-Reach is up.
     gateway      {url}      (OpenAPI: {url}/docs)
     temporal UI  {ui}
+    worker       in the gateway process, task queue {settings.temporal.task_queue}
     agents       {agents} x knowledge-retriever (logs in .reach/logs/)
 
   Try:

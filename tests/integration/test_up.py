@@ -80,6 +80,7 @@ async def test_up_runs_the_stack_stops_cleanly_and_keeps_history(tmp_path: Path)
         assert gateway in banner
         assert f"http://127.0.0.1:{ui_port}" in banner
         assert "curl -s -X POST" in banner
+        assert "worker       in the gateway process, task queue reach-invoke" in banner
         assert len(processes_mentioning(f"--reach {gateway}")) == 2  # the demo agents
         async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
             r = await http.post(
