@@ -82,7 +82,7 @@ def _start_agent(gateway: str, instance_id: str, log_dir: Path) -> subprocess.Po
         )
 
 
-def _banner(settings: ReachSettings, ui_port: int | None, agents: int) -> str:
+def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: Path) -> str:
     url = settings.gateway_url
     ui = f"http://127.0.0.1:{ui_port}" if ui_port else "(headless)"
     example = json.dumps(
@@ -98,7 +98,7 @@ def _banner(settings: ReachSettings, ui_port: int | None, agents: int) -> str:
     gateway      {url}      (OpenAPI: {url}/docs)
     temporal UI  {ui}
     worker       in the gateway process, task queue {settings.temporal.task_queue}
-    agents       {agents} x knowledge-retriever (logs in .reach/logs/)
+    agents       {agents} x knowledge-retriever (logs in {log_dir}/)
 
   Try:
     curl -s -X POST {url}/reach/invoke -H 'Content-Type: application/json' \\
@@ -108,14 +108,16 @@ def _banner(settings: ReachSettings, ui_port: int | None, agents: int) -> str:
 """
 
 
-async def _announce_when_ready(settings: ReachSettings, ui_port: int | None, agents: int) -> None:
+async def _announce_when_ready(
+    settings: ReachSettings, ui_port: int | None, agents: int, log_dir: Path
+) -> None:
     async with httpx.AsyncClient(base_url=settings.gateway_url, trust_env=False) as client:
         for _ in range(600):
             with contextlib.suppress(httpx.HTTPError):
                 r = await client.get("/reach/capabilities")
                 caps = {c["name"]: c["routable"] for c in r.json()["capabilities"]}
                 if r.status_code == 200 and caps.get("knowledge-retriever", 0) >= agents:
-                    print(_banner(settings, ui_port, agents), flush=True)
+                    print(_banner(settings, ui_port, agents, log_dir), flush=True)
                     return
             await asyncio.sleep(0.1)
 
@@ -169,7 +171,10 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
                 _start_agent(settings.gateway_url, f"retriever-0{i}", log_dir) for i in (1, 2)
             ]
         asyncio.run(
-            _serve(settings, announce=lambda: _announce_when_ready(settings, ui_port, len(agents)))
+            _serve(
+                settings,
+                announce=lambda: _announce_when_ready(settings, ui_port, len(agents), log_dir),
+            )
         )
     finally:
         print("stopping agents and the Temporal dev server ...", flush=True)
