@@ -51,6 +51,22 @@ def redis_url() -> str:
     return "redis://127.0.0.1:6379/0"
 
 
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A Redis key prefix of this test's own; its keys are deleted afterwards."""
+    import redis
+
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=500))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
 def new_stack(temporal: str, tmp: Path, **kw: object) -> Stack:
     return Stack(temporal=temporal, tmp=tmp, task_queue=f"tq-{uuid.uuid4().hex[:12]}", **kw)  # type: ignore[arg-type]
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 async def test_queue_mode_capability_is_served_by_its_own_worker(
-    temporal_server: str, redis_url: str, tmp_path: Path, http: httpx.AsyncClient
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
     """A `queue` capability runs on reach-cap-<name>, served by `worker.py --capability`."""
     capability = f"gen-{uuid.uuid4().hex[:6]}"
@@ -28,7 +28,7 @@ async def test_queue_mode_capability_is_served_by_its_own_worker(
         temporal_server,
         tmp_path,
         registry="redis",
-        key_prefix=f"test-{uuid.uuid4().hex[:8]}",
+        key_prefix=redis_prefix,
         extra={"REACH_CAPABILITIES": f'{{"{capability}": {{"mode": "queue"}}}}'},
     )
     gateway = Gateway(stack, worker=True)

@@ -16,13 +16,13 @@ pytestmark = pytest.mark.integration
 
 
 async def test_sigkilled_gateway_worker_mid_request_is_finished_elsewhere(
-    temporal_server: str, redis_url: str, tmp_path: Path, http: httpx.AsyncClient
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
     stack = new_stack(
         temporal_server,
         tmp_path,
         registry="redis",
-        key_prefix=f"test-{uuid.uuid4().hex[:8]}",
+        key_prefix=redis_prefix,
         heartbeat_timeout=5.0,
     )
     doomed = Gateway(stack, "doomed")  # API + invoke worker: eager start runs the call here

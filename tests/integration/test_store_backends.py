@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -33,7 +32,8 @@ async def store(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator
     if request.param == "memory":
         yield MemoryStore()
         return
-    s = RedisStore.from_url(redis_url, prefix=f"test-{uuid.uuid4().hex[:8]}")
+    prefix = request.getfixturevalue("redis_prefix")
+    s = RedisStore.from_url(redis_url, prefix=prefix)
     try:
         yield s
     finally:
