@@ -147,10 +147,7 @@ class AgentRuntime:
         if port == 0:  # an ephemeral port: advertise the one we got
             adv_host, _ = _split(self.service_address)
             self.service_address = f"{adv_host}:{self._server.port}"
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        self._client = httpx.AsyncClient(
-            base_url=self.reach_url, headers=headers, timeout=5.0, trust_env=False
-        )
+        self._client = self._reach_client()
         try:
             await self._join()
         except httpx.HTTPError as exc:
@@ -215,6 +212,12 @@ class AgentRuntime:
         return self._joined.wait(timeout)
 
     # -- talking to Reach ---------------------------------------------------------------------
+
+    def _reach_client(self) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return httpx.AsyncClient(
+            base_url=self.reach_url, headers=headers, timeout=5.0, trust_env=False
+        )
 
     async def _join(self) -> None:
         assert self._client is not None
@@ -297,10 +300,7 @@ class AgentRuntime:
             await self._post_result(self._client, request_id, body)
             return
         # Not running (e.g. a restarted process answering an old request): a one-off client.
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        async with httpx.AsyncClient(
-            base_url=self.reach_url, headers=headers, timeout=5.0, trust_env=False
-        ) as client:
+        async with self._reach_client() as client:
             await self._post_result(client, request_id, body)
 
     @staticmethod

@@ -1,5 +1,6 @@
-"""The FastAPI application factory. Nothing is built at import time: `create_app(settings)`
-wires everything in the lifespan, so tests and several processes configure their own.
+"""The FastAPI application factory. Nothing is built at import time:
+`create_app(settings, client)` wires everything in the lifespan, so tests and several
+processes configure their own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from reach.registry import Registry
 from worker import (
     build_services,
     build_workers,
-    connect_temporal,
     ensure_search_attributes,
     running_workers,
 )
@@ -39,18 +39,13 @@ async def _sweep(registry: Registry, every_s: float) -> None:
             log.exception("registry sweep failed")
 
 
-def create_app(
-    settings: ReachSettings, *, run_worker: bool = True, client: Client | None = None
-) -> FastAPI:
-    """The gateway app. Pass a connected `client` to fail fast before serving; without one the
-    lifespan connects (waiting up to `temporal.connect_wait_s`)."""
+def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = True) -> FastAPI:
+    """The gateway app over a connected Temporal `client` (connect first, so an unreachable
+    server is one clear error before anything serves)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        temporal = client or await connect_temporal(
-            settings, wait_s=settings.temporal.connect_wait_s
-        )
-        await ensure_search_attributes(temporal, temporal.namespace)
+        await ensure_search_attributes(client, client.namespace)
         services = build_services(settings)
         # A memory registry is invisible to other processes, so queue-mode capabilities are
         # served here too; with Redis, `worker.py --capability` processes serve them.
@@ -59,8 +54,8 @@ def create_app(
             if settings.registry.type == "memory"
             else []
         )
-        workers = build_workers(temporal, services, invoke=run_worker, capabilities=queue_caps)
-        app.state.gateway = Gateway(settings, temporal, services.registry)
+        workers = build_workers(client, services, invoke=run_worker, capabilities=queue_caps)
+        app.state.gateway = Gateway(settings, client, services.registry)
         sweeper = asyncio.create_task(
             _sweep(services.registry, min(1.0, settings.registry.heartbeat_interval))
         )

@@ -38,7 +38,7 @@ async def _serve(
     """Connect to Temporal first (a clear error, no traceback), then serve."""
     client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
     config = uvicorn.Config(
-        create_app(settings, run_worker=run_worker, client=client),
+        create_app(settings, client, run_worker=run_worker),
         host=settings.listen_host,
         port=settings.listen_port,
         log_config=None,

@@ -22,7 +22,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from reach.invocation import CapabilityMode
+from reach.invocation import CallbackPlan, CapabilityMode
 
 DEFAULT_CONFIG_FILE = "reach.yaml"
 CONFIG_ENV_VAR = "REACH_CONFIG"
@@ -84,11 +84,8 @@ class CapabilitySettings(_Section):
     mode: CapabilityMode = "inline"
 
 
-class CallbackSettings(_Section):
-    attempt_timeout_s: float = Field(default=10.0, gt=0)
-    retry_window_s: float = Field(default=3600.0, gt=0)
-    initial_backoff_s: float = Field(default=1.0, gt=0)
-    max_backoff_s: float = Field(default=60.0, gt=0)
+class CallbackSettings(CallbackPlan):
+    model_config = ConfigDict(extra="forbid")
 
 
 class DevServerSettings(_Section):

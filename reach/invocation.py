@@ -33,10 +33,12 @@ class CallPlan(BaseModel):
 
 
 class CallbackPlan(BaseModel):
-    attempt_timeout_s: float = 10.0
-    retry_window_s: float = 3600.0
-    initial_backoff_s: float = 1.0
-    max_backoff_s: float = 60.0
+    """How the callback POST is retried; also the `callback:` section of reach.yaml."""
+
+    attempt_timeout_s: float = Field(default=10.0, gt=0)
+    retry_window_s: float = Field(default=3600.0, gt=0)
+    initial_backoff_s: float = Field(default=1.0, gt=0)
+    max_backoff_s: float = Field(default=60.0, gt=0)
 
 
 class InvokeInput(BaseModel):
