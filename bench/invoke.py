@@ -4,7 +4,9 @@
 
 Rows (same Temporal dev server, same agent process kind, all on loopback):
   direct HTTP      the agent called straight, no Reach (the network/agent floor)
-  raw Temporal     a minimal workflow: eager start + one local activity doing that HTTP call
+  raw Temporal     the floor: a minimal workflow, eager start + one local activity doing that
+                   HTTP call, unsandboxed (as Reach runs by default); every ratio is against it
+  raw Temporal, sandboxed    the same workflow in the SDK's sandbox (for reference)
   reach inline     POST /reach/invoke, capability in inline mode (local activities)
   reach inline, sandboxed    the same with temporal.workflow_sandbox=true
   reach queue      POST /reach/invoke, capability in queue mode (regular activities)
@@ -33,7 +35,7 @@ import httpx
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
-from temporalio.worker import Worker
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -213,6 +215,7 @@ async def main(args: argparse.Namespace) -> None:
         _http = httpx.AsyncClient(trust_env=False, limits=limits, timeout=30)
         client = await Client.connect(server.address)
         queue = f"raw-{uuid.uuid4().hex[:6]}"
+        sandboxed_queue = f"raw-sb-{uuid.uuid4().hex[:6]}"
         print(f"{args.requests} sequential + {args.requests} at concurrency {args.concurrency}:")
 
         async def direct() -> None:
@@ -221,16 +224,19 @@ async def main(args: argparse.Namespace) -> None:
             )
             r.raise_for_status()
 
-        async def raw() -> None:
-            await client.execute_workflow(
-                RawWorkflow.run,
-                agent_url,
-                id=str(uuid.uuid4()),
-                task_queue=queue,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                request_eager_start=True,
-            )
+        def raw(task_queue: str) -> Callable[[], Awaitable[None]]:
+            async def call() -> None:
+                await client.execute_workflow(
+                    RawWorkflow.run,
+                    agent_url,
+                    id=str(uuid.uuid4()),
+                    task_queue=task_queue,
+                    id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                    id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                    request_eager_start=True,
+                )
+
+            return call
 
         def reach(cap: str, base: str = gw) -> Callable[[], Awaitable[None]]:
             async def call() -> None:
@@ -250,14 +256,23 @@ async def main(args: argparse.Namespace) -> None:
 
         paths = {
             "direct HTTP": direct,
-            "raw Temporal": raw,
+            "raw Temporal": raw(queue),
+            "raw Temporal, sandboxed": raw(sandboxed_queue),
             "reach inline": reach("bench-inline"),
             "reach inline, sandboxed": reach("bench-inline", gw2),
             "reach queue": reach("bench-queue"),
         }
-        async with Worker(
-            client, task_queue=queue, workflows=[RawWorkflow], activities=[call_agent]
-        ):
+        floor = Worker(
+            client,
+            task_queue=queue,
+            workflows=[RawWorkflow],
+            activities=[call_agent],
+            workflow_runner=UnsandboxedWorkflowRunner(),
+        )
+        sandboxed = Worker(
+            client, task_queue=sandboxed_queue, workflows=[RawWorkflow], activities=[call_agent]
+        )
+        async with floor, sandboxed:
             rows = await measure(paths, args.requests, 20, args.concurrency)
         await _http.aclose()
         report(rows, args)
@@ -270,14 +285,18 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def report(rows: list[Row], args: argparse.Namespace) -> None:
-    raw_p50 = next(r.p50 for r in rows if r.name == "raw Temporal")
+    floor = next(r for r in rows if r.name == "raw Temporal")
     print()
-    print(f"| path | p50 ms | p95 ms | p99 ms | x raw p50 | throughput /s (c={args.concurrency}) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        f"| path | p50 ms | p95 ms | p99 ms | x floor p50 | x floor p99 "
+        f"| throughput /s (c={args.concurrency}) | x floor throughput |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r.name} | {r.p50:.1f} | {r.p95:.1f} | {r.p99:.1f} "
-            f"| {r.p50 / raw_p50:.2f} | {r.tput:.0f} |"
+            f"| {r.p50 / floor.p50:.2f} | {r.p99 / floor.p99:.2f} "
+            f"| {r.tput:.0f} | {r.tput / floor.tput:.2f} |"
         )
     try:
         import matplotlib
