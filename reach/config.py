@@ -23,6 +23,11 @@ from pydantic_settings import (
 )
 
 from reach.invocation import CallbackPlan, CapabilityMode
+from reach.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    TEMPORAL_PAYLOAD_LIMIT_BYTES,
+    max_message_ceiling,
+)
 
 DEFAULT_CONFIG_FILE = "reach.yaml"
 CONFIG_ENV_VAR = "REACH_CONFIG"
@@ -42,6 +47,17 @@ class RegistrySettings(_Section):
     heartbeat_interval: float = Field(default=5.0, gt=0, description="seconds")
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = Field(default="reach", min_length=1)
+    redis_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Socket timeout for every Redis command: a stuck Redis is a 503, not a hang.",
+    )
+    capability_retention_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="How long a capability whose instances all left stays known (503 "
+        "no_instance rather than 404 unknown_capability); then its name is forgotten.",
+    )
 
     @model_validator(mode="after")
     def _interval_below_timeout(self) -> RegistrySettings:
@@ -53,7 +69,18 @@ class RegistrySettings(_Section):
 class TransportSettings(_Section):
     default_protocol: str = "http"
     ports: dict[str, int] = Field(default_factory=lambda: {"http": 7600, "grpc": 7601})
-    max_message_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    max_message_bytes: int = Field(
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        ge=1024,
+        description="Largest payload or result, as sent (compact UTF-8 JSON); at most "
+        "temporal.payload_limit_bytes minus 64 KiB for the envelope around it.",
+    )
+    idle_timeout_s: float = Field(
+        default=60.0, gt=0, description="Connections to an agent idle this long are closed."
+    )
+    max_pools: int = Field(
+        default=1024, ge=1, description="Most agent addresses with open connections at once."
+    )
 
 
 class CircuitBreakerSettings(_Section):
@@ -95,6 +122,12 @@ class DevServerSettings(_Section):
     port: int = 7233
     ui_port: int = 8233
     headless: bool = False
+    retention_hours: float = Field(
+        default=72.0,
+        ge=24,
+        description="How long closed requests are kept, and so how long a RequestID stays "
+        "deduplicated (Temporal's namespace retention; its minimum is one day).",
+    )
 
 
 class TemporalSettings(_Section):
@@ -103,6 +136,18 @@ class TemporalSettings(_Section):
     task_queue: str = "reach-invoke"
     connect_wait_s: float = Field(
         default=30.0, ge=0, description="How long start-up waits for Temporal to answer."
+    )
+    payload_limit_bytes: int = Field(
+        default=TEMPORAL_PAYLOAD_LIMIT_BYTES,
+        gt=128 * 1024,
+        description="The cluster's largest payload blob (server dynamic config "
+        "limit.blobSize.error; 2 MiB unless your cluster raised it).",
+    )
+    execution_grace_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long past its deadline an invoke workflow may live before Temporal "
+        "ends it: the backstop that keeps a request from running forever.",
     )
     workflow_sandbox: bool = Field(
         default=False,
@@ -142,6 +187,17 @@ class ReachSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The YAML file is passed as init kwargs by `load_settings`, below the environment.
         return env_settings, init_settings
+
+    @model_validator(mode="after")
+    def _messages_fit_in_temporal(self) -> ReachSettings:
+        ceiling = max_message_ceiling(self.temporal.payload_limit_bytes)
+        if self.transport.max_message_bytes > ceiling:
+            raise ValueError(
+                f"transport.max_message_bytes={self.transport.max_message_bytes} cannot be "
+                f"carried: temporal.payload_limit_bytes={self.temporal.payload_limit_bytes} "
+                f"leaves at most {ceiling} bytes for a message"
+            )
+        return self
 
     def capability_mode(self, capability: str) -> CapabilityMode:
         cap = self.capabilities.get(capability)

@@ -14,9 +14,17 @@
     ├── TransportError              transport_error     502
     ├── UnknownInstance             unknown_instance    404  (heartbeat: join again)
     ├── UnknownRequest              unknown_request     404  (status/result of an unknown id)
+    ├── NotFound                    not_found           404  (no such route)
+    ├── MethodNotAllowed            method_not_allowed  405  (the route exists, not the method)
+    ├── RequestConflict             request_conflict    409  (a repeated request_id, other body)
+    ├── IdempotencyConflict         idempotency_conflict 409 (a reused key, other payload)
     ├── RequestClosed               request_closed      409  (a late answer after the end)
     ├── Unavailable                 unavailable         503  (Temporal or the store is down)
-    └── InternalError               internal            500
+    └── InternalError               internal            500  (a bug in Reach, never an agent's)
+
+Only these types decide an HTTP status. Whatever an agent reports (an HTTP error body, a late
+answer's `error_type`) is an `agent_error` carrying the agent's own type and message as an
+`AgentFault`; it never chooses the caller's status.
 
 `retryable` says whether the same request may succeed if tried again (possibly elsewhere); the
 policy engine decides whether it actually is.
@@ -24,7 +32,9 @@ policy engine decides whether it actually is.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
+
+from pydantic import BaseModel, BeforeValidator, Field
 
 ErrorType = Literal[
     "invalid_request",
@@ -40,10 +50,36 @@ ErrorType = Literal[
     "transport_error",
     "unknown_instance",
     "unknown_request",
+    "not_found",
+    "method_not_allowed",
+    "request_conflict",
+    "idempotency_conflict",
     "request_closed",
     "unavailable",
     "internal",
 ]
+ERROR_TYPES: frozenset[str] = frozenset(get_args(ErrorType))
+
+AGENT_TEXT_MAX = 1000
+
+
+def clipped(limit: int) -> BeforeValidator:
+    """Keep at most `limit` characters: an agent's words are evidence, not a channel."""
+
+    def clip(value: Any) -> Any:
+        if isinstance(value, str) and len(value) > limit:
+            return value[: limit - 1] + "…"
+        return value
+
+    return BeforeValidator(clip)
+
+
+class AgentFault(BaseModel):
+    """What an agent said about its own failure, kept inside an `agent_error`."""
+
+    type: Annotated[str, clipped(64)] = "agent_error"
+    message: Annotated[str, clipped(AGENT_TEXT_MAX)] = ""
+    status: int | None = Field(default=None, description="the agent's protocol status, e.g. HTTP")
 
 
 class ReachError(Exception):
@@ -106,8 +142,16 @@ class DeadlineExceeded(ReachError):
 
 
 class AgentError(ReachError):
+    """The agent answered with a failure; `fault` keeps what it said, in its own words."""
+
     type = "agent_error"
     http_status = 502
+
+    def __init__(
+        self, message: str, *, retryable: bool | None = None, fault: AgentFault | None = None
+    ) -> None:
+        super().__init__(message, retryable=retryable)
+        self.fault = fault
 
 
 class TransportError(ReachError):
@@ -124,6 +168,26 @@ class UnknownInstance(ReachError):
 class UnknownRequest(ReachError):
     type = "unknown_request"
     http_status = 404
+
+
+class NotFound(ReachError):
+    type = "not_found"
+    http_status = 404
+
+
+class MethodNotAllowed(ReachError):
+    type = "method_not_allowed"
+    http_status = 405
+
+
+class RequestConflict(ReachError):
+    type = "request_conflict"
+    http_status = 409
+
+
+class IdempotencyConflict(ReachError):
+    type = "idempotency_conflict"
+    http_status = 409
 
 
 class RequestClosed(ReachError):
@@ -158,13 +222,18 @@ ERRORS_BY_TYPE: dict[str, type[ReachError]] = {
         TransportError,
         UnknownInstance,
         UnknownRequest,
+        NotFound,
+        MethodNotAllowed,
+        RequestConflict,
+        IdempotencyConflict,
         RequestClosed,
         Unavailable,
         InternalError,
     )
 }
+assert set(ERRORS_BY_TYPE) == ERROR_TYPES, "every error type has exactly one class"
 
 
-def http_status_for(error_type: str) -> int:
-    cls = ERRORS_BY_TYPE.get(error_type)
-    return cls.http_status if cls else 500
+def http_status_for(error_type: ErrorType) -> int:
+    """The HTTP status of one of Reach's own error types (KeyError for anything else)."""
+    return ERRORS_BY_TYPE[error_type].http_status

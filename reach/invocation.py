@@ -7,11 +7,12 @@ deterministic even after the configuration changes.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from reach.messages import InvokeResponse, Message
+from reach.messages import InvokeRequest, InvokeResponse, Message, dumps
 
 CapabilityMode = Literal["inline", "queue"]
 
@@ -19,7 +20,18 @@ CapabilityMode = Literal["inline", "queue"]
 ACTIVITY_RESOLVE = "reach.resolve"
 ACTIVITY_CALL = "reach.call"
 ACTIVITY_DELIVER_CALLBACK = "reach.deliver_callback"
+# Late answers arrive as an update (validated, refused without a trace once the result is final);
+# the signal stays registered for requests accepted before the update existed.
+UPDATE_LATE_ANSWER = "submit_late_answer"
 SIGNAL_LATE_ANSWER = "late_answer"
+WORKFLOW_INVOKE = "InvokeWorkflow"
+WORKFLOW_DELIVER_CALLBACK = "DeliverCallbackWorkflow"
+MEMO_KEY = "reach"
+
+
+def delivery_workflow_id(request_id: str) -> str:
+    """The callback delivery's own workflow id ('/' never appears in a RequestID)."""
+    return f"{request_id}/callback"
 
 
 class CallPlan(BaseModel):
@@ -63,6 +75,9 @@ class Endpoint(BaseModel):
     capability: str
     protocol: str
     address: str
+    max_message_bytes: int | None = Field(
+        default=None, description="Negotiated at Join; the agent's reply may not exceed it."
+    )
 
 
 class ResolveInput(BaseModel):
@@ -81,10 +96,53 @@ class CallInput(BaseModel):
 class CallbackInput(BaseModel):
     url: str
     response: InvokeResponse
+    plan: CallbackPlan = Field(default_factory=CallbackPlan)
+
+
+class DeliveryOutcome(BaseModel):
+    """How a callback delivery ended: the result of DeliverCallbackWorkflow."""
+
+    status: Literal["delivered", "given_up"]
+    attempts: int = 0
+    last_error: str | None = None
+
+
+def request_fingerprint(req: InvokeRequest, caller: str, payload_json: bytes) -> str:
+    """What makes two requests with one RequestID the same request.
+
+    The RequestID and the callback are left out: a repeat without a callback may wait for the
+    result of a request that has one (the gateway checks that a repeat never adds or changes
+    a callback).
+    """
+    fields = [
+        caller,
+        req.target,
+        req.operation,
+        req.timeout_ms,
+        req.idempotency_key,
+        req.routing_key,
+    ]
+    digest = hashlib.sha256(dumps(fields))
+    digest.update(b"\0")
+    digest.update(payload_json)
+    return digest.hexdigest()
+
+
+class RequestMemo(BaseModel):
+    """Kept on the workflow (Temporal memo) so a repeat or a look-up needs no history read."""
+
+    fingerprint: str
+    deadline_ms: int
+    callback: str | None = None
 
 
 class LateAnswer(BaseModel):
-    """An agent's asynchronous answer, delivered to the workflow by signal (R3)."""
+    """An agent's asynchronous answer (R3), as the workflow receives it.
+
+    `error_type` and `error_message` are the agent's own words: the caller sees them inside an
+    `agent_error`, they never choose the caller's status. What the gateway accepts is narrower
+    (`reach.acceptance.LateAnswerBody`); this stays as lenient as histories already recorded.
+    """
 
     instance_id: str | None = None
     status: Literal["success", "error"] = "success"

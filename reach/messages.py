@@ -2,6 +2,10 @@
 
 Every connector converts to and from `Message`/`Reply`; callers always send `InvokeRequest` and
 receive `InvokeResponse`, whatever protocol the agent speaks.
+
+Field types here are the shapes every hop can carry: identifiers and header values are visible
+ASCII (HTTP, gRPC metadata and MQTT properties all take them), free text has no control
+characters. What is acceptable beyond shape (sizes, nesting) is decided in `reach.acceptance`.
 """
 
 from __future__ import annotations
@@ -10,13 +14,66 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AfterValidator,
+    AnyHttpUrl,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    UrlConstraints,
+    model_validator,
+)
+
+from reach.errors import AGENT_TEXT_MAX, ERROR_TYPES, AgentFault, ErrorType, clipped
 
 RequestId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+InstanceId = RequestId
 CapabilityName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
 OperationName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")]
+# A caller's name travels as a header to every agent: visible ASCII, no spaces.
+CallerName = Annotated[str, StringConstraints(pattern=r"^[\x21-\x7e]{1,128}$")]
+# The IETF Idempotency-Key draft's sf-string: printable ASCII, not starting or ending in a space.
+IdempotencyKey = Annotated[
+    str, StringConstraints(pattern=r"^[\x21-\x7e](?:[\x20-\x7e]{0,254}[\x21-\x7e])?$")
+]
+# Hashed, never sent as a header: any text without control characters.
+RoutingKey = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{1,256}$")]
+
+
+def _valid_trace_ids(value: str) -> str:
+    version, trace_id, parent_id = value.split("-")[:3]
+    if version == "ff" or not trace_id.strip("0") or not parent_id.strip("0"):
+        raise ValueError("version ff and all-zero trace or parent ids are invalid")
+    return value
+
+
+# W3C Trace Context `traceparent`: version-traceid-parentid-flags, lower-case hex.
+Traceparent = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(?:-[\x21-\x7e]{1,64})?$"
+    ),
+    AfterValidator(_valid_trace_ids),
+]
+CallbackUrl = Annotated[AnyHttpUrl, UrlConstraints(max_length=2048)]
+ErrorTypeName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+ErrorText = Annotated[str, StringConstraints(max_length=AGENT_TEXT_MAX)]
+
+
+def _integral(value: Any) -> Any:
+    # JSON has one number type: 5.0 is an integer in JSON Schema's sense. Booleans stay refused.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field as JSON Schema means it (5 and 5.0), under strict validation otherwise.
+JsonInt = Annotated[int, BeforeValidator(_integral)]
 
 RequestStatus = Literal["accepted", "running", "success", "error", "timeout"]
+DeliveryStatus = Literal["pending", "delivered", "given_up"]
 
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
 
@@ -25,8 +82,17 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
+def dumps(value: Any) -> bytes:
+    """The one JSON encoding Reach sends and measures: compact, UTF-8, standard JSON only.
+
+    Sizes are measured with it and connectors send it, so a payload within a limit stays
+    within it on the wire (escaping non-ASCII would grow it up to six times).
+    """
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
 def json_size(value: Any) -> int:
-    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    return len(dumps(value))
 
 
 class Header(BaseModel):
@@ -66,15 +132,54 @@ class Reply(BaseModel):
 
 
 class ErrorInfo(BaseModel):
-    type: str
-    message: str
+    """`type` is one of Reach's own error types and alone decides the HTTP status."""
+
+    type: ErrorType
+    message: Annotated[str, clipped(2 * AGENT_TEXT_MAX)]
     retryable: bool = False
+    agent: AgentFault | None = Field(
+        default=None, description="For agent_error: the agent's own error type and message."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _agent_words_stay_inside(cls, data: Any) -> Any:
+        # Histories recorded before the vocabulary was closed can hold an agent's own type here.
+        if isinstance(data, dict) and data.get("type") not in ERROR_TYPES:
+            fault = {"type": str(data.get("type") or "agent_error"), "message": data.get("message")}
+            data = {**data, "type": "agent_error", "agent": data.get("agent") or fault}
+        return data
+
+
+class DeliveryState(BaseModel):
+    """Callback delivery, a fact of its own beside the request's (final) result."""
+
+    url: str
+    status: DeliveryStatus
+    attempts: int = 0
+    last_error: str | None = None
+
+
+EXAMPLE_REQUEST_ID = "req-20250516-001"
 
 
 class InvokeRequest(BaseModel):
     """The body of `POST /reach/invoke` (R9)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "request_id": EXAMPLE_REQUEST_ID,
+                    "target": "knowledge-retriever",
+                    "operation": "query",
+                    "payload": {"text": "durable retries", "top_k": 2},
+                    "timeout_ms": 3000,
+                }
+            ]
+        },
+    )
 
     request_id: RequestId | None = Field(
         default=None, description="Globally unique; generated when absent. A repeat attaches."
@@ -82,14 +187,14 @@ class InvokeRequest(BaseModel):
     target: CapabilityName = Field(description="A capability name, never an address.")
     operation: OperationName
     payload: dict[str, Any] = Field(default_factory=dict)
-    timeout_ms: int | None = Field(
+    timeout_ms: JsonInt | None = Field(
         default=None, ge=1, le=MAX_TIMEOUT_MS, description="The request's deadline."
     )
-    callback: AnyHttpUrl | None = Field(
+    callback: CallbackUrl | None = Field(
         default=None, description="When set, answer 202 at once and POST the result here."
     )
-    idempotency_key: str | None = Field(default=None, max_length=256)
-    routing_key: str | None = Field(default=None, max_length=256)
+    idempotency_key: IdempotencyKey | None = None
+    routing_key: RoutingKey | None = None
 
 
 class InvokeResponse(BaseModel):
@@ -101,3 +206,13 @@ class InvokeResponse(BaseModel):
     result: dict[str, Any] | None = None
     error: ErrorInfo | None = None
     instance_id: str | None = None
+    delivery: DeliveryState | None = None
+
+
+class ErrorResponse(InvokeResponse):
+    """The same envelope when something failed. `request_id` is null only when the request was
+    refused before one was read (a body that is not JSON, say)."""
+
+    request_id: str | None  # type: ignore[assignment]
+    status: Literal["error", "timeout", "running"]
+    error: ErrorInfo

@@ -87,3 +87,19 @@ def test_capability_mode_defaults_to_inline() -> None:
     s = ReachSettings(capabilities={"content-generator": {"mode": "queue"}})  # type: ignore[arg-type]
     assert s.capability_mode("content-generator") == "queue"
     assert s.capability_mode("anything-else") == "inline"
+
+
+def test_a_message_limit_temporal_cannot_carry_is_a_start_up_error(tmp_path: Path) -> None:
+    config = tmp_path / "reach.yaml"
+    config.write_text("reach:\n  transport:\n    max_message_bytes: 4194304\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(config)
+    message = str(err.value)
+    assert "transport.max_message_bytes=4194304 cannot be carried" in message
+    assert "temporal.payload_limit_bytes=2097152" in message
+    # A cluster that raised its blob limit may raise the message limit with it.
+    config.write_text(
+        "reach:\n  transport: {max_message_bytes: 4194304}\n"
+        "  temporal: {payload_limit_bytes: 8388608}\n"
+    )
+    assert load_settings(config).transport.max_message_bytes == 4194304
