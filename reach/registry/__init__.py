@@ -1,23 +1,26 @@
 """Registry: capability -> instances + health (R2, R5, R8, R21).
 
 Written once over `reach.store.Store`; the store backend (memory or Redis) decides where the
-records live. An instance record is a key whose TTL is `heartbeat_timeout`: every heartbeat
-rewrites it, silence lets it expire. The per-capability index is pruned (and the eviction logged)
-the next time anyone lists the capability, or on the gateway's periodic sweep.
+records live. Each step (join, heartbeat, leave, listing) is one atomic store operation, so
+several gateways can race without losing a re-joined instance or resurrecting one that left.
+An instance record's TTL is `heartbeat_timeout`: every heartbeat refreshes it (and repairs the
+instance's place in its capability's index), silence lets it expire. The index is pruned (and
+the eviction logged) the next time anyone lists the capability, or on the gateway's sweep.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from reach.config import RegistrySettings, TransportSettings
 from reach.errors import UnknownInstance
-from reach.messages import CapabilityName
-from reach.store import Store
+from reach.messages import CapabilityName, InstanceId, JsonInt, OperationName
+from reach.store import Record, Store
 
 log = logging.getLogger("reach.registry")
 heartbeat_log = logging.getLogger("reach.heartbeat")
@@ -26,20 +29,44 @@ HealthStatus = Literal["ok", "degraded", "unhealthy"]
 MIN_HEARTBEAT_INTERVAL_S = 0.1
 
 
+LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$")]
+LabelValue = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{0,256}$")]
+
+
 class JoinRequest(BaseModel):
     """What an agent proposes when it starts (R8)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "capability": "knowledge-retriever",
+                    "instance_id": "retriever-09",
+                    "protocol": "http",
+                    "service_address": "127.0.0.1:9001",
+                    "heartbeat_interval": 5,
+                    "operations": ["query"],
+                }
+            ]
+        },
+    )
 
     capability: CapabilityName
-    instance_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+    instance_id: InstanceId
     protocol: str = Field(default="http", pattern=r"^[a-z0-9_-]{1,32}$")
-    service_address: str = Field(min_length=1, max_length=512)
-    heartbeat_interval: float | None = Field(default=None, gt=0)
-    operations: list[str] = Field(default_factory=list)
-    max_message_bytes: int | None = Field(default=None, gt=0)
+    service_address: str = Field(
+        min_length=1,
+        max_length=512,
+        pattern=r"^[\x21-\x7e]+$",
+        description="Where Reach calls this instance; its form is the protocol's (checked by "
+        "the connector).",
+    )
+    heartbeat_interval: float | None = Field(default=None, gt=0, le=3600, allow_inf_nan=False)
+    operations: list[OperationName] = Field(default_factory=list, max_length=256)
+    max_message_bytes: JsonInt | None = Field(default=None, gt=0, le=1 << 40)
     async_callback: bool = False
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
 
 
 class Ack(BaseModel):
@@ -54,13 +81,19 @@ class Ack(BaseModel):
 
 
 class HealthReport(BaseModel):
-    """A heartbeat body: a light self-check, not just 'alive' (R21)."""
+    """A heartbeat body: a light self-check, not just 'alive' (R21).
 
-    model_config = ConfigDict(extra="forbid")
+    `checks` is free-form JSON, at most 16 KiB and 64 levels (`reach.acceptance`).
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"status": "ok", "checks": {"index": "loaded"}}]},
+    )
 
     status: HealthStatus = "ok"
     checks: dict[str, Any] = Field(default_factory=dict)
-    inflight: int = Field(default=0, ge=0)
+    inflight: JsonInt = Field(default=0, ge=0, le=1_000_000_000)
 
 
 class InstanceRecord(BaseModel):
@@ -84,18 +117,33 @@ class InstanceRecord(BaseModel):
         return self.status != "unhealthy"
 
 
-def _inst_key(instance_id: str) -> str:
-    return f"inst:{instance_id}"
+HEALTH_FIELDS = frozenset({"status", "checks", "inflight", "last_seen"})
+"""What a heartbeat writes; the rest of a record is what the last join wrote."""
+
+_JOIN, _HEALTH = "join", "health"
 
 
-def _cap_key(capability: str) -> str:
-    return f"cap:{capability}"
+def _fields(record: InstanceRecord) -> dict[str, str]:
+    return {
+        _JOIN: record.model_dump_json(exclude=set(HEALTH_FIELDS)),
+        _HEALTH: record.model_dump_json(include=set(HEALTH_FIELDS)),
+    }
 
 
-CAPS_KEY = "caps"
+def _rejoin_note(previous: Record | None, capability: str) -> str:
+    if previous is None:
+        return ""
+    if previous.group != capability:
+        return f" (re-join, moved from {previous.group})"
+    return " (re-join)"
 
 
 class Registry:
+    """Instances are store records grouped by capability: a record's TTL is the heartbeat
+    timeout, its two fields are the join part and the health part (a heartbeat writes only
+    the latter, so it cannot undo a concurrent re-join). A capability is known until
+    `capability_retention_s` after its last join or heartbeat."""
+
     def __init__(
         self,
         store: Store,
@@ -105,6 +153,8 @@ class Registry:
         self.store = store
         self.settings = settings
         self.max_message_bytes = (transport or TransportSettings()).max_message_bytes
+        # Never forget a capability before its last instance record has expired.
+        self._retention_s = max(settings.capability_retention_s, settings.heartbeat_timeout)
 
     def negotiate(self, join: JoinRequest) -> Ack:
         timeout = self.settings.heartbeat_timeout
@@ -123,7 +173,6 @@ class Registry:
 
     async def join(self, join: JoinRequest) -> Ack:
         ack = self.negotiate(join)
-        previous = await self.get(join.instance_id)
         now = time.time()
         record = InstanceRecord(
             instance_id=join.instance_id,
@@ -138,100 +187,101 @@ class Registry:
             joined_at=now,
             last_seen=now,
         )
-        if previous is not None and previous.capability != join.capability:
-            await self.store.remove_member(_cap_key(previous.capability), join.instance_id)
-        await self._write(record)
-        await self.store.add_member(CAPS_KEY, join.capability)
-        await self.store.add_member(_cap_key(join.capability), join.instance_id)
+        previous = await self.store.put_record(
+            join.instance_id,
+            join.capability,
+            _fields(record),
+            ttl_s=self.settings.heartbeat_timeout,
+            group_ttl_s=self._retention_s,
+        )
         log.info(
             "joined capability=%s instance=%s protocol=%s address=%s%s",
             join.capability,
             join.instance_id,
             join.protocol,
             join.service_address,
-            " (re-join)" if previous else "",
+            _rejoin_note(previous, join.capability),
         )
         return ack
 
     async def heartbeat(self, instance_id: str, report: HealthReport) -> InstanceRecord:
-        record = await self.get(instance_id)
-        if record is None:
+        health = {
+            "status": report.status,
+            "checks": report.checks,
+            "inflight": report.inflight,
+            "last_seen": time.time(),
+        }
+        previous = await self.store.update_record(
+            instance_id,
+            {_HEALTH: json.dumps(health)},
+            ttl_s=self.settings.heartbeat_timeout,
+            group_ttl_s=self._retention_s,
+        )
+        before = self._parse(previous)
+        if before is None:
             raise UnknownInstance(f"instance {instance_id!r} is not registered; join again")
-        if record.status != report.status:
+        if before.status != report.status:
             log.info(
                 "health instance=%s capability=%s %s -> %s checks=%s",
                 instance_id,
-                record.capability,
-                record.status,
+                before.capability,
+                before.status,
                 report.status,
                 report.checks,
             )
-        record.status = report.status
-        record.checks = report.checks
-        record.inflight = report.inflight
-        record.last_seen = time.time()
-        await self._write(record)
         heartbeat_log.debug("heartbeat instance=%s status=%s", instance_id, report.status)
-        return record
+        return before.model_copy(update=health)
 
     async def leave(self, instance_id: str) -> bool:
-        record = await self.get(instance_id)
-        if record is None:
+        previous = await self.store.delete_record(instance_id)
+        if previous is None:
             return False
-        await self.store.delete(_inst_key(instance_id))
-        await self.store.remove_member(_cap_key(record.capability), instance_id)
-        log.info("left capability=%s instance=%s", record.capability, instance_id)
+        log.info("left capability=%s instance=%s", previous.group, instance_id)
         return True
 
     async def get(self, instance_id: str) -> InstanceRecord | None:
-        raw = await self.store.get(_inst_key(instance_id))
-        return self._parse(raw)
+        return self._parse((await self.store.get_records([instance_id]))[0])
 
     async def known(self, capability: str) -> bool:
-        return await self.store.is_member(CAPS_KEY, capability)
+        return await self.store.group_known(capability)
 
     async def capabilities(self) -> list[str]:
-        return sorted(await self.store.members(CAPS_KEY))
+        return sorted(await self.store.groups())
 
     async def instances(self, capability: str) -> list[InstanceRecord]:
         """Live instances of a capability (healthy or not), sorted by id; prunes the evicted."""
-        ids = sorted(await self.store.members(_cap_key(capability)))
-        raws = await self.store.get_many([_inst_key(i) for i in ids])
-        live: list[InstanceRecord] = []
-        for instance_id, raw in zip(ids, raws, strict=True):
-            record = self._parse(raw)
-            if record is None or record.capability != capability:
-                await self.store.remove_member(_cap_key(capability), instance_id)
-                if record is None:
-                    log.warning(
-                        "evicted capability=%s instance=%s: no heartbeat for %.1fs",
-                        capability,
-                        instance_id,
-                        self.settings.heartbeat_timeout,
-                    )
-                continue
-            live.append(record)
-        return live
+        scan = await self.store.scan_group(capability)
+        for instance_id in scan.evicted:
+            log.warning(
+                "evicted capability=%s instance=%s: no heartbeat for %.1fs",
+                capability,
+                instance_id,
+                self.settings.heartbeat_timeout,
+            )
+        parsed = (self._parse(scan.live[i]) for i in sorted(scan.live))
+        return [record for record in parsed if record is not None]
 
     async def sweep(self) -> None:
+        """Prune every capability's index (logging evictions), then forget the capabilities
+        idle past their retention."""
         for capability in await self.capabilities():
             await self.instances(capability)
-
-    async def _write(self, record: InstanceRecord) -> None:
-        await self.store.put(
-            _inst_key(record.instance_id),
-            record.model_dump_json(),
-            ttl_s=self.settings.heartbeat_timeout,
-        )
+        for capability in await self.store.expire():
+            log.info(
+                "forgot capability=%s: no join or heartbeat for %.0fs",
+                capability,
+                self._retention_s,
+            )
 
     @staticmethod
-    def _parse(raw: str | None) -> InstanceRecord | None:
-        if raw is None:
+    def _parse(stored: Record | None) -> InstanceRecord | None:
+        if stored is None:
             return None
         try:
-            return InstanceRecord.model_validate_json(raw)
-        except ValidationError:
-            log.exception("unreadable instance record dropped")
+            values = json.loads(stored.fields[_JOIN]) | json.loads(stored.fields[_HEALTH])
+            return InstanceRecord.model_validate(values)
+        except (KeyError, TypeError, ValueError):
+            log.exception("unreadable instance record %s ignored", stored)
             return None
 
 

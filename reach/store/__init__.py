@@ -7,15 +7,17 @@ workers on several hosts; key TTLs make eviction happen even when no gateway is 
 from __future__ import annotations
 
 from reach.config import RegistrySettings
-from reach.store.base import Store
+from reach.store.base import GroupScan, Record, Store
 from reach.store.memory import MemoryStore
 
-__all__ = ["MemoryStore", "Store", "create_store"]
+__all__ = ["GroupScan", "MemoryStore", "Record", "Store", "create_store"]
 
 
 def create_store(settings: RegistrySettings) -> Store:
     if settings.type == "redis":
         from reach.store.redis import RedisStore
 
-        return RedisStore.from_url(settings.redis_url, prefix=settings.key_prefix)
+        return RedisStore.from_url(
+            settings.redis_url, prefix=settings.key_prefix, timeout_s=settings.redis_timeout_s
+        )
     return MemoryStore()

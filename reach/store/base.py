@@ -1,45 +1,114 @@
+"""The store interface: grouped expiring records, and counters.
+
+Why this shape rather than plain keys and sets: every registry race we have seen came from a
+read in Python followed by a write in another round trip (a sweep pruning an instance that
+re-joined in between, a heartbeat recreating what a leave deleted). So each registry step is
+one store operation, atomic in both backends (a Lua script in Redis; no await inside a memory
+operation), and the registry's logic stays written once over them:
+
+- a *record* is a few named string fields with a TTL, belonging to one *group*;
+- `put_record` replaces a record (moving it between groups), `update_record` changes some
+  fields of a record that exists and never recreates one, `delete_record` removes it;
+- a group's member index is pruned only of members whose record is gone (or now belongs to
+  another group), re-checked at the moment of removal (`scan_group`);
+- a group is *known* until `group_ttl_s` after the last put or update touching it, then
+  `expire()` forgets its name.
+
+Records and groups are generic (the registry's are instances and capabilities) so the policy
+counters can use the same primitives later.
+"""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
+
+GROUP_FIELD = "_group"
+"""Where a record keeps its group; reserved, not a caller field."""
+
+
+@dataclass(frozen=True)
+class Record:
+    group: str
+    fields: dict[str, str]
+
+
+@dataclass(frozen=True)
+class GroupScan:
+    """A group's live members, and the members just pruned because their record expired."""
+
+    live: dict[str, Record] = field(default_factory=dict)
+    evicted: list[str] = field(default_factory=list)
+
+
+def check_fields(fields: Mapping[str, str]) -> None:
+    if GROUP_FIELD in fields:
+        raise ValueError(f"record field name {GROUP_FIELD!r} is reserved for the store")
 
 
 class Store(ABC):
-    """String values with optional TTLs, string sets and atomic counters."""
+    """Grouped expiring records and counters; every method is one atomic step."""
 
     @abstractmethod
-    async def put(self, key: str, value: str, ttl_s: float | None = None) -> None: ...
+    async def put_record(
+        self,
+        record_id: str,
+        group: str,
+        fields: Mapping[str, str],
+        *,
+        ttl_s: float,
+        group_ttl_s: float,
+    ) -> Record | None:
+        """Replace the record, move it to `group`'s index (out of its old group's), touch
+        `group`. Returns the record it replaced, if any."""
 
     @abstractmethod
-    async def get_many(self, keys: Sequence[str]) -> list[str | None]: ...
+    async def update_record(
+        self,
+        record_id: str,
+        fields: Mapping[str, str],
+        *,
+        ttl_s: float,
+        group_ttl_s: float,
+    ) -> Record | None:
+        """If the record exists: set these fields (others untouched), refresh its TTL, re-add
+        it to its group's index and touch the group. Returns the record as it was before, or
+        None when there is none (and nothing is written)."""
 
     @abstractmethod
-    async def delete(self, key: str) -> bool: ...
+    async def delete_record(self, record_id: str) -> Record | None:
+        """Remove the record and its index entry; returns what was removed."""
 
     @abstractmethod
-    async def add_member(self, set_key: str, member: str) -> None: ...
+    async def get_records(self, record_ids: Sequence[str]) -> list[Record | None]: ...
 
     @abstractmethod
-    async def remove_member(self, set_key: str, member: str) -> None: ...
+    async def scan_group(self, group: str) -> GroupScan:
+        """The group's live records; members without one are removed from the index."""
 
     @abstractmethod
-    async def members(self, set_key: str) -> set[str]: ...
+    async def group_known(self, group: str) -> bool: ...
 
     @abstractmethod
-    async def is_member(self, set_key: str, member: str) -> bool: ...
+    async def groups(self) -> list[str]:
+        """Known groups, in no particular order."""
 
     @abstractmethod
-    async def incr(self, key: str) -> int: ...
+    async def expire(self) -> list[str]:
+        """Forget the groups past their TTL (with their indexes) and drop whatever else has
+        expired; returns the groups forgotten."""
+
+    @abstractmethod
+    async def incr(self, key: str, ttl_s: float | None = None) -> int:
+        """Add one to a counter; with `ttl_s`, the counter is dropped after that long unused."""
 
     async def ping(self) -> bool:
         return True
 
     async def aclose(self) -> None:
         return None
-
-    async def get(self, key: str) -> str | None:
-        return (await self.get_many([key]))[0]
 
     async def __aenter__(self) -> Store:
         return self

@@ -1,52 +1,132 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from reach.store.base import Store
+from reach.store.base import GroupScan, Record, Store, check_fields
 
 
 class MemoryStore(Store):
-    """One process only. Single-threaded asyncio access needs no locks: no method awaits."""
+    """One process only. Every method is atomic because none awaits: asyncio cannot switch
+    tasks in the middle of one. Expired entries are dropped when read and by `expire()`, so
+    memory stays bounded even for records nobody reads again."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._values: dict[str, tuple[str, float | None]] = {}
-        self._sets: dict[str, set[str]] = {}
-        self._counters: dict[str, int] = {}
+        self._records: dict[str, tuple[Record, float]] = {}
+        self._members: dict[str, set[str]] = {}
+        self._group_expiry: dict[str, float] = {}
+        self._counters: dict[str, tuple[int, float | None]] = {}
 
-    def _live(self, key: str) -> str | None:
-        item = self._values.get(key)
+    def _live(self, record_id: str) -> Record | None:
+        item = self._records.get(record_id)
         if item is None:
             return None
-        value, expires = item
-        if expires is not None and self._clock() >= expires:
-            del self._values[key]
+        record, expires = item
+        if self._clock() >= expires:
+            del self._records[record_id]
             return None
-        return value
+        return record
 
-    async def put(self, key: str, value: str, ttl_s: float | None = None) -> None:
-        expires = self._clock() + ttl_s if ttl_s is not None else None
-        self._values[key] = (value, expires)
+    def _touch(self, record_id: str, group: str, group_ttl_s: float) -> None:
+        self._members.setdefault(group, set()).add(record_id)
+        self._group_expiry[group] = self._clock() + group_ttl_s
 
-    async def get_many(self, keys: Sequence[str]) -> list[str | None]:
-        return [self._live(k) for k in keys]
+    def _unindex(self, group: str, record_id: str) -> bool:
+        members = self._members.get(group)
+        if members is None or record_id not in members:
+            return False
+        members.discard(record_id)
+        if not members:
+            del self._members[group]
+        return True
 
-    async def delete(self, key: str) -> bool:
-        return self._values.pop(key, None) is not None
+    async def put_record(
+        self,
+        record_id: str,
+        group: str,
+        fields: Mapping[str, str],
+        *,
+        ttl_s: float,
+        group_ttl_s: float,
+    ) -> Record | None:
+        check_fields(fields)
+        previous = self._live(record_id)
+        if previous is not None and previous.group != group:
+            self._unindex(previous.group, record_id)
+        self._records[record_id] = (Record(group, dict(fields)), self._clock() + ttl_s)
+        self._touch(record_id, group, group_ttl_s)
+        return previous
 
-    async def add_member(self, set_key: str, member: str) -> None:
-        self._sets.setdefault(set_key, set()).add(member)
+    async def update_record(
+        self,
+        record_id: str,
+        fields: Mapping[str, str],
+        *,
+        ttl_s: float,
+        group_ttl_s: float,
+    ) -> Record | None:
+        check_fields(fields)
+        previous = self._live(record_id)
+        if previous is None:
+            return None
+        updated = Record(previous.group, {**previous.fields, **fields})
+        self._records[record_id] = (updated, self._clock() + ttl_s)
+        self._touch(record_id, previous.group, group_ttl_s)
+        return previous
 
-    async def remove_member(self, set_key: str, member: str) -> None:
-        self._sets.get(set_key, set()).discard(member)
+    async def delete_record(self, record_id: str) -> Record | None:
+        previous = self._live(record_id)
+        if previous is None:
+            return None
+        del self._records[record_id]
+        self._unindex(previous.group, record_id)
+        return previous
 
-    async def members(self, set_key: str) -> set[str]:
-        return set(self._sets.get(set_key, ()))
+    async def get_records(self, record_ids: Sequence[str]) -> list[Record | None]:
+        return [self._live(i) for i in record_ids]
 
-    async def is_member(self, set_key: str, member: str) -> bool:
-        return member in self._sets.get(set_key, ())
+    async def scan_group(self, group: str) -> GroupScan:
+        scan = GroupScan()
+        for record_id in sorted(self._members.get(group, ())):
+            record = self._live(record_id)
+            if record is not None and record.group == group:
+                scan.live[record_id] = record
+                continue
+            self._unindex(group, record_id)
+            if record is None:
+                scan.evicted.append(record_id)
+        return scan
 
-    async def incr(self, key: str) -> int:
-        self._counters[key] = self._counters.get(key, 0) + 1
-        return self._counters[key]
+    async def group_known(self, group: str) -> bool:
+        expires = self._group_expiry.get(group)
+        return expires is not None and self._clock() < expires
+
+    async def groups(self) -> list[str]:
+        now = self._clock()
+        return [g for g, expires in self._group_expiry.items() if now < expires]
+
+    async def expire(self) -> list[str]:
+        now = self._clock()
+        for record_id in [i for i, (_, expires) in self._records.items() if now >= expires]:
+            del self._records[record_id]
+        for key in [k for k, (_, expires) in self._counters.items() if _past(expires, now)]:
+            del self._counters[key]
+        forgotten = [g for g, expires in self._group_expiry.items() if now >= expires]
+        for group in forgotten:
+            del self._group_expiry[group]
+            self._members.pop(group, None)
+        return forgotten
+
+    async def incr(self, key: str, ttl_s: float | None = None) -> int:
+        now = self._clock()
+        value, expires = self._counters.get(key, (0, None))
+        if _past(expires, now):
+            value = 0
+        expires = now + ttl_s if ttl_s is not None else None
+        self._counters[key] = (value + 1, expires)
+        return value + 1
+
+
+def _past(expires: float | None, now: float) -> bool:
+    return expires is not None and now >= expires

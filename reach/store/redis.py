@@ -1,14 +1,143 @@
+"""The Redis backend: each store operation is one Lua script, so it is atomic across gateways.
+
+Key layout under `<prefix>:` — `rec:<id>` a hash (the caller's fields plus `_group`) with a
+key TTL, `grp:<group>` the set of its members' ids, `groups` a sorted set of group names scored
+by when each is forgotten (ms, Redis's own clock, so gateways' clocks never disagree),
+`ctr:<key>` counters. Scripts build the old group's key from the prefix, so all keys of one
+prefix must live on one server (no Redis Cluster without a `{hash tag}` prefix).
+
+Failure policy: a command that hits a ConnectionError (typically a pooled connection that a
+restarted Redis closed) is retried once on a fresh connection; a TimeoutError (a stuck Redis)
+is never retried, so callers get `Unavailable` within about `timeout_s`. The retry can run a
+script twice if the connection died after Redis ran it; every script here may run twice (a
+counter then skips one number, which round robin does not mind).
+"""
+
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import cast
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError, RedisError
 
 from reach.errors import Unavailable
-from reach.store.base import Store
+from reach.store.base import GROUP_FIELD, GroupScan, Record, Store, check_fields
+
+_HELPERS = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function group_of(flat)
+  for i = 1, #flat, 2 do
+    if flat[i] == '_group' then return flat[i + 1] end
+  end
+  return nil
+end
+"""
+
+# KEYS: record, new group's index, groups. ARGV: group-key prefix, id, group, ttl ms,
+# group ttl ms, field/value pairs...
+_PUT = (
+    _HELPERS
+    + """
+local previous = redis.call('HGETALL', KEYS[1])
+local old = group_of(previous)
+if old and old ~= ARGV[3] then redis.call('SREM', ARGV[1] .. old, ARGV[2]) end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], '_group', ARGV[3], unpack(ARGV, 6))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[5]), ARGV[3])
+return previous
+"""
+)
+
+# KEYS: record, groups. ARGV: group-key prefix, id, ttl ms, group ttl ms, field/value pairs...
+_UPDATE = (
+    _HELPERS
+    + """
+local previous = redis.call('HGETALL', KEYS[1])
+if #previous == 0 then return previous end
+if #ARGV >= 5 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local group = group_of(previous)
+if group then
+  redis.call('SADD', ARGV[1] .. group, ARGV[2])
+  redis.call('ZADD', KEYS[2], now_ms() + tonumber(ARGV[4]), group)
+end
+return previous
+"""
+)
+
+# KEYS: record. ARGV: group-key prefix, id.
+_DELETE = (
+    _HELPERS
+    + """
+local previous = redis.call('HGETALL', KEYS[1])
+if #previous == 0 then return previous end
+redis.call('DEL', KEYS[1])
+local group = group_of(previous)
+if group then redis.call('SREM', ARGV[1] .. group, ARGV[2]) end
+return previous
+"""
+)
+
+# KEYS: the group's index. ARGV: record-key prefix, group. Returns {{id, fields...}, evicted}.
+_SCAN = (
+    _HELPERS
+    + """
+local live, evicted = {}, {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local flat = redis.call('HGETALL', ARGV[1] .. id)
+  if #flat > 0 and group_of(flat) == ARGV[2] then
+    table.insert(live, id)
+    table.insert(live, flat)
+  elseif redis.call('SREM', KEYS[1], id) == 1 and #flat == 0 then
+    table.insert(evicted, id)
+  end
+end
+return {live, evicted}
+"""
+)
+
+# KEYS: groups. ARGV: group.
+_KNOWN = (
+    _HELPERS
+    + """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if score and tonumber(score) > now_ms() then return 1 end
+return 0
+"""
+)
+
+# KEYS: groups.
+_GROUPS = _HELPERS + "return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms(), '+inf')"
+
+# KEYS: groups. ARGV: group-key prefix.
+_EXPIRE = (
+    _HELPERS
+    + """
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms())
+for _, group in ipairs(gone) do
+  redis.call('DEL', ARGV[1] .. group)
+  redis.call('ZREM', KEYS[1], group)
+end
+return gone
+"""
+)
+
+# KEYS: counter. ARGV: ttl ms (0: none).
+_INCR = """
+local n = redis.call('INCR', KEYS[1])
+if tonumber(ARGV[1]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return n
+"""
 
 
 @contextlib.contextmanager
@@ -20,59 +149,130 @@ def _mapped(prefix: str) -> Iterator[None]:
         raise Unavailable(f"registry store (redis, prefix {prefix!r}) unavailable: {exc}") from exc
 
 
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _pairs(fields: Mapping[str, str]) -> list[str]:
+    check_fields(fields)
+    return [part for item in fields.items() for part in item]
+
+
+def _record(found: Sequence[str] | Mapping[str, str]) -> Record | None:
+    """A record from HGETALL: a dict from redis-py, a flat list from a script."""
+    if not found:
+        return None
+    if isinstance(found, Mapping):
+        values = dict(found)
+    else:
+        values = dict(zip(found[::2], found[1::2], strict=True))
+    group = values.pop(GROUP_FIELD, "")
+    return Record(group, values)
+
+
 class RedisStore(Store):
     """Keys live under `<prefix>:`; TTLs are Redis key expiries (they survive any gateway)."""
 
     def __init__(self, client: aioredis.Redis, prefix: str) -> None:
         self._r = client
         self._p = prefix
+        self._groups = self._k("groups")
+        # register_script runs EVALSHA and reloads the script after NOSCRIPT (a restarted
+        # or flushed Redis), so a restart costs one extra round trip, not an error.
+        self._put = client.register_script(_PUT)
+        self._update = client.register_script(_UPDATE)
+        self._delete = client.register_script(_DELETE)
+        self._scan = client.register_script(_SCAN)
+        self._known = client.register_script(_KNOWN)
+        self._list = client.register_script(_GROUPS)
+        self._expire = client.register_script(_EXPIRE)
+        self._incr = client.register_script(_INCR)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str) -> RedisStore:
-        return cls(
-            aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2),
-            prefix,
+    def from_url(cls, url: str, prefix: str, *, timeout_s: float = 1.0) -> RedisStore:
+        client = aioredis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            # redis-py 8.1 defaults: a `from_url` client never retries (the first command
+            # after a Redis restart fails on its dead pooled connection) and `Redis()` retries
+            # TimeoutError too, ten times with backoff (a stuck Redis hangs callers for
+            # seconds), both with 5 s socket timeouts. Here: once, at once, only when the
+            # connection dropped.
+            retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
         )
+        return cls(client, prefix)
 
     def _k(self, key: str) -> str:
         return f"{self._p}:{key}"
 
-    async def put(self, key: str, value: str, ttl_s: float | None = None) -> None:
-        px = max(1, int(ttl_s * 1000)) if ttl_s is not None else None
-        with _mapped(self._p):
-            await self._r.set(self._k(key), value, px=px)
+    def _rec(self, record_id: str) -> str:
+        return self._k(f"rec:{record_id}")
 
-    async def get_many(self, keys: Sequence[str]) -> list[str | None]:
-        if not keys:
+    def _grp(self, group: str) -> str:
+        return self._k(f"grp:{group}")
+
+    async def _run(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
+        with _mapped(self._p):
+            return await script(keys=keys, args=args)
+
+    async def put_record(
+        self,
+        record_id: str,
+        group: str,
+        fields: Mapping[str, str],
+        *,
+        ttl_s: float,
+        group_ttl_s: float,
+    ) -> Record | None:
+        keys = [self._rec(record_id), self._grp(group), self._groups]
+        args = [self._grp(""), record_id, group, _ms(ttl_s), _ms(group_ttl_s), *_pairs(fields)]
+        return _record(await self._run(self._put, keys, args))
+
+    async def update_record(
+        self,
+        record_id: str,
+        fields: Mapping[str, str],
+        *,
+        ttl_s: float,
+        group_ttl_s: float,
+    ) -> Record | None:
+        keys = [self._rec(record_id), self._groups]
+        args = [self._grp(""), record_id, _ms(ttl_s), _ms(group_ttl_s), *_pairs(fields)]
+        return _record(await self._run(self._update, keys, args))
+
+    async def delete_record(self, record_id: str) -> Record | None:
+        args = [self._grp(""), record_id]
+        return _record(await self._run(self._delete, [self._rec(record_id)], args))
+
+    async def get_records(self, record_ids: Sequence[str]) -> list[Record | None]:
+        if not record_ids:
             return []
         with _mapped(self._p):
-            values = await self._r.mget([self._k(k) for k in keys])
-        return cast(list[str | None], values)
+            async with self._r.pipeline(transaction=False) as pipe:
+                for record_id in record_ids:
+                    pipe.hgetall(self._rec(record_id))
+                found = await pipe.execute()
+        return [_record(values) for values in found]
 
-    async def delete(self, key: str) -> bool:
-        with _mapped(self._p):
-            return bool(await self._r.delete(self._k(key)))
+    async def scan_group(self, group: str) -> GroupScan:
+        live, evicted = await self._run(self._scan, [self._grp(group)], [self._rec(""), group])
+        records = {live[i]: _record(live[i + 1]) for i in range(0, len(live), 2)}
+        return GroupScan({i: r for i, r in sorted(records.items()) if r is not None}, evicted)
 
-    async def add_member(self, set_key: str, member: str) -> None:
-        with _mapped(self._p):
-            await self._r.sadd(self._k(set_key), member)
+    async def group_known(self, group: str) -> bool:
+        return bool(await self._run(self._known, [self._groups], [group]))
 
-    async def remove_member(self, set_key: str, member: str) -> None:
-        with _mapped(self._p):
-            await self._r.srem(self._k(set_key), member)
+    async def groups(self) -> list[str]:
+        return cast(list[str], await self._run(self._list, [self._groups], []))
 
-    async def members(self, set_key: str) -> set[str]:
-        with _mapped(self._p):
-            found = await self._r.smembers(self._k(set_key))
-        return cast(set[str], found)
+    async def expire(self) -> list[str]:
+        return cast(list[str], await self._run(self._expire, [self._groups], [self._grp("")]))
 
-    async def is_member(self, set_key: str, member: str) -> bool:
-        with _mapped(self._p):
-            return bool(await self._r.sismember(self._k(set_key), member))
-
-    async def incr(self, key: str) -> int:
-        with _mapped(self._p):
-            return int(await self._r.incr(self._k(key)))
+    async def incr(self, key: str, ttl_s: float | None = None) -> int:
+        ttl = _ms(ttl_s) if ttl_s is not None else 0
+        return int(await self._run(self._incr, [self._k(f"ctr:{key}")], [ttl]))
 
     async def ping(self) -> bool:
         try:

@@ -13,7 +13,7 @@ from reach.config import RegistrySettings
 from reach.errors import Unavailable, UnknownInstance
 from reach.registry import HealthReport, JoinRequest, Registry
 from reach.routing import RoundRobin
-from reach.store import MemoryStore, Store
+from reach.store import MemoryStore, Store, create_store
 from reach.store.redis import RedisStore
 
 pytestmark = pytest.mark.integration
@@ -97,3 +97,77 @@ async def test_redis_outage_is_a_typed_retryable_error() -> None:
         assert await dead.ping() is False
     finally:
         await dead.aclose()
+
+
+RETAINED = RegistrySettings(
+    heartbeat_timeout=0.4, heartbeat_interval=0.1, capability_retention_s=0.5
+)
+
+
+async def test_capability_is_forgotten_after_its_retention(store: Store) -> None:
+    reg = Registry(store, RETAINED)
+    await reg.join(join("a", "fading"))
+    await asyncio.sleep(0.3)
+    await reg.heartbeat("a", HealthReport())  # activity: retention counts from here
+    await asyncio.sleep(0.3)
+    assert await reg.known("fading")
+    assert await reg.leave("a")
+    assert await reg.known("fading")  # no instance: 503 no_instance, not 404
+    assert await reg.capabilities() == ["fading"]
+    await asyncio.sleep(0.55)
+    assert not await reg.known("fading")
+    assert await reg.capabilities() == []
+    await reg.sweep()
+    await reg.join(join("b", "fading"))  # a new join makes it known again
+    assert await reg.known("fading")
+    assert [i.instance_id for i in await reg.instances("fading")] == ["b"]
+
+
+async def test_round_robin_counters_expire(store: Store) -> None:
+    assert [await store.incr("k", ttl_s=0.2) for _ in range(3)] == [1, 2, 3]
+    await asyncio.sleep(0.25)
+    assert await store.incr("k", ttl_s=0.2) == 1
+    reg = Registry(store, SETTINGS)
+    await reg.join(join("a"))
+    await reg.join(join("b"))
+    rr = RoundRobin(store, ttl_s=0.2)
+    candidates = await reg.instances("retriever")
+    assert [(await rr.pick("retriever", candidates)).instance_id for _ in range(3)] == list("aba")
+    await asyncio.sleep(0.25)
+    assert (await rr.pick("retriever", candidates)).instance_id == "a"
+
+
+async def test_nothing_piles_up_after_a_sweep(store: Store, request: pytest.FixtureRequest) -> None:
+    reg = Registry(store, RETAINED)
+    for i in range(50):
+        await reg.join(join(f"i{i}", f"cap{i % 5}"))
+        await store.incr(f"rr:cap{i % 5}", ttl_s=0.5)
+    await asyncio.sleep(0.6)  # records, capabilities and counters all past their TTL
+    await reg.sweep()
+    if isinstance(store, MemoryStore):
+        assert (store._records, store._members, store._group_expiry, store._counters) == (
+            {},
+            {},
+            {},
+            {},
+        )
+    else:
+        import redis.asyncio as aioredis
+
+        prefix = request.getfixturevalue("redis_prefix")
+        async with aioredis.Redis.from_url(request.getfixturevalue("redis_url")) as raw:
+            assert [k async for k in raw.scan_iter(match=f"{prefix}:*")] == []
+
+
+async def test_create_store_passes_the_redis_timeout(redis_url: str, redis_prefix: str) -> None:
+    settings = RegistrySettings(
+        type="redis", redis_url=redis_url, key_prefix=redis_prefix, redis_timeout_s=0.7
+    )
+    store = create_store(settings)
+    try:
+        assert isinstance(store, RedisStore)
+        kwargs = store._r.connection_pool.connection_kwargs
+        assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (0.7, 0.7)
+        assert await store.ping()
+    finally:
+        await store.aclose()
