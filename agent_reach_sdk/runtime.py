@@ -12,7 +12,14 @@
 
 Activities run at least once, so a request can be delivered twice (a worker crashed between the
 agent's answer and the workflow recording it). The runtime remembers recent RequestIDs with their
-answers and answers a re-delivered request without running the operation again.
+answers and answers a re-delivered request without running the operation again. The memory is
+bounded twice: at most `remember` answers and `remember_bytes` bytes of them as sent, the oldest
+forgotten first; an answer bigger than `remember_bytes` on its own is not remembered at all.
+
+Results are sent as `reach.messages.dumps` encodes them, the encoding Reach measures with. A
+result larger than the `max_message_bytes` negotiated at Join is not sent (Reach could not carry
+it): the caller gets HTTP 500 `result_too_large` naming both sizes, marked not retryable (the
+same operation would produce the same result), and the agent's log says so.
 """
 
 from __future__ import annotations
@@ -37,13 +44,15 @@ from agent_reach_sdk.context import (
     install_request_id_logging,
 )
 from agent_reach_sdk.server import HttpAgentServer, HttpRequest, HttpResponse
+from reach.limits import DEFAULT_MAX_MESSAGE_BYTES
+from reach.messages import dumps
 
 log = logging.getLogger("agent_reach_sdk")
 
 OperationFunc = Callable[..., Any]
 HealthCheck = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
 
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+DEFAULT_REMEMBER_BYTES = 16 * 1024 * 1024
 
 
 class OperationError(Exception):
@@ -82,6 +91,7 @@ class AgentRuntime:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         async_callback: bool = True,
         remember: int = 4096,
+        remember_bytes: int = DEFAULT_REMEMBER_BYTES,
     ) -> None:
         if protocol != "http":
             raise ValueError(f"protocol {protocol!r} is not served by this SDK version; use 'http'")
@@ -100,7 +110,9 @@ class AgentRuntime:
         self._listen = listen or service_address
         self._operations: dict[str, OperationFunc] = {}
         self._remember = remember
+        self._remember_bytes = remember_bytes
         self._recent: OrderedDict[str, HttpResponse] = OrderedDict()
+        self._recent_size = 0  # bytes of the remembered answers, as sent
         self._inflight: dict[str, asyncio.Future[HttpResponse]] = {}
         self._server: HttpAgentServer | None = None
         self._client: httpx.AsyncClient | None = None
@@ -290,26 +302,41 @@ class AgentRuntime:
         error_type: str | None = None,
         error_message: str | None = None,
     ) -> None:
-        """Deliver the answer to a request this instance accepted with `ctx.defer()` (R3)."""
+        """Deliver the answer to a request this instance accepted with `ctx.defer()` (R3).
+
+        Raises `ValueError` for a result larger than the negotiated `max_message_bytes` (or
+        not standard JSON): Reach would refuse it, so it is not sent.
+        """
         body: dict[str, Any] = {"instance_id": self.instance_id}
         if error_type or error_message:
             body.update(status="error", error_type=error_type, error_message=error_message)
         else:
+            size = len(dumps(result or {}))
+            if size > self.max_message_bytes:
+                raise ValueError(
+                    f"the result for {request_id} is {size} bytes > negotiated "
+                    f"max_message_bytes {self.max_message_bytes}"
+                )
             body.update(status="success", result=result or {})
+        content = dumps(body)
         if self._client is not None:
-            await self._post_result(self._client, request_id, body)
+            await self._post_result(self._client, request_id, content)
             return
         # Not running (e.g. a restarted process answering an old request): a one-off client.
         async with self._reach_client() as client:
-            await self._post_result(client, request_id, body)
+            await self._post_result(client, request_id, content)
 
     @staticmethod
     async def _post_result(
-        client: httpx.AsyncClient, request_id: str, body: dict[str, Any], attempts: int = 8
+        client: httpx.AsyncClient, request_id: str, content: bytes, attempts: int = 8
     ) -> None:
         for attempt in range(attempts):
             try:
-                r = await client.post(f"/reach/requests/{request_id}/result", json=body)
+                r = await client.post(
+                    f"/reach/requests/{request_id}/result",
+                    content=content,
+                    headers={"Content-Type": "application/json"},
+                )
             except httpx.HTTPError as exc:
                 log.warning("late answer for %s not delivered (%r); retrying", request_id, exc)
             else:
@@ -350,21 +377,43 @@ class AgentRuntime:
         finally:
             self._inflight.pop(request_id, None)
         if response.status in (200, 202):
-            self._recent[request_id] = response
-            while len(self._recent) > self._remember:
-                self._recent.popitem(last=False)
+            self._keep(request_id, response)
         return response
+
+    def _keep(self, request_id: str, response: HttpResponse) -> None:
+        size = len(response.content())
+        if size > self._remember_bytes:
+            return  # it would push out everything else and still not fit
+        old = self._recent.pop(request_id, None)
+        if old is not None:
+            self._recent_size -= len(old.content())
+        self._recent[request_id] = response
+        self._recent_size += size
+        while len(self._recent) > self._remember or self._recent_size > self._remember_bytes:
+            _, dropped = self._recent.popitem(last=False)
+            self._recent_size -= len(dropped.content())
+
+    @property
+    def remembered(self) -> tuple[int, int]:
+        """How many answers the duplicate memory holds, and their bytes as sent."""
+        return len(self._recent), self._recent_size
 
     async def _execute(
         self, func: OperationFunc, name: str, request_id: str, request: HttpRequest
     ) -> HttpResponse:
         h = request.headers
-        deadline = int(h["x-reach-deadline-ms"]) if h.get("x-reach-deadline-ms") else None
+        try:
+            deadline = int(h["x-reach-deadline-ms"]) if h.get("x-reach-deadline-ms") else None
+            attempt = int(h.get("x-reach-attempt") or "1")
+        except ValueError:
+            return _error(
+                400, "invalid_request", "X-Reach-Deadline-Ms and X-Reach-Attempt are integers"
+            )
         ctx = RequestContext(
             request_id=request_id,
             operation=name,
             caller=h.get("x-reach-caller", "anonymous"),
-            attempt=int(h.get("x-reach-attempt", "1")),
+            attempt=attempt,
             deadline_ms=deadline,
             idempotency_key=h.get("idempotency-key"),
             headers=h,
@@ -394,7 +443,27 @@ class AgentRuntime:
             return HttpResponse(202, {"request_id": request_id, "status": "accepted"})
         if not isinstance(result, dict):
             result = {"value": result}
-        return HttpResponse(200, result)
+        response = HttpResponse(200, result)
+        try:
+            size = len(response.content())
+        except (TypeError, ValueError) as exc:
+            log.error("operation %s returned a result that is not standard JSON: %s", name, exc)
+            return _error(500, "agent_error", f"the result is not standard JSON: {exc}")
+        if size > self.max_message_bytes:
+            log.error(
+                "operation %s returned %d bytes, more than the negotiated max_message_bytes %d;"
+                " not sent",
+                name,
+                size,
+                self.max_message_bytes,
+            )
+            return _error(
+                500,
+                "result_too_large",
+                f"the result of {name} is {size} bytes > negotiated {self.max_message_bytes}",
+                retryable=False,
+            )
+        return response
 
     @staticmethod
     async def _call(func: OperationFunc, payload: Any, ctx: RequestContext) -> Any:
@@ -405,5 +474,10 @@ class AgentRuntime:
         return await asyncio.to_thread(func, *args)
 
 
-def _error(status: int, error_type: str, message: str) -> HttpResponse:
-    return HttpResponse(status, {"error": {"type": error_type, "message": message}})
+def _error(
+    status: int, error_type: str, message: str, *, retryable: bool | None = None
+) -> HttpResponse:
+    error: dict[str, Any] = {"type": error_type, "message": message}
+    if retryable is not None:
+        error["retryable"] = retryable
+    return HttpResponse(status, {"error": error})

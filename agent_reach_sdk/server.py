@@ -7,13 +7,14 @@ algorithm and delayed ACKs and cost ~40 ms per call.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
+
+from reach.messages import dumps
 
 log = logging.getLogger("agent_reach_sdk.server")
 
@@ -32,11 +33,19 @@ class HttpRequest:
 class HttpResponse:
     status: int
     body: dict[str, Any] | None = None
+    _content: bytes | None = field(default=None, init=False, repr=False, compare=False)
+
+    def content(self) -> bytes:
+        """The body as sent, encoded once (a remembered answer is sent again as it was).
+
+        Raises what `reach.messages.dumps` raises for a body that is not standard JSON.
+        """
+        if self._content is None:
+            self._content = dumps(self.body) if self.body is not None else b""
+        return self._content
 
     def encode(self, keep_alive: bool) -> bytes:
-        payload = (
-            json.dumps(self.body, separators=(",", ":")).encode() if self.body is not None else b""
-        )
+        payload = self.content()
         reason = HTTPStatus(self.status).phrase
         head = (
             f"HTTP/1.1 {self.status} {reason}\r\n"
@@ -46,6 +55,8 @@ class HttpResponse:
         )
         return head.encode() + payload
 
+
+INTERNAL_ERROR = HttpResponse(500, {"error": {"type": "agent_error", "message": "internal error"}})
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 
@@ -98,12 +109,11 @@ class HttpAgentServer:
                 keep_alive = request.headers.get("connection", "").lower() != "close"
                 try:
                     response = await self._handler(request)
+                    data = response.encode(keep_alive)  # a body that is not JSON fails here
                 except Exception:
                     log.exception("operation handler crashed")
-                    response = HttpResponse(
-                        500, {"error": {"type": "agent_error", "message": "internal error"}}
-                    )
-                writer.write(response.encode(keep_alive))
+                    data = INTERNAL_ERROR.encode(keep_alive)
+                writer.write(data)
                 await writer.drain()
                 if not keep_alive:
                     break

@@ -7,6 +7,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 from connectors.base import Connector
+from reach.config import TransportSettings
 
 ENTRY_POINT_GROUP = "agent_reach.connectors"
 
@@ -30,15 +31,16 @@ def load(protocol: str) -> type[Connector]:
 
 
 class ConnectorSet:
-    """One live connector per protocol, created on first use, closed together."""
+    """One live connector per protocol, built on first use with these settings, closed together."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: TransportSettings | None = None) -> None:
+        self.transport = transport
         self._live: dict[str, Connector] = {}
 
     def get(self, protocol: str) -> Connector:
         connector = self._live.get(protocol)
         if connector is None:
-            connector = load(protocol)()
+            connector = load(protocol)(self.transport)
             self._live[protocol] = connector
         return connector
 

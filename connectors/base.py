@@ -4,6 +4,10 @@ Shaped like httpx's transports: one async method that takes the standard message
 `Reply`, `aclose()`, and async-context-manager use. A connector raises only `reach.errors`
 exceptions (mapped from its library's exceptions in one place), so the policy engine can act on
 failures without knowing the protocol.
+
+A connector gets the transport settings once, at construction, and checks an agent's service
+address when the agent joins (`check_address`), so that an address it cannot call is refused
+there rather than failing every request routed to it.
 """
 
 from __future__ import annotations
@@ -12,12 +16,24 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import ClassVar, Self
 
+from reach.config import TransportSettings
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply
 
 
 class Connector(ABC):
     protocol: ClassVar[str]
+
+    def __init__(self, transport: TransportSettings | None = None) -> None:
+        self.transport = transport if transport is not None else TransportSettings()
+
+    @classmethod
+    def check_address(cls, address: str) -> str:
+        """The address normalized, or `reach.errors.InvalidRequest` naming what is wrong.
+
+        The default accepts any address as it is; a protocol with an address syntax checks it.
+        """
+        return address
 
     @abstractmethod
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
