@@ -27,6 +27,7 @@ from temporalio.api.operatorservice.v1 import (
     AddSearchAttributesRequest,
     ListSearchAttributesRequest,
 )
+from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
@@ -40,6 +41,7 @@ from reach.config import ConfigError, ReachSettings, load_settings
 from reach.registry import Registry
 from reach.routing import create_router
 from reach.store import Store, create_store
+from workflows.callback import DeliverCallbackWorkflow
 from workflows.invoke import SEARCH_ATTRIBUTES, InvokeWorkflow, capability_queue
 
 log = logging.getLogger("reach.worker")
@@ -103,6 +105,29 @@ async def ensure_search_attributes(client: Client, namespace: str) -> None:
         log.warning("could not check/register search attributes: %s", exc)
 
 
+async def announce_retention(client: Client, namespace: str) -> None:
+    """Say how long a RequestID stays deduplicated: as long as the namespace keeps the request.
+
+    After a closed workflow passes its namespace's retention, Temporal deletes it, and the same
+    RequestID would start a new request.
+    """
+    try:
+        desc = await client.workflow_service.describe_namespace(
+            DescribeNamespaceRequest(namespace=namespace)
+        )
+    except RPCError as exc:
+        log.warning("could not read namespace %s's retention: %s", namespace, exc)
+        return
+    hours = desc.config.workflow_execution_retention_ttl.ToTimedelta().total_seconds() / 3600
+    log.info(
+        "a RequestID is deduplicated until its request has been closed for %.0f h "
+        "(namespace %s retention; longer: temporal.dev_server.retention_hours, or the "
+        "cluster's namespace settings)",
+        hours,
+        namespace,
+    )
+
+
 @dataclass
 class Services:
     """What activities need, built once per process and closed together."""
@@ -122,8 +147,9 @@ class Services:
 def build_services(settings: ReachSettings) -> Services:
     store = create_store(settings.registry)
     registry = Registry(store, settings.registry, settings.transport)
-    connectors = ConnectorSet()
-    activities = ReachActivities(registry, create_router("round_robin", store), connectors)
+    connectors = ConnectorSet(settings.transport)
+    router = create_router("round_robin", store, settings.registry.capability_retention_s)
+    activities = ReachActivities(registry, router, connectors)
     return Services(settings, store, registry, connectors, activities)
 
 
@@ -142,7 +168,7 @@ def build_workers(
             Worker(
                 client,
                 task_queue=services.settings.temporal.task_queue,
-                workflows=[InvokeWorkflow],
+                workflows=[InvokeWorkflow, DeliverCallbackWorkflow],
                 activities=[acts.resolve, acts.call, acts.deliver_callback],
                 workflow_runner=SandboxedWorkflowRunner()
                 if sandbox
@@ -175,6 +201,7 @@ async def running_workers(workers: Sequence[Worker]) -> AsyncIterator[None]:
 async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence[str]) -> None:
     client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
     await ensure_search_attributes(client, client.namespace)
+    await announce_retention(client, client.namespace)
     services = build_services(settings)
     workers = build_workers(client, services, invoke=invoke, capabilities=capabilities)
     stop = asyncio.Event()

@@ -16,7 +16,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from connectors import ConnectorSet
-from reach.errors import NoInstance, ReachError, UnknownCapability
+from reach.errors import AgentError, InternalError, NoInstance, ReachError, UnknownCapability
 from reach.invocation import (
     ACTIVITY_CALL,
     ACTIVITY_DELIVER_CALLBACK,
@@ -36,9 +36,16 @@ HEARTBEAT_EVERY_S = 2.0
 
 
 def to_application_error(err: ReachError) -> ApplicationError:
-    return ApplicationError(
-        err.message, {"retryable": err.retryable}, type=err.type, non_retryable=True
-    )
+    details: dict[str, Any] = {"retryable": err.retryable}
+    if isinstance(err, AgentError) and err.fault is not None:
+        details["agent"] = err.fault.model_dump(exclude_none=True)
+    return ApplicationError(err.message, details, type=err.type, non_retryable=True)
+
+
+def _internal(what: str, exc: Exception) -> ApplicationError:
+    """A failure that is no Reach error is a bug here: typed, logged, never retried."""
+    log.exception("%s failed unexpectedly", what)
+    return to_application_error(InternalError(f"{what} failed inside Reach: {exc!r}"))
 
 
 class ReachActivities:
@@ -63,6 +70,8 @@ class ReachActivities:
             return await self._resolve(inp)
         except ReachError as err:
             raise to_application_error(err) from err
+        except Exception as exc:
+            raise _internal("resolve", exc) from exc
 
     async def _resolve(self, inp: ResolveInput) -> Endpoint:
         instances = await self.registry.instances(inp.capability)
@@ -91,25 +100,31 @@ class ReachActivities:
             capability=chosen.capability,
             protocol=chosen.protocol,
             address=chosen.address,
+            max_message_bytes=chosen.max_message_bytes,
         )
 
     @activity.defn(name=ACTIVITY_CALL)
     async def call(self, inp: CallInput) -> Reply:
-        connector = self.connectors.get(inp.endpoint.protocol)
-        work = connector.invoke(inp.endpoint, inp.message, inp.timeout_ms / 1000)
         try:
+            connector = self.connectors.get(inp.endpoint.protocol)
+            work = connector.invoke(inp.endpoint, inp.message, inp.timeout_ms / 1000)
             if activity.info().is_local:
                 return await work
             return await _heartbeating(work)
         except ReachError as err:
             raise to_application_error(err) from err
+        except Exception as exc:
+            raise _internal(f"call to {inp.endpoint.instance_id}", exc) from exc
 
     @activity.defn(name=ACTIVITY_DELIVER_CALLBACK)
-    async def deliver_callback(self, inp: CallbackInput) -> None:
+    async def deliver_callback(self, inp: CallbackInput) -> int:
+        """POST the envelope; return the attempt that was delivered (failures carry theirs)."""
         info = activity.info()
         response = inp.response
         try:
-            r = await self._http.post(
+            # Streamed and never read: only the status matters, whatever the receiver sends.
+            async with self._http.stream(
+                "POST",
                 inp.url,
                 content=response.model_dump_json(exclude_none=True),
                 headers={
@@ -120,16 +135,20 @@ class ReachActivities:
                 timeout=info.start_to_close_timeout.total_seconds()
                 if info.start_to_close_timeout
                 else 10.0,
-            )
+            ) as r:
+                pass
         except httpx.HTTPError as exc:
             raise ApplicationError(
-                f"callback {inp.url} unreachable: {exc!r}", type="transport_error"
+                f"callback {inp.url} unreachable: {exc!r}",
+                {"attempt": info.attempt},
+                type="transport_error",
             ) from exc
         if r.is_success:
-            return
+            return info.attempt
         permanent = 400 <= r.status_code < 500 and r.status_code not in (408, 425, 429)
         raise ApplicationError(
             f"callback {inp.url} answered HTTP {r.status_code}",
+            {"attempt": info.attempt},
             type="callback_rejected" if permanent else "callback_failed",
             non_retryable=permanent,
         )

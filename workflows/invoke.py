@@ -1,9 +1,16 @@
 """InvokeWorkflow: one durable request, keyed by its RequestID (workflow id = request_id).
 
 Resolve an instance, call it through its connector, wait for a late answer if the agent accepted
-the request (202), and deliver the callback if the caller gave one. The deadline (`deadline_ms`,
-fixed at acceptance) bounds every step. After a failure the workflow asks `reach.policy.next_step`
-whether to try again (after a durable timer, on another instance) or to report.
+the request (202), and hand the result to a callback delivery if the caller gave one. The
+deadline (`deadline_ms`, fixed at acceptance) bounds every step. After a failure the workflow
+asks `reach.policy.next_step` whether to try again (after a durable timer, on another instance)
+or to report.
+
+The result is final as soon as it is known: the workflow completes with it, and a callback is
+delivered by a workflow of its own (`DeliverCallbackWorkflow`, id `<request_id>/callback`), so a
+receiver that is down for an hour never holds the request open. A payload this workflow cannot
+decode fails it at once (a pydantic `ValidationError` is a workflow failure, not a task retried
+forever), and the gateway's execution timeout ends anything else that would outlive its deadline.
 
 In `inline` mode resolve and call run as local activities inside the first workflow task (the
 fast path); in `queue` mode they run on task queue `reach-cap-<capability>`, served by
@@ -16,8 +23,9 @@ import builtins
 from datetime import timedelta
 from typing import Any
 
+from pydantic import ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.common import RetryPolicy, SearchAttributeKey, WorkflowIDReusePolicy
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
@@ -27,17 +35,21 @@ from temporalio.exceptions import (
 )
 
 with workflow.unsafe.imports_passed_through():
+    from reach.errors import ERROR_TYPES, AgentFault
     from reach.invocation import (
         ACTIVITY_CALL,
         ACTIVITY_DELIVER_CALLBACK,
         ACTIVITY_RESOLVE,
         SIGNAL_LATE_ANSWER,
+        UPDATE_LATE_ANSWER,
+        WORKFLOW_INVOKE,
         CallbackInput,
         CallInput,
         Endpoint,
         InvokeInput,
         LateAnswer,
         ResolveInput,
+        delivery_workflow_id,
     )
     from reach.messages import (
         ErrorInfo,
@@ -49,6 +61,7 @@ with workflow.unsafe.imports_passed_through():
         RequestStatus,
     )
     from reach.policy import GiveUp, next_step
+    from workflows.callback import DeliverCallbackWorkflow
 
 
 SA_CALLER = SearchAttributeKey.for_keyword("ReachCaller")
@@ -59,6 +72,10 @@ SA_INSTANCE = SearchAttributeKey.for_keyword("ReachInstance")
 SEARCH_ATTRIBUTES = (SA_CALLER, SA_CAPABILITY, SA_OPERATION, SA_STATUS, SA_INSTANCE)
 
 ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
+# Requests accepted before callbacks had a workflow of their own deliver inline (replay only).
+PATCH_DELIVERY_WORKFLOW = "callback-delivery-workflow"
+# How long a callback delivery may outlive its retry window (the final attempt's own timeout).
+DELIVERY_GRACE = timedelta(minutes=5)
 
 
 def capability_queue(capability: str) -> str:
@@ -82,38 +99,81 @@ def _error_of(exc: FailureError, instance_id: str | None) -> _Failed:
             info = ErrorInfo(type="timeout", message="deadline reached", retryable=False)
     elif isinstance(cause, ApplicationError):
         details: Any = cause.details[0] if cause.details else {}
-        retryable = bool(details.get("retryable")) if isinstance(details, dict) else False
+        if not isinstance(details, dict):
+            details = {}
+        # The activities raise only Reach's own types; anything else is a bug in Reach.
+        known = cause.type in ERROR_TYPES
         info = ErrorInfo(
-            type=cause.type or "agent_error", message=cause.message, retryable=retryable
+            type=cause.type if known else "internal",
+            message=cause.message if known else f"{cause.type}: {cause.message}",
+            retryable=bool(details.get("retryable")),
+            agent=AgentFault.model_validate(details["agent"]) if details.get("agent") else None,
         )
     else:
-        info = ErrorInfo(type="agent_error", message=str(cause or exc), retryable=False)
+        info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
     return _Failed(info, instance_id)
 
 
-@workflow.defn(name="InvokeWorkflow")
+@workflow.defn(name=WORKFLOW_INVOKE, failure_exception_types=[ValidationError])
 class InvokeWorkflow:
     def __init__(self) -> None:
         self._late: LateAnswer | None = None
+        self._final: InvokeResponse | None = None
+
+    @workflow.update(name=UPDATE_LATE_ANSWER)
+    def submit_late_answer(self, answer: LateAnswer) -> str:
+        self._late = answer
+        return "received"
+
+    @submit_late_answer.validator
+    def _check_late_answer(self, answer: LateAnswer) -> None:
+        # A refused update leaves no trace in history: re-sent or stray answers cost nothing.
+        if self._late is not None:
+            if self._late == answer:
+                raise ApplicationError("this answer was already received", type="duplicate")
+            raise ApplicationError(
+                "another answer to this request was already received", type="request_closed"
+            )
+        if self._final is not None:
+            raise ApplicationError(
+                f"the request already ended ({self._final.status}); its result is final",
+                type="request_closed",
+            )
 
     @workflow.signal(name=SIGNAL_LATE_ANSWER)
     def late_answer(self, answer: LateAnswer) -> None:
-        # The first answer wins; a re-sent answer must not change what the caller got.
+        # Requests accepted before late answers were an update. The first answer wins.
         if self._late is None:
             self._late = answer
 
     @workflow.run
     async def run(self, inp: InvokeInput) -> InvokeResponse:
         response = await self._invoke(inp)
+        self._final = response
         workflow.upsert_search_attributes(
             [SA_STATUS.value_set(response.status)]
             + ([SA_INSTANCE.value_set(response.instance_id)] if response.instance_id else [])
         )
         if inp.callback:
-            await self._deliver(inp, inp.callback, response)
+            if workflow.patched(PATCH_DELIVERY_WORKFLOW):
+                await self._hand_to_delivery(inp, inp.callback, response)
+            else:
+                await self._deliver(inp, inp.callback, response)
         return response
 
+    async def _hand_to_delivery(self, inp: InvokeInput, url: str, response: InvokeResponse) -> None:
+        """Start the callback's own workflow; it outlives this one (parent close: abandon)."""
+        await workflow.start_child_workflow(
+            DeliverCallbackWorkflow.run,
+            CallbackInput(url=url, response=response, plan=inp.callback_plan),
+            id=delivery_workflow_id(inp.request_id),
+            parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            execution_timeout=timedelta(seconds=inp.callback_plan.retry_window_s) + DELIVERY_GRACE,
+        )
+
     async def _deliver(self, inp: InvokeInput, url: str, response: InvokeResponse) -> None:
+        """Inline delivery: only for requests accepted before `PATCH_DELIVERY_WORKFLOW`."""
         plan = inp.callback_plan
         try:
             await workflow.execute_activity(
@@ -285,9 +345,12 @@ class InvokeWorkflow:
         assert late is not None
         if late.status == "success":
             return self._envelope(inp, "success", result=late.result or {}, instance_id=instance_id)
+        # The agent's words go inside an agent_error; they never choose the caller's status.
+        words = late.error_message or "the agent reported a failure"
         error = ErrorInfo(
-            type=late.error_type or "agent_error",
-            message=late.error_message or "the agent reported a failure",
+            type="agent_error",
+            message=f"agent {instance_id} answered late with an error: {words}",
             retryable=False,
+            agent=AgentFault(type=late.error_type or "agent_error", message=words),
         )
         return self._envelope(inp, "error", error=error, instance_id=instance_id)

@@ -1,15 +1,19 @@
 """Record InvokeWorkflow histories for the replay test.
 
-    python -m tests.histories.record
+    python -m tests.histories.record            # record the cases that have no file yet
+    python -m tests.histories.record NAME ...   # (re-)record these cases
 
 Runs the workflow against a fresh dev server with scripted activities (replay never runs
 activities, so their stand-ins only shape the history) and writes one JSON file per path.
-Re-record only on purpose: the committed files are what requests in flight look like.
+Re-record only on purpose: the committed files are what requests in flight look like, and the
+oldest ones (e.g. `callback`, from before callbacks had a workflow of their own; `late-answer`,
+from before late answers were an update) keep the old code paths honest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +26,6 @@ from temporalio.worker import Worker
 
 from gateway_api.devserver import DevServer, free_port
 from reach.invocation import (
-    SIGNAL_LATE_ANSWER,
     CallbackInput,
     CallInput,
     CallPlan,
@@ -32,6 +35,7 @@ from reach.invocation import (
     ResolveInput,
 )
 from reach.messages import Reply
+from workflows.callback import DeliverCallbackWorkflow
 from workflows.invoke import InvokeWorkflow
 
 HERE = Path(__file__).parent
@@ -59,8 +63,8 @@ async def call(inp: CallInput) -> Reply:
 
 
 @activity.defn(name="reach.deliver_callback")
-async def deliver_callback(inp: CallbackInput) -> None:
-    return None
+async def deliver_callback(inp: CallbackInput) -> int:
+    return 1
 
 
 def _input(name: str, operation: str, **kw: Any) -> InvokeInput:
@@ -79,7 +83,16 @@ def _input(name: str, operation: str, **kw: Any) -> InvokeInput:
     )
 
 
-async def main() -> None:
+CASES = {
+    "success": ("query", {}),
+    "retry": ("flaky", {}),
+    "timeout": ("slow", {"timeout_ms": 300}),
+    "late-answer-update": ("defer", {}),
+    "callback-workflow": ("query", {"callback": "http://127.0.0.1:1/cb"}),
+}
+
+
+async def main(names: list[str]) -> None:
     port = free_port()
     server = DevServer(str(HERE / ".record.db"), port, None)
     server.start()
@@ -88,24 +101,20 @@ async def main() -> None:
         async with Worker(
             client,
             task_queue=QUEUE,
-            workflows=[InvokeWorkflow],
+            workflows=[InvokeWorkflow, DeliverCallbackWorkflow],
             activities=[resolve, call, deliver_callback],
         ):
-            cases = {
-                "success": _input("success", "query"),
-                "retry": _input("retry", "flaky"),
-                "timeout": _input("timeout", "slow", timeout_ms=300),
-                "late-answer": _input("late-answer", "defer"),
-                "callback": _input("callback", "query", callback="http://127.0.0.1:1/cb"),
-            }
-            for name, inp in cases.items():
+            for name in names:
+                operation, extra = CASES[name]
+                inp = _input(name, operation, **extra)
                 handle = await client.start_workflow(
                     InvokeWorkflow.run, inp, id=inp.request_id, task_queue=QUEUE
                 )
-                if name == "late-answer":
+                if operation == "defer":
                     await asyncio.sleep(0.3)
-                    await handle.signal(
-                        SIGNAL_LATE_ANSWER, LateAnswer(status="success", result={"late": True})
+                    await handle.execute_update(
+                        InvokeWorkflow.submit_late_answer,
+                        LateAnswer(status="success", result={"late": True}),
                     )
                 result = await handle.result()
                 history = await handle.fetch_history()
@@ -118,4 +127,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    chosen = sys.argv[1:] or [n for n in CASES if not (HERE / f"{n}.json").exists()]
+    asyncio.run(main(chosen))
