@@ -2,10 +2,12 @@
 
     python examples/knowledge_retriever.py --reach 127.0.0.1:7600 --instance-id retriever-01
 
-Operations: `query` ({"text", "top_k"} -> ranked passages) and `get_metadata`. Flags make it
-misbehave on purpose for demos and tests: --delay-ms (slow), --defer (answer 202, POST the result
-later), --health-file (read ok/degraded/unhealthy from a file at every heartbeat), --ledger (append
-every executed RequestID to a file, to check nothing runs twice).
+Operations: `query` ({"text", "top_k"} -> ranked passages), `get_metadata`, and `create` (a
+non-idempotent write: {"note"} -> a new note id). Flags make it misbehave on purpose for demos
+and tests: --delay-ms (slow), --defer (answer 202, POST the result later), --late-error TYPE
+(with --defer: answer late with an error of the agent's own TYPE), --reply-bytes N (pad every
+result with N bytes), --health-file (read ok/degraded/unhealthy from a file at every heartbeat),
+--ledger (append every executed RequestID to a file, to check nothing runs twice).
 """
 
 from __future__ import annotations
@@ -64,15 +66,23 @@ def build(args: argparse.Namespace) -> AgentRuntime:
 
     async def answer_later(request_id: str, result: dict[str, Any]) -> None:
         await asyncio.sleep(args.delay_ms / 1000)
-        await runtime.send_result(request_id, result)
+        if args.late_error:
+            await runtime.send_result(
+                request_id, error_type=args.late_error, error_message="the index is rebuilding"
+            )
+        else:
+            await runtime.send_result(request_id, result)
         log.info("late answer sent for %s", request_id)
+
+    def record(request_id: str) -> None:
+        if ledger:
+            with ledger.open("a") as f:
+                f.write(f"{request_id} {args.instance_id}\n")
 
     @runtime.operation("query")
     async def query(payload: dict[str, Any], ctx: RequestContext) -> Any:
         log.info("query from %s (attempt %d)", ctx.caller, ctx.attempt)
-        if ledger:
-            with ledger.open("a") as f:
-                f.write(f"{ctx.request_id} {args.instance_id}\n")
+        record(ctx.request_id)
         text = str(payload.get("text", ""))
         result = {
             "instance_id": args.instance_id,
@@ -80,6 +90,8 @@ def build(args: argparse.Namespace) -> AgentRuntime:
             "passages": rank(text, int(payload.get("top_k", 3))),
             "fingerprint": hashlib.sha256(text.encode()).hexdigest()[:12],
         }
+        if args.reply_bytes:
+            result["padding"] = "x" * args.reply_bytes
         if args.defer:
             task = asyncio.create_task(answer_later(ctx.request_id, result))
             pending.add(task)
@@ -88,6 +100,14 @@ def build(args: argparse.Namespace) -> AgentRuntime:
         if args.delay_ms:
             await asyncio.sleep(args.delay_ms / 1000)
         return result
+
+    @runtime.operation("create")
+    async def create(payload: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        log.info(
+            "create from %s (attempt %d, key %s)", ctx.caller, ctx.attempt, ctx.idempotency_key
+        )
+        record(ctx.request_id)
+        return {"instance_id": args.instance_id, "note_id": f"note-{ctx.request_id}"}
 
     @runtime.operation("get_metadata")
     def get_metadata(payload: dict[str, Any]) -> dict[str, Any]:
@@ -117,6 +137,8 @@ def main() -> None:
     p.add_argument("--heartbeat-interval", type=float, default=5.0)
     p.add_argument("--delay-ms", type=int, default=0)
     p.add_argument("--defer", action="store_true")
+    p.add_argument("--late-error", help="with --defer: answer late with this error type")
+    p.add_argument("--reply-bytes", type=int, default=0, help="pad each result with N bytes")
     p.add_argument("--health-file")
     p.add_argument("--ledger")
     args = p.parse_args()

@@ -14,12 +14,14 @@ from fastapi import FastAPI
 from temporalio.client import Client
 
 import reach
-from gateway_api.errors import install_error_handlers
+from gateway_api.errors import BodyLimit, install_error_handlers
 from gateway_api.routes import agents, health, invoke
 from gateway_api.service import Gateway
 from reach.config import ReachSettings
+from reach.limits import Limits
 from reach.registry import Registry
 from worker import (
+    announce_retention,
     build_services,
     build_workers,
     ensure_search_attributes,
@@ -46,6 +48,7 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await ensure_search_attributes(client, client.namespace)
+        await announce_retention(client, client.namespace)
         services = build_services(settings)
         # A memory registry is invisible to other processes, so queue-mode capabilities are
         # served here too; with Redis, `worker.py --capability` processes serve them.
@@ -79,6 +82,7 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=Limits(settings.transport.max_message_bytes).max_body_bytes)
     app.include_router(invoke.router)
     app.include_router(agents.router)
     app.include_router(health.router)

@@ -159,7 +159,13 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
     # uvicorn re-raises the signal it stopped on; SIGTERM's default action would kill this
     # process before it stops its children, so SIGTERM takes the Ctrl-C path instead.
     signal.signal(signal.SIGTERM, _interrupt)
-    server = DevServer(dev.db_filename, dev.port, ui_port, log_file=log_dir / "temporal.log")
+    server = DevServer(
+        dev.db_filename,
+        dev.port,
+        ui_port,
+        log_file=log_dir / "temporal.log",
+        retention_hours=dev.retention_hours,
+    )
     print(
         f"starting Temporal dev server on 127.0.0.1:{dev.port} ({dev.db_filename}) ...", flush=True
     )

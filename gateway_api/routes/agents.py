@@ -2,12 +2,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 import connectors
-from gateway_api.deps import GatewayDep
+from gateway_api.deps import CapabilityPath, GatewayDep, InstanceIdPath, json_body
+from reach import acceptance
 from reach.errors import InvalidRequest, UnknownCapability, UnknownInstance
+from reach.messages import ErrorResponse
 from reach.registry import Ack, HealthReport, InstanceRecord, JoinRequest
 
 router = APIRouter(prefix="/reach", tags=["agents"])
@@ -35,19 +37,32 @@ class CapabilityDetail(BaseModel):
 
 
 _ERR: dict[int | str, dict[str, Any]] = {
-    404: {"description": "Unknown instance (join again) or capability"},
-    422: {"description": "Invalid body or unknown protocol"},
-    503: {"description": "The registry store is unavailable"},
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in {
+        404: "Unknown instance (join again) or capability",
+        413: "Body larger than the limit",
+        422: "Invalid body, path parameter, address or protocol",
+        500: "A bug in Reach",
+        503: "The registry store is unavailable",
+    }.items()
 }
 
 
-@router.post("/agents", response_model=Ack, responses=_ERR, summary="Join: register an instance")
-async def join(body: JoinRequest, gateway: GatewayDep) -> Ack:
+@router.post(
+    "/agents",
+    response_model=Ack,
+    responses=_ERR,
+    summary="Join: register an instance",
+    openapi_extra=json_body(JoinRequest, "The instance's proposal (R8)"),
+)
+async def join(request: Request, gateway: GatewayDep) -> Ack:
+    body = acceptance.join_request(await request.body(), gateway.limits)
     known = connectors.available()
     if body.protocol not in known:
         raise InvalidRequest(
             f"protocol {body.protocol!r} has no connector; known: {', '.join(sorted(known))}"
         )
+    body.service_address = connectors.load(body.protocol).check_address(body.service_address)
     return await gateway.registry.join(body)
 
 
@@ -56,8 +71,14 @@ async def join(body: JoinRequest, gateway: GatewayDep) -> Ack:
     response_model=HeartbeatAck,
     responses=_ERR,
     summary="Heartbeat with a health report",
+    openapi_extra=json_body(
+        HealthReport, "A light self-check (R21); no body means ok", required=False
+    ),
 )
-async def heartbeat(instance_id: str, body: HealthReport, gateway: GatewayDep) -> HeartbeatAck:
+async def heartbeat(
+    instance_id: InstanceIdPath, request: Request, gateway: GatewayDep
+) -> HeartbeatAck:
+    body = acceptance.health_report(await request.body(), gateway.limits)
     record = await gateway.registry.heartbeat(instance_id, body)
     return HeartbeatAck(
         instance_id=instance_id, status=record.status, heartbeat_interval=record.heartbeat_interval
@@ -67,7 +88,7 @@ async def heartbeat(instance_id: str, body: HealthReport, gateway: GatewayDep) -
 @router.delete(
     "/agents/{instance_id}", status_code=204, responses=_ERR, summary="Leave: deregister"
 )
-async def leave(instance_id: str, gateway: GatewayDep) -> Response:
+async def leave(instance_id: InstanceIdPath, gateway: GatewayDep) -> Response:
     if not await gateway.registry.leave(instance_id):
         raise UnknownInstance(f"instance {instance_id!r} is not registered")
     return Response(status_code=204)
@@ -76,7 +97,7 @@ async def leave(instance_id: str, gateway: GatewayDep) -> Response:
 @router.get(
     "/capabilities",
     response_model=CapabilityList,
-    responses={503: _ERR[503]},
+    responses={500: _ERR[500], 503: _ERR[503]},
     summary="Capabilities and instances",
 )
 async def list_capabilities(gateway: GatewayDep) -> CapabilityList:
@@ -99,7 +120,7 @@ async def list_capabilities(gateway: GatewayDep) -> CapabilityList:
     responses=_ERR,
     summary="One capability",
 )
-async def get_capability(name: str, gateway: GatewayDep) -> CapabilityDetail:
+async def get_capability(name: CapabilityPath, gateway: GatewayDep) -> CapabilityDetail:
     if not await gateway.registry.known(name):
         raise UnknownCapability(f"no agent has ever registered capability {name!r}")
     return CapabilityDetail(name=name, instances=await gateway.registry.instances(name))

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from temporalio.service import RPCError
@@ -7,6 +9,8 @@ from temporalio.service import RPCError
 from gateway_api.deps import GatewayDep
 
 router = APIRouter(tags=["health"])
+
+READY_CHECK_S = 2.0
 
 
 @router.get("/healthz", summary="Liveness: the process answers")
@@ -22,9 +26,12 @@ async def healthz() -> dict[str, str]:
 async def readyz(gateway: GatewayDep) -> JSONResponse:
     checks: dict[str, bool] = {}
     try:
-        checks["temporal"] = await gateway.client.service_client.check_health()
-    except RPCError:
+        checks["temporal"] = await asyncio.wait_for(
+            gateway.client.service_client.check_health(), READY_CHECK_S
+        )
+    except (RPCError, TimeoutError):
         checks["temporal"] = False
+    # The store's own socket timeout bounds this one (registry.redis_timeout_s).
     checks["registry"] = await gateway.registry.store.ping()
     ok = all(checks.values())
     return JSONResponse(

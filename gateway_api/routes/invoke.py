@@ -4,34 +4,49 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
-from gateway_api.deps import CallerDep, GatewayDep, TraceparentDep
+from gateway_api.deps import CallerDep, GatewayDep, RequestIdPath, TraceparentDep, json_body
 from gateway_api.errors import envelope_response
+from reach import acceptance
+from reach.acceptance import LateAnswerBody
 from reach.errors import http_status_for
-from reach.invocation import LateAnswer
-from reach.messages import InvokeRequest, InvokeResponse, new_request_id
+from reach.messages import ErrorResponse, InvokeRequest, InvokeResponse, new_request_id
 
 router = APIRouter(prefix="/reach", tags=["invoke"])
 
+_TEXT = {
+    200: "The request's envelope",
+    202: "Accepted: the result will be POSTed to the callback URL",
+    404: "Unknown capability or request",
+    409: "A repeated request_id with another body, or a late answer after the end",
+    413: "Body or payload larger than the limit",
+    422: "Invalid request: the message names the field or header",
+    500: "A bug in Reach (never an agent's failure)",
+    502: "The agent failed or could not be reached (agent_error, transport_error)",
+    503: "No healthy instance, or Temporal/registry unavailable (Retry-After)",
+    504: "No answer within timeout_ms (status timeout), or no verdict yet (status running)",
+}
 
-def _codes(*codes: int) -> dict[int | str, dict[str, Any]]:
-    text = {
-        202: "Accepted: the result will be POSTed to the callback URL",
-        404: "Unknown capability or request",
-        409: "The request already finished",
-        413: "Payload larger than the negotiated maximum",
-        422: "Invalid request body",
-        502: "The agent failed or could not be reached",
-        503: "No healthy instance, circuit open, or Temporal/registry unavailable",
-        504: "No answer within timeout_ms",
-        500: "The request ended without a result",
+
+def _codes(*codes: int) -> dict[int | str, Any]:
+    return {
+        c: {"model": InvokeResponse if c < 300 else ErrorResponse, "description": _TEXT[c]}
+        for c in codes
     }
-    return {c: {"model": InvokeResponse, "description": text[c]} for c in codes}
 
 
-def status_code_of(response: InvokeResponse) -> int:
+class LateAnswerAck(BaseModel):
+    request_id: str
+    status: str
+
+
+def status_code_of(response: InvokeResponse, *, running: int = 200) -> int:
+    """The HTTP status of an envelope: only Reach's own error types decide it."""
     if response.status == "accepted":
         return 202
+    if response.status == "running":
+        return running
     if response.status == "timeout":
         return 504
     if response.status == "error" and response.error:
@@ -42,29 +57,31 @@ def status_code_of(response: InvokeResponse) -> int:
 @router.post(
     "/invoke",
     response_model=InvokeResponse,
-    responses=_codes(202, 404, 413, 422, 500, 502, 503, 504),
+    responses=_codes(202, 404, 409, 413, 422, 500, 502, 503, 504),
     summary="Invoke a capability by name (sync without callback, 202 with one)",
+    openapi_extra=json_body(InvokeRequest, "The standard request (R9)"),
 )
 async def invoke(
-    body: InvokeRequest,
     request: Request,
     gateway: GatewayDep,
     caller: CallerDep,
     traceparent: TraceparentDep,
 ) -> JSONResponse:
+    body, payload_json = acceptance.invoke_request(await request.body(), gateway.limits)
     body.request_id = body.request_id or new_request_id()
     request.state.request_id = body.request_id
-    response = await gateway.invoke(body, caller, traceparent)
-    return envelope_response(response, status_code_of(response))
+    response = await gateway.invoke(body, payload_json, caller, traceparent)
+    # A sync caller still without a verdict at the deadline gets a gateway timeout.
+    return envelope_response(response, status_code_of(response, running=504))
 
 
 @router.get(
     "/requests/{request_id}",
     response_model=InvokeResponse,
-    responses=_codes(404, 500, 502, 503, 504),
-    summary="Status and result of any request",
+    responses=_codes(404, 422, 500, 502, 503, 504),
+    summary="Status and result of any request, and its callback delivery",
 )
-async def get_request(request_id: str, gateway: GatewayDep) -> JSONResponse:
+async def get_request(request_id: RequestIdPath, gateway: GatewayDep) -> JSONResponse:
     response = await gateway.status(request_id)
     return envelope_response(response, status_code_of(response))
 
@@ -72,11 +89,14 @@ async def get_request(request_id: str, gateway: GatewayDep) -> JSONResponse:
 @router.post(
     "/requests/{request_id}/result",
     status_code=202,
-    responses=_codes(404, 409, 413, 422, 503),
+    response_model=LateAnswerAck,
+    responses=_codes(404, 409, 413, 422, 500, 503),
     summary="An agent's late (asynchronous) answer to a request it accepted with 202",
+    openapi_extra=json_body(LateAnswerBody, "The agent's answer"),
 )
 async def post_late_result(
-    request_id: str, answer: LateAnswer, gateway: GatewayDep
-) -> dict[str, str]:
-    await gateway.late_answer(request_id, answer)
-    return {"request_id": request_id, "status": "received"}
+    request_id: RequestIdPath, request: Request, gateway: GatewayDep
+) -> LateAnswerAck:
+    answer = acceptance.late_answer(await request.body(), gateway.limits)
+    verdict = await gateway.late_answer(request_id, answer)
+    return LateAnswerAck(request_id=request_id, status=verdict)

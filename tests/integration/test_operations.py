@@ -132,21 +132,41 @@ async def test_callback_rejected_with_4xx_is_not_retried_and_the_result_stays(
 
 
 async def test_non_idempotent_operation_with_a_key_is_retried_elsewhere(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
-    agents = await start_agents(gateway, capability, 2)
-    agents[0].proc.kill()
-    seen = set()
+    """R13: `create` is not idempotent; with an idempotency_key it is retried (once, elsewhere),
+    without one it is reported at once."""
+    ledger = tmp_path / "ledger.txt"
+    agents = await start_agents(gateway, capability, 2, "--ledger", str(ledger))
+    agents[0].proc.kill()  # still registered: round robin sends it every other attempt
+    retried = []
     for _ in range(2):
         r = await http.post(
             f"{gateway.url}/reach/invoke",
             json={
                 "target": capability,
-                "operation": "query",
-                "payload": {},
+                "operation": "create",
+                "payload": {"note": "hello"},
                 "idempotency_key": f"k-{uuid.uuid4().hex}",
             },
         )
         assert r.status_code == 200, r.text
-        seen.add(r.json()["instance_id"])
-    assert seen == {agents[1].instance_id}
+        assert r.json()["instance_id"] == agents[1].instance_id
+        retried.append(r.json()["request_id"])
+    # At least one of the two first went to the dead instance and was retried on the live one.
+    log = gateway.proc.output().splitlines()
+    assert any(
+        "failed (transport_error); retrying" in line and any(rid in line for rid in retried)
+        for line in log
+    )
+    executed = [line.split()[0] for line in ledger.read_text().splitlines()]
+    assert executed == retried  # each ran once, on the live instance
+    # Without a key, the same failure is reported, never retried.
+    outcomes = []
+    for _ in range(2):
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json={"target": capability, "operation": "create", "payload": {"note": "x"}},
+        )
+        outcomes.append((r.status_code, r.json().get("error", {}).get("type")))
+    assert (502, "transport_error") in outcomes, outcomes

@@ -32,7 +32,7 @@ async def test_join_negotiates_parameters(gateway: Gateway, http: httpx.AsyncCli
     ack = r.json()
     assert ack["heartbeat_timeout"] == 3.0  # the test stack's setting
     assert ack["heartbeat_interval"] == 1.5  # clamped: two heartbeats fit in one timeout
-    assert ack["max_message_bytes"] == 4 * 1024 * 1024  # the smaller of the two
+    assert ack["max_message_bytes"] == 1024 * 1024  # the smaller of the two
     assert ack["async_callback"] is True
     hb = await http.put(f"{gateway.url}/reach/agents/neg-01/heartbeat", json={"status": "degraded"})
     assert hb.status_code == 200

@@ -30,3 +30,20 @@ def test_http_connector_is_registered_as_an_entry_point() -> None:
 def test_unknown_protocol_fails_loudly_with_the_known_names() -> None:
     with pytest.raises(LookupError, match=r"'smoke-signals'.*known: http"):
         connectors.load("smoke-signals")
+
+
+def test_the_sdk_still_says_whether_start_workflow_started_the_workflow() -> None:
+    """The gateway tells a repeat from a first request by the start response's `started` flag,
+    which the Temporal SDK keeps on the handle as `_start_workflow_response`."""
+    from temporalio.api.workflowservice.v1 import StartWorkflowExecutionResponse
+    from temporalio.client import WorkflowHandle
+
+    from gateway_api.service import started_here
+
+    for started in (True, False):
+        handle: WorkflowHandle[object, object] = WorkflowHandle(
+            None,  # type: ignore[arg-type]
+            "id",
+            start_workflow_response=StartWorkflowExecutionResponse(started=started),
+        )
+        assert started_here(handle) is started

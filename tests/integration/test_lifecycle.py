@@ -1,0 +1,341 @@
+"""A request's life: its result is final as soon as it is known, callback delivery is a fact of
+its own, repeats and late answers behave by the final result, and nothing lives forever."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from agent_reach_sdk.server import HttpAgentServer, HttpRequest, HttpResponse
+from reach.invocation import CallPlan, InvokeInput
+from tests.helpers import CallbackReceiver, Gateway, start_agents, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def body(capability: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "target": capability,
+        "operation": "query",
+        "payload": {"text": "final"},
+        "timeout_ms": 5000,
+        **extra,
+    }
+
+
+async def read(http: httpx.AsyncClient, gateway: Gateway, rid: str) -> dict[str, Any]:
+    r = await http.get(f"{gateway.url}/reach/requests/{rid}")
+    data: dict[str, Any] = r.json()
+    return data
+
+
+async def test_result_is_final_while_the_callback_is_still_retried(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    """Before: the request read `running` for the whole retry window (up to an hour), a late
+    answer was accepted and dropped, and a sync repeat waited for an invented 504."""
+    await start_agents(gateway, capability, 1)
+    async with CallbackReceiver(fail_first=10**9, fail_status=503) as receiver:
+        rid = f"req-{uuid.uuid4().hex}"
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json=body(capability, request_id=rid, callback=receiver.url),
+        )
+        assert r.status_code == 202, r.text
+
+        async def result_final_and_delivery_retried() -> bool:
+            data = await read(http, gateway, rid)
+            return data["status"] == "success" and data["delivery"]["attempts"] >= 2
+
+        await wait_until(result_final_and_delivery_retried, 15)
+        data = await read(http, gateway, rid)
+        assert data["result"]["request_id"] == rid
+        assert data["delivery"]["status"] == "pending"
+        assert data["delivery"]["url"] == receiver.url
+        assert "503" in data["delivery"]["last_error"]
+
+        # A synchronous repeat (no callback) gets the final result at once.
+        start = time.monotonic()
+        again = await http.post(
+            f"{gateway.url}/reach/invoke", json=body(capability, request_id=rid)
+        )
+        assert again.status_code == 200, again.text
+        assert again.json()["result"] == data["result"]
+        assert time.monotonic() - start < 2.0
+        # The same async repeat is accepted again (it attaches; nothing runs twice).
+        same = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json=body(capability, request_id=rid, callback=receiver.url),
+        )
+        assert same.status_code == 202, same.text
+        # A late answer now is refused: the result is final.
+        late = await http.post(
+            f"{gateway.url}/reach/requests/{rid}/result",
+            json={"status": "success", "result": {"other": True}},
+        )
+        assert late.status_code == 409, late.text
+        assert late.json()["error"]["type"] == "request_closed"
+
+
+async def test_delivered_and_given_up_deliveries_are_visible(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(gateway, capability, 1)
+    async with CallbackReceiver() as ok, CallbackReceiver(fail_first=5, fail_status=410) as gone:
+        ids = {}
+        for name, receiver in (("ok", ok), ("gone", gone)):
+            ids[name] = f"req-{uuid.uuid4().hex}"
+            r = await http.post(
+                f"{gateway.url}/reach/invoke",
+                json=body(capability, request_id=ids[name], callback=receiver.url),
+            )
+            assert r.status_code == 202
+
+        async def settled() -> bool:
+            states = [(await read(http, gateway, rid))["delivery"] for rid in ids.values()]
+            return all(s["status"] != "pending" for s in states)
+
+        await wait_until(settled, 15)
+        delivered = await read(http, gateway, ids["ok"])
+        assert delivered["status"] == "success"
+        assert delivered["delivery"] == {"url": ok.url, "status": "delivered", "attempts": 1}
+        given_up = await read(http, gateway, ids["gone"])
+        assert given_up["status"] == "success"  # the result is not lost
+        assert given_up["delivery"]["status"] == "given_up"
+        assert given_up["delivery"]["attempts"] == 1  # a 410 is not retried
+        assert "410" in given_up["delivery"]["last_error"]
+        assert len(ok.received) == 1
+
+
+async def test_a_repeat_must_be_the_same_request(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    """Before: a repeat that added a callback got 202 and never a callback; a repeat with
+    another payload silently got the first one's result."""
+    await start_agents(gateway, capability, 1)
+    rid = f"req-{uuid.uuid4().hex}"
+    first = await http.post(f"{gateway.url}/reach/invoke", json=body(capability, request_id=rid))
+    assert first.status_code == 200, first.text
+    async with CallbackReceiver() as receiver:
+        added = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json=body(capability, request_id=rid, callback=receiver.url),
+        )
+        assert added.status_code == 409, added.text
+        assert added.json()["error"]["type"] == "request_conflict"
+        assert "without a callback" in added.json()["error"]["message"]
+    other = await http.post(
+        f"{gateway.url}/reach/invoke",
+        json=body(capability, request_id=rid, payload={"text": "something else"}),
+    )
+    assert other.status_code == 409, other.text
+    assert other.json()["error"]["type"] == "request_conflict"
+    other_caller = await http.post(
+        f"{gateway.url}/reach/invoke",
+        json=body(capability, request_id=rid),
+        headers={"X-Reach-Caller": "someone-else"},
+    )
+    assert other_caller.status_code == 409
+    same = await http.post(f"{gateway.url}/reach/invoke", json=body(capability, request_id=rid))
+    assert same.status_code == 200
+    assert same.json() == first.json()
+
+
+async def test_an_agents_late_error_type_never_chooses_the_status(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    """Before: a late error_type of 'not_found' made the caller's answer a 404."""
+    await start_agents(gateway, capability, 1, "--defer", "--late-error", "not_found")
+    r = await http.post(f"{gateway.url}/reach/invoke", json=body(capability))
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["type"] == "agent_error"
+    assert error["agent"] == {"type": "not_found", "message": "the index is rebuilding"}
+    assert r.json()["instance_id"] == f"{capability}-00"
+
+
+async def test_late_answers_first_wins_resend_is_a_duplicate(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(gateway, capability, 1, "--defer", "--delay-ms", "4000")
+    rid = f"req-{uuid.uuid4().hex}"
+    call = asyncio.create_task(
+        http.post(f"{gateway.url}/reach/invoke", json=body(capability, request_id=rid))
+    )
+
+    async def running() -> bool:
+        return (await read(http, gateway, rid)).get("status") == "running"
+
+    await wait_until(running, 5)
+    url = f"{gateway.url}/reach/requests/{rid}/result"
+    answer = {"status": "success", "result": {"answer": 1}}
+    first = await http.post(url, json=answer)
+    assert first.status_code == 202, first.text
+    assert first.json() == {"request_id": rid, "status": "received"}
+    resent = await http.post(url, json=answer)
+    assert resent.status_code == 202, resent.text
+    assert resent.json()["status"] == "duplicate"
+    r = await call
+    assert r.status_code == 200, r.text
+    assert r.json()["result"] == {"answer": 1}
+    # After the end: the same answer is still a duplicate, another one is refused.
+    assert (await http.post(url, json=answer)).json()["status"] == "duplicate"
+    other = await http.post(url, json={"status": "success", "result": {"answer": 2}})
+    assert other.status_code == 409
+    assert other.json()["error"]["type"] == "request_closed"
+
+
+class BigReplyAgent:
+    """A non-SDK agent that answers with more than it negotiated (the SDK would refuse to)."""
+
+    def __init__(self, reply_bytes: int) -> None:
+        self.reply = {"padding": "x" * reply_bytes}
+        self.server = HttpAgentServer(self._handle, "127.0.0.1", 0, 1 << 20)
+
+    async def _handle(self, request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, self.reply)
+
+
+async def test_a_reply_over_the_negotiated_size_is_a_typed_agent_error(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    """Before: the reply broke Temporal's payload limit; the caller got a 504 and the final
+    record said `timeout` with no instance."""
+    agent = BigReplyAgent(1_200_000)
+    await agent.server.start()
+    try:
+        r = await http.post(
+            f"{gateway.url}/reach/agents",
+            json={
+                "capability": capability,
+                "instance_id": f"{capability}-big",
+                "service_address": f"127.0.0.1:{agent.server.port}",
+                "max_message_bytes": 1_000_000,
+            },
+        )
+        assert r.status_code == 200, r.text
+        rid = f"req-{uuid.uuid4().hex}"
+        r = await http.post(f"{gateway.url}/reach/invoke", json=body(capability, request_id=rid))
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["type"] == "agent_error"
+        assert r.json()["error"]["retryable"] is False
+        assert "1000000" in r.json()["error"]["message"]
+        final = await read(http, gateway, rid)
+        assert final["status"] == "error"
+        assert final["instance_id"] == f"{capability}-big"
+    finally:
+        await agent.server.close()
+
+
+async def test_a_large_result_within_the_limit_goes_end_to_end(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(gateway, capability, 1, "--reply-bytes", "900000")
+    async with CallbackReceiver() as receiver:
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json=body(capability, payload={"text": "y" * 900_000}, callback=receiver.url),
+        )
+        assert r.status_code == 202, r.text
+        await receiver.wait(1)
+        assert len(receiver.received[0][1]["result"]["padding"]) == 900_000
+
+
+async def _client(gateway: Gateway) -> Client:
+    return await Client.connect(gateway.stack.temporal, data_converter=pydantic_data_converter)
+
+
+async def test_input_the_workflow_cannot_decode_ends_typed_not_stuck(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    """A backstop behind the door: a workflow whose input fails to decode fails at once with a
+    typed, final status, instead of retrying its task forever."""
+    client = await _client(gateway)
+    rid = f"req-{uuid.uuid4().hex}"
+    await client.start_workflow(
+        "InvokeWorkflow",
+        {"request_id": rid, "plan": "not a plan"},
+        id=rid,
+        task_queue=gateway.stack.task_queue,
+    )
+
+    async def ended() -> bool:
+        return (await read(http, gateway, rid))["status"] != "running"
+
+    await wait_until(ended, 10)
+    r = await http.get(f"{gateway.url}/reach/requests/{rid}")
+    assert r.status_code == 500
+    assert r.json()["status"] == "error"
+    assert r.json()["error"]["type"] == "internal"
+    assert "failed inside Reach" in r.json()["error"]["message"]
+
+
+async def test_every_request_has_a_bounded_life(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(gateway, capability, 1)
+    rid = f"req-{uuid.uuid4().hex}"
+    r = await http.post(
+        f"{gateway.url}/reach/invoke", json=body(capability, request_id=rid, timeout_ms=1234)
+    )
+    assert r.status_code == 200
+    desc = await (await _client(gateway)).get_workflow_handle(rid).describe()
+    lifetime = desc.raw_description.execution_config.workflow_execution_timeout.ToTimedelta()
+    assert lifetime == timedelta(milliseconds=1234, seconds=60)  # + temporal.execution_grace_s
+
+
+async def test_a_workflow_that_outlives_its_life_reads_as_a_timeout(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    """No worker ever takes it (an unserved queue): Temporal ends it, and the request reads as
+    a typed, final timeout rather than `running` for good."""
+    client = await _client(gateway)
+    rid = f"req-{uuid.uuid4().hex}"
+    now = int(time.time() * 1000)
+    await client.start_workflow(
+        "InvokeWorkflow",
+        InvokeInput(
+            request_id=rid,
+            caller="t",
+            target="nobody",
+            operation="query",
+            accepted_at_ms=now,
+            deadline_ms=now + 500,
+            plan=CallPlan(timeout_ms=500, idempotent=True, max_retries=0),
+        ),
+        id=rid,
+        task_queue=f"unserved-{uuid.uuid4().hex[:6]}",
+        execution_timeout=timedelta(seconds=1),
+    )
+
+    async def ended() -> bool:
+        return (await read(http, gateway, rid))["status"] != "running"
+
+    await wait_until(ended, 10)
+    r = await http.get(f"{gateway.url}/reach/requests/{rid}")
+    assert r.status_code == 504
+    assert r.json()["status"] == "timeout"
+    assert r.json()["error"]["type"] == "timeout"
+    assert "execution timeout" in r.json()["error"]["message"]
+
+
+async def test_the_deduplication_window_is_stated_at_start_up(
+    gateway: Gateway, temporal_server: str
+) -> None:
+    client = await Client.connect(temporal_server)
+    from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
+
+    desc = await client.workflow_service.describe_namespace(
+        DescribeNamespaceRequest(namespace="default")
+    )
+    hours = desc.config.workflow_execution_retention_ttl.ToTimedelta() / timedelta(hours=1)
+    assert hours == 48  # the session's dev server: DevServer(retention_hours=48)
+    assert "deduplicated until its request has been closed for 48 h" in gateway.proc.output()
