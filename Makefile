@@ -4,7 +4,11 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: up test lint fmt test-only bench install clean
+.PHONY: up test lint fmt test-only fuzz-quick fuzz bench install clean
+
+# The fuzz runs happen in a network namespace of their own with only loopback up, so no URL the
+# fuzzer makes up (callbacks, agent addresses) can send a packet off this machine.
+NETNS := unshare --net --map-root-user sh -c 'ip link set lo up && exec "$$@"' netns
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "installing agent-reach into $(VENV) (first run or dependencies changed; about a minute) ..."
@@ -32,10 +36,18 @@ test: lint test-only
 
 test-only: $(STAMP)
 	$(BIN)/pytest
+	@$(MAKE) --no-print-directory fuzz-quick
+
+# Schemathesis over the gateway's OpenAPI against a real stack: bounded here, longer in `fuzz`.
+fuzz-quick: $(STAMP)
+	FUZZ_EXAMPLES=25 $(NETNS) $(BIN)/pytest tests/fuzz -q
+
+fuzz: $(STAMP)
+	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-300} $(NETNS) $(BIN)/pytest tests/fuzz -q -s
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(BIN)/python bench/invoke.py
 
 clean:
-	rm -rf $(VENV) .reach .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .reach .mypy_cache .ruff_cache .pytest_cache .hypothesis
