@@ -44,26 +44,32 @@ def _attempts_and_reason(exc: ActivityError) -> tuple[int, str]:
     return attempts, reason
 
 
+async def deliver(inp: CallbackInput) -> DeliveryOutcome:
+    """POST until delivered, refused for good, or the retry window is spent (workflow code)."""
+    plan = inp.plan
+    try:
+        attempts = await workflow.execute_activity(
+            ACTIVITY_DELIVER_CALLBACK,
+            inp,
+            result_type=int,
+            start_to_close_timeout=timedelta(seconds=plan.attempt_timeout_s),
+            schedule_to_close_timeout=timedelta(seconds=plan.retry_window_s),
+            retry_policy=RetryPolicy(
+                initial_interval=timedelta(seconds=plan.initial_backoff_s),
+                maximum_interval=timedelta(seconds=plan.max_backoff_s),
+                backoff_coefficient=2.0,
+            ),
+        )
+    except ActivityError as exc:
+        # The result itself is not lost: it stays the request's result (GET /reach/requests/{id}).
+        attempts, reason = _attempts_and_reason(exc)
+        workflow.logger.warning("callback to %s given up: %s", inp.url, reason)
+        return DeliveryOutcome(status="given_up", attempts=attempts, last_error=reason)
+    return DeliveryOutcome(status="delivered", attempts=attempts or 1)
+
+
 @workflow.defn(name=WORKFLOW_DELIVER_CALLBACK)
 class DeliverCallbackWorkflow:
     @workflow.run
     async def run(self, inp: CallbackInput) -> DeliveryOutcome:
-        plan = inp.plan
-        try:
-            attempts = await workflow.execute_activity(
-                ACTIVITY_DELIVER_CALLBACK,
-                inp,
-                result_type=int,
-                start_to_close_timeout=timedelta(seconds=plan.attempt_timeout_s),
-                schedule_to_close_timeout=timedelta(seconds=plan.retry_window_s),
-                retry_policy=RetryPolicy(
-                    initial_interval=timedelta(seconds=plan.initial_backoff_s),
-                    maximum_interval=timedelta(seconds=plan.max_backoff_s),
-                    backoff_coefficient=2.0,
-                ),
-            )
-        except ActivityError as exc:
-            attempts, reason = _attempts_and_reason(exc)
-            workflow.logger.warning("callback to %s given up: %s", inp.url, reason)
-            return DeliveryOutcome(status="given_up", attempts=attempts, last_error=reason)
-        return DeliveryOutcome(status="delivered", attempts=attempts or 1)
+        return await deliver(inp)

@@ -38,7 +38,6 @@ with workflow.unsafe.imports_passed_through():
     from reach.errors import ERROR_TYPES, AgentFault
     from reach.invocation import (
         ACTIVITY_CALL,
-        ACTIVITY_DELIVER_CALLBACK,
         ACTIVITY_RESOLVE,
         SIGNAL_LATE_ANSWER,
         UPDATE_LATE_ANSWER,
@@ -61,7 +60,7 @@ with workflow.unsafe.imports_passed_through():
         RequestStatus,
     )
     from reach.policy import GiveUp, next_step
-    from workflows.callback import DeliverCallbackWorkflow
+    from workflows.callback import DeliverCallbackWorkflow, deliver
 
 
 SA_CALLER = SearchAttributeKey.for_keyword("ReachCaller")
@@ -174,23 +173,7 @@ class InvokeWorkflow:
 
     async def _deliver(self, inp: InvokeInput, url: str, response: InvokeResponse) -> None:
         """Inline delivery: only for requests accepted before `PATCH_DELIVERY_WORKFLOW`."""
-        plan = inp.callback_plan
-        try:
-            await workflow.execute_activity(
-                ACTIVITY_DELIVER_CALLBACK,
-                CallbackInput(url=url, response=response),
-                start_to_close_timeout=timedelta(seconds=plan.attempt_timeout_s),
-                schedule_to_close_timeout=timedelta(seconds=plan.retry_window_s),
-                retry_policy=RetryPolicy(
-                    initial_interval=timedelta(seconds=plan.initial_backoff_s),
-                    maximum_interval=timedelta(seconds=plan.max_backoff_s),
-                    backoff_coefficient=2.0,
-                ),
-            )
-        except ActivityError as exc:
-            # The result itself is not lost: it stays the workflow's result (GET
-            # /reach/requests/{id}); the failed delivery is in the history for the operator.
-            workflow.logger.warning("callback to %s not delivered: %s", url, exc.cause or exc)
+        await deliver(CallbackInput(url=url, response=response, plan=inp.callback_plan))
 
     def _now_ms(self) -> int:
         return int(workflow.now().timestamp() * 1000)
