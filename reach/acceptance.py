@@ -8,7 +8,8 @@ so nothing is accepted that a later hop cannot carry. The numbers are in `reach.
   payload blob over `temporal.payload_limit_bytes` (2 MiB by default), so
   `transport.max_message_bytes` (1 MiB by default) leaves 64 KiB for the fields around it; the
   settings refuse to load otherwise. Sizes are measured with `reach.messages.dumps`, the
-  encoding connectors send.
+  encoding connectors send. A request's history then holds at most about seven such copies
+  (input, queue-mode calls, result, callback), far inside Temporal's 50 MiB history limit.
 - **The raw body** is refused before it is parsed once it passes `Limits.max_body_bytes`.
 - **Nesting.** Payloads, results and health checks nest at most `MAX_DEPTH` levels (the SDK's
   JSON decoder stops at 200, and Reach's own messages add levels around a payload).
