@@ -209,7 +209,9 @@ async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     queues = [w.task_queue for w in workers]
-    log.info("worker serving task queues %s on %s", queues, settings.temporal.address)
+    log.info(
+        "worker serving task queues %s on %s", queues, client.service_client.config.target_host
+    )
     print(f"reach worker: serving {', '.join(queues)}", flush=True)
     async with running_workers(workers):
         await stop.wait()

@@ -7,9 +7,8 @@ from pydantic import BaseModel
 
 from gateway_api.service import Gateway
 from reach import acceptance
-from reach.messages import EXAMPLE_REQUEST_ID
+from reach.messages import EXAMPLE_REQUEST_ID, REQUEST_ID_PATTERN
 
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 CAPABILITY_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 
 
@@ -47,6 +46,17 @@ def get_traceparent(
     return acceptance.traceparent_header(traceparent)
 
 
+def get_idempotency_key(
+    idempotency_key: Annotated[
+        str | None,
+        # The IETF draft's header, an alias of the body's idempotency_key (documented there;
+        # left out of the OpenAPI, whose schema cannot say that the two must agree).
+        Header(include_in_schema=False),
+    ] = None,
+) -> str | None:
+    return acceptance.idempotency_key_header(idempotency_key)
+
+
 def json_body(model: type[BaseModel], description: str, *, required: bool = True) -> dict[str, Any]:
     """OpenAPI for a body the route reads raw and hands to `reach.acceptance`."""
     return {
@@ -61,6 +71,7 @@ def json_body(model: type[BaseModel], description: str, *, required: bool = True
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 TraceparentDep = Annotated[str | None, Depends(get_traceparent)]
 CallerDep = Annotated[str, Depends(get_caller)]
+IdempotencyKeyDep = Annotated[str | None, Depends(get_idempotency_key)]
 RequestIdPath = Annotated[
     str,
     Path(pattern=REQUEST_ID_PATTERN, description="The RequestID", examples=[EXAMPLE_REQUEST_ID]),

@@ -7,6 +7,7 @@ body over the limit and anything unforeseen all end here; nothing answers in ano
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,9 +28,10 @@ from reach.errors import (
     UnknownRequest,
     http_status_for,
 )
-from reach.messages import ErrorInfo, InvokeResponse, dumps
+from reach.messages import REQUEST_ID_PATTERN, ErrorInfo, InvokeResponse, dumps
 
 log = logging.getLogger("reach.gateway")
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 # Temporal answers that mean "not now": the caller may try again.
 _TRANSIENT = {
@@ -73,8 +75,9 @@ def error_response(request_id: str | None, err: ReachError) -> JSONResponse:
 
 
 def _request_id(request: Request) -> str | None:
+    """The RequestID an error is about, when there is a valid one (never echo garbage back)."""
     found = getattr(request.state, "request_id", None) or request.path_params.get("request_id")
-    return found if isinstance(found, str) else None
+    return found if isinstance(found, str) and _REQUEST_ID.fullmatch(found) else None
 
 
 def reach_error_of_rpc(exc: RPCError) -> ReachError:

@@ -21,6 +21,7 @@ from temporalio.client import (
     WorkflowFailureError,
     WorkflowHandle,
     WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 from temporalio.common import (
     SearchAttributePair,
@@ -78,8 +79,6 @@ log = logging.getLogger("reach.gateway")
 
 # How long past its deadline a synchronous caller waits for the workflow's own verdict.
 SYNC_GRACE_S = 5.0
-# How long a late answer waits for a worker to take it before the agent is told to resend.
-LATE_ANSWER_WAIT_S = 10.0
 
 InvokeHandle = WorkflowHandle[InvokeWorkflow, InvokeResponse]
 
@@ -90,9 +89,11 @@ class Gateway:
     client: Client
     registry: Registry
     limits: Limits = field(init=False)
+    rpc_timeout: timedelta = field(init=False)
 
     def __post_init__(self) -> None:
         self.limits = Limits(max_message_bytes=self.settings.transport.max_message_bytes)
+        self.rpc_timeout = timedelta(seconds=self.settings.temporal.rpc_timeout_s)
 
     # -- invoke -------------------------------------------------------------------------------
 
@@ -144,7 +145,7 @@ class Gateway:
         handle, started = await self._start(inp, memo)
         deadline_ms = inp.deadline_ms
         if not started:
-            first = await self._memo(await handle.describe())
+            first = await self._memo(await handle.describe(rpc_timeout=self.rpc_timeout))
             if first is not None:
                 check_repeat(request_id, first, memo)
                 deadline_ms = first.deadline_ms
@@ -168,9 +169,7 @@ class Gateway:
 
     async def _start(self, inp: InvokeInput, memo: RequestMemo) -> tuple[InvokeHandle, bool]:
         """The handle, and whether this call started the workflow (False: it attached)."""
-        lifetime = timedelta(
-            milliseconds=inp.plan.timeout_ms, seconds=self.settings.temporal.execution_grace_s
-        )
+        lifetime = timedelta(milliseconds=inp.plan.timeout_ms, seconds=self.grace_s(inp))
         try:
             handle = await self.client.start_workflow(
                 InvokeWorkflow.run,
@@ -182,6 +181,7 @@ class Gateway:
                 execution_timeout=lifetime,
                 memo={MEMO_KEY: memo.model_dump(exclude_none=True)},
                 request_eager_start=True,
+                rpc_timeout=self.rpc_timeout,
                 search_attributes=TypedSearchAttributes(
                     [
                         SearchAttributePair(SA_CALLER, inp.caller),
@@ -196,6 +196,15 @@ class Gateway:
             return self.client.get_workflow_handle_for(InvokeWorkflow.run, inp.request_id), False
         return handle, started_here(handle)
 
+    def grace_s(self, inp: InvokeInput) -> float:
+        """How long past its deadline a request's workflow may wait for a worker.
+
+        A request with a callback waits as long as its delivery would retry, so a worker outage
+        within that window still ends in a callback.
+        """
+        grace = self.settings.temporal.execution_grace_s
+        return max(grace, inp.callback_plan.retry_window_s) if inp.callback else grace
+
     # -- reading a request --------------------------------------------------------------------
 
     async def _outcome(self, handle: InvokeHandle) -> InvokeResponse:
@@ -207,7 +216,7 @@ class Gateway:
 
     async def _exists(self, request_id: str) -> bool:
         try:
-            await self.client.get_workflow_handle(request_id).describe()
+            await self.client.get_workflow_handle(request_id).describe(rpc_timeout=self.rpc_timeout)
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 return False
@@ -222,7 +231,7 @@ class Gateway:
     async def status(self, request_id: str) -> InvokeResponse:
         handle = self.client.get_workflow_handle_for(InvokeWorkflow.run, request_id)
         try:
-            desc = await handle.describe()
+            desc = await handle.describe(rpc_timeout=self.rpc_timeout)
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise UnknownRequest(f"no request with id {request_id!r}") from exc
@@ -237,20 +246,27 @@ class Gateway:
             response = await self._outcome(handle)
         memo = await self._memo(desc)
         if memo is not None and memo.callback:
-            response.delivery = await self._delivery(request_id, memo.callback)
+            response.delivery = await self._delivery(request_id, memo.callback, response.status)
         return response
 
-    async def _delivery(self, request_id: str, url: str) -> DeliveryState:
+    async def _delivery(self, request_id: str, url: str, status: str) -> DeliveryState:
         """The callback delivery's state, from its own workflow."""
         handle = self.client.get_workflow_handle(
             delivery_workflow_id(request_id), result_type=DeliveryOutcome
         )
         try:
-            desc = await handle.describe()
+            desc = await handle.describe(rpc_timeout=self.rpc_timeout)
         except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:  # the result is not known yet
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            if status == "running":  # the result is not known yet
                 return DeliveryState(url=url, status="pending")
-            raise
+            return DeliveryState(
+                url=url,
+                status="given_up",
+                last_error=f"the request ended ({status}) before a worker could hand its "
+                "result to delivery",
+            )
         if desc.status == WorkflowExecutionStatus.RUNNING:
             attempts, last_error = 0, None
             for pending in desc.raw_description.pending_activities:
@@ -271,10 +287,11 @@ class Gateway:
     async def late_answer(self, request_id: str, answer: LateAnswer) -> str:
         """Hand an agent's late answer to its request: 'received' or 'duplicate' (a resend)."""
         handle = self.client.get_workflow_handle_for(InvokeWorkflow.run, request_id)
+        # Twice the RPC timeout: the update waits for a worker to run its validator.
+        wait = 2 * self.rpc_timeout
         try:
-            verdict = await asyncio.wait_for(
-                handle.execute_update(InvokeWorkflow.submit_late_answer, answer),
-                timeout=LATE_ANSWER_WAIT_S,
+            verdict = await handle.execute_update(
+                InvokeWorkflow.submit_late_answer, answer, rpc_timeout=wait
             )
         except WorkflowUpdateFailedError as exc:
             cause = exc.cause
@@ -282,10 +299,10 @@ class Gateway:
                 return "duplicate"
             reason = cause.message if isinstance(cause, ApplicationError) else str(exc)
             raise RequestClosed(f"request {request_id!r}: {reason}") from exc
-        except TimeoutError:
+        except WorkflowUpdateRPCTimeoutOrCancelledError:
             raise Unavailable(
-                f"no worker took the answer for {request_id!r} within {LATE_ANSWER_WAIT_S:.0f}s; "
-                "send it again"
+                f"no worker took the answer for {request_id!r} within "
+                f"{wait.total_seconds():.0f}s; send it again"
             ) from None
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:
@@ -298,11 +315,7 @@ class Gateway:
 
     async def _answer_after_the_end(self, handle: InvokeHandle, answer: LateAnswer) -> str:
         final = await self._outcome(handle)
-        if (
-            answer.status == "success"
-            and final.status == "success"
-            and final.result == (answer.result or {})
-        ):
+        if made_the_result(answer, final):
             return "duplicate"  # the answer that made the result, sent again
         raise RequestClosed(
             f"request {handle.id!r} already ended ({final.status}); its result is final"
@@ -326,6 +339,19 @@ def check_repeat(request_id: str, first: RequestMemo, repeat: RequestMemo) -> No
         )
 
 
+def made_the_result(answer: LateAnswer, final: InvokeResponse) -> bool:
+    """Whether `final` is what this late answer, taken first, made of the request."""
+    if answer.status == "success":
+        return final.status == "success" and final.result == (answer.result or {})
+    fault = final.error.agent if final.error else None
+    return (
+        final.status == "error"
+        and fault is not None
+        and fault.type == (answer.error_type or "agent_error")
+        and fault.message == (answer.error_message or "the agent reported a failure")
+    )
+
+
 def started_here(handle: WorkflowHandle[Any, Any]) -> bool:
     """Whether `start_workflow` started this workflow or attached to a running one.
 
@@ -345,8 +371,8 @@ def ended_without_result(request_id: str, cause: BaseException | None) -> Invoke
             status="timeout",
             error=ErrorInfo(
                 type="timeout",
-                message="the request outlived its deadline and was ended by its execution "
-                f"timeout (temporal.execution_grace_s); {show}",
+                message="no worker finished the request within its deadline plus "
+                f"temporal.execution_grace_s (or the callback window); {show}",
             ),
         )
     if isinstance(cause, TerminatedError | CancelledError):

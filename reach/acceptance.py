@@ -57,6 +57,7 @@ __all__ = [
     "invoke_request",
     "join_request",
     "late_answer",
+    "one_idempotency_key",
     "parse_json",
     "parse_model",
     "traceparent_header",
@@ -228,6 +229,13 @@ def traceparent_header(value: str | None) -> str | None:
         value,
         "a W3C traceparent (version-traceid-parentid-flags, lower-case hex)",
     )
+
+
+def one_idempotency_key(in_body: str | None, in_header: str | None) -> str | None:
+    """The body's `idempotency_key` or the `Idempotency-Key` header; both must then agree."""
+    if in_body and in_header and in_body != in_header:
+        raise InvalidRequest("idempotency_key in the body and the Idempotency-Key header differ")
+    return in_body or in_header
 
 
 def idempotency_key_header(value: str | None) -> str | None:

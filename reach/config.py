@@ -137,6 +137,12 @@ class TemporalSettings(_Section):
     connect_wait_s: float = Field(
         default=30.0, ge=0, description="How long start-up waits for Temporal to answer."
     )
+    rpc_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How long one call to Temporal (start, describe, update) may take before "
+        "the caller gets a 503: a stuck server is an answer, not a hang.",
+    )
     payload_limit_bytes: int = Field(
         default=TEMPORAL_PAYLOAD_LIMIT_BYTES,
         gt=128 * 1024,

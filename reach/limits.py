@@ -31,5 +31,6 @@ class Limits:
 
     @property
     def max_body_bytes(self) -> int:
-        # JSON escapes make a body longer than the bytes it decodes to ("\u00e9" is 6 for 2).
-        return 2 * self.max_message_bytes + BODY_OVERHEAD_BYTES
+        # JSON escapes make a body up to six times what it decodes to ("\u0001" is 6 for 1,
+        # "\u00e9" 6 for 2): a payload within the limit always fits, however it was escaped.
+        return 6 * self.max_message_bytes + BODY_OVERHEAD_BYTES

@@ -28,7 +28,8 @@ from pydantic import (
 
 from reach.errors import AGENT_TEXT_MAX, ERROR_TYPES, AgentFault, ErrorType, clipped
 
-RequestId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+RequestId = Annotated[str, StringConstraints(pattern=REQUEST_ID_PATTERN)]
 InstanceId = RequestId
 CapabilityName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
 OperationName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")]

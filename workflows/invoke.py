@@ -167,7 +167,9 @@ class InvokeWorkflow:
             CallbackInput(url=url, response=response, plan=inp.callback_plan),
             id=delivery_workflow_id(inp.request_id),
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            # Each run of a request starts its delivery once, so a closed one already under this
+            # id belongs to an earlier request that reused the RequestID after retention.
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
             execution_timeout=timedelta(seconds=inp.callback_plan.retry_window_s) + DELIVERY_GRACE,
         )
 
@@ -213,6 +215,8 @@ class InvokeWorkflow:
         tried: list[str] = []
         while True:
             instance_id: str | None = None
+            if self._late is not None:  # answered before (or between) attempts: nothing to call
+                return self._answered_late(inp, tried[-1] if tried else None)
             try:
                 endpoint = await self._run(
                     inp,
@@ -249,12 +253,17 @@ class InvokeWorkflow:
                     Reply,
                     instance_id,
                 )
+                if self._late is not None:
+                    # Acknowledged while the call was still out: that answer came first.
+                    return self._answered_late(inp, instance_id)
                 if reply.status == "ok":
                     return self._envelope(
                         inp, "success", result=reply.result, instance_id=instance_id
                     )
                 return await self._await_late_answer(inp, instance_id)
             except _Failed as failed:
+                if self._late is not None:
+                    return self._answered_late(inp, failed.instance_id)
                 if failed.error.type == "timeout":
                     return self._timeout(inp, failed.instance_id)
                 step = next_step(
@@ -324,6 +333,10 @@ class InvokeWorkflow:
             )
         except builtins.TimeoutError:
             return self._timeout(inp, instance_id)
+        return self._answered_late(inp, instance_id)
+
+    def _answered_late(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:
+        """The request's result from the late answer the workflow acknowledged (the first)."""
         late = self._late
         assert late is not None
         if late.status == "success":

@@ -6,7 +6,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from gateway_api.deps import CallerDep, GatewayDep, RequestIdPath, TraceparentDep, json_body
+from gateway_api.deps import (
+    CallerDep,
+    GatewayDep,
+    IdempotencyKeyDep,
+    RequestIdPath,
+    TraceparentDep,
+    json_body,
+)
 from gateway_api.errors import envelope_response
 from reach import acceptance
 from reach.acceptance import LateAnswerBody
@@ -66,8 +73,10 @@ async def invoke(
     gateway: GatewayDep,
     caller: CallerDep,
     traceparent: TraceparentDep,
+    idempotency_key: IdempotencyKeyDep,
 ) -> JSONResponse:
     body, payload_json = acceptance.invoke_request(await request.body(), gateway.limits)
+    body.idempotency_key = acceptance.one_idempotency_key(body.idempotency_key, idempotency_key)
     body.request_id = body.request_id or new_request_id()
     request.state.request_id = body.request_id
     response = await gateway.invoke(body, payload_json, caller, traceparent)

@@ -4,6 +4,7 @@ and every answer, whatever failed, is the documented envelope."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import httpx
@@ -165,7 +166,7 @@ async def test_a_chunked_body_over_the_limit_is_a_413_envelope(
     gateway: Gateway, http: httpx.AsyncClient
 ) -> None:
     async def chunks() -> object:
-        for _ in range(40):
+        for _ in range(80):  # 8 MB: past the 6 MiB + 64 KiB body limit
             yield b"x" * 100_000
 
     r = await http.post(f"{gateway.url}/reach/invoke", content=chunks(), headers=JSON)
@@ -264,3 +265,46 @@ async def test_late_answers_are_bounded(gateway: Gateway, http: httpx.AsyncClien
         r = await http.post(url, json=body)
         assert r.status_code == status, r.text
         assert needle in r.json()["error"]["message"]
+
+
+async def test_a_payload_within_the_limit_passes_however_it_was_escaped(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    """Python's json.dumps escapes every 'é' as six bytes: the body is three times the payload
+    as sent, and still accepted (before: a 413 for a payload within the limit)."""
+    await start_agents(gateway, capability, 1)
+    raw = json.dumps(
+        {"target": capability, "operation": "query", "payload": {"text": "\u00e9" * 500_000}}
+    ).encode()
+    assert len(raw) > 3_000_000
+    r = await http.post(f"{gateway.url}/reach/invoke", content=raw, headers=JSON)
+    assert r.status_code == 200, r.text
+
+
+async def test_an_error_never_echoes_an_invalid_request_id(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    r = await http.get(f"{gateway.url}/reach/requests/{'x' * 300}")
+    assert r.status_code == 422
+    assert r.json()["request_id"] is None
+    r = await http.post(f"{gateway.url}/reach/requests/%C3%A9/result", json={"status": "success"})
+    assert r.status_code == 422
+    assert r.json()["request_id"] is None
+
+
+async def test_the_idempotency_key_header_is_the_body_field(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(gateway, capability, 1)
+    url = f"{gateway.url}/reach/invoke"
+    body = {"target": capability, "operation": "create", "payload": {"note": "n"}}
+    r = await http.post(url, json=body, headers={"Idempotency-Key": "order-7"})
+    assert r.status_code == 200, r.text
+    r = await http.post(
+        url, json={**body, "idempotency_key": "order-8"}, headers={"Idempotency-Key": "order-7"}
+    )
+    assert r.status_code == 422
+    assert "differ" in r.json()["error"]["message"]
+    r = await http.post(url, json=body, headers={"Idempotency-Key": "caf\u00e9".encode()})
+    assert r.status_code == 422
+    assert "Idempotency-Key" in r.json()["error"]["message"]

@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,7 +17,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 
 from agent_reach_sdk.server import HttpAgentServer, HttpRequest, HttpResponse
 from reach.invocation import CallPlan, InvokeInput
-from tests.helpers import CallbackReceiver, Gateway, start_agents, wait_until
+from tests.conftest import new_stack
+from tests.helpers import CallbackReceiver, Gateway, Worker, start_agents, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -324,7 +326,7 @@ async def test_a_workflow_that_outlives_its_life_reads_as_a_timeout(
     assert r.status_code == 504
     assert r.json()["status"] == "timeout"
     assert r.json()["error"]["type"] == "timeout"
-    assert "execution timeout" in r.json()["error"]["message"]
+    assert "temporal.execution_grace_s" in r.json()["error"]["message"]
 
 
 async def test_the_deduplication_window_is_stated_at_start_up(
@@ -339,3 +341,172 @@ async def test_the_deduplication_window_is_stated_at_start_up(
     hours = desc.config.workflow_execution_retention_ttl.ToTimedelta() / timedelta(hours=1)
     assert hours == 48  # the session's dev server: DevServer(retention_hours=48)
     assert "deduplicated until its request has been closed for 48 h" in gateway.proc.output()
+
+
+async def test_a_late_answer_acknowledged_while_the_call_is_out_is_never_discarded(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
+) -> None:
+    """Before: the late answer got 202 'received', then the agent's slower 200 became the
+    result and a resend of the late answer got 409."""
+    stack = new_stack(
+        temporal_server,
+        tmp_path,
+        extra={"REACH_CAPABILITIES": f'{{"{capability}": {{"mode": "queue"}}}}'},
+    )
+    gw = await Gateway(stack).ready()
+    await start_agents(gw, capability, 1, "--delay-ms", "3000")
+    rid = f"req-{uuid.uuid4().hex}"
+    call = asyncio.create_task(
+        http.post(f"{gw.url}/reach/invoke", json=body(capability, request_id=rid, timeout_ms=8000))
+    )
+    await asyncio.sleep(1.0)  # the agent is still working on it
+    answer = {"status": "success", "result": {"from": "late"}}
+    late = await http.post(f"{gw.url}/reach/requests/{rid}/result", json=answer)
+    assert late.status_code == 202, late.text
+    assert late.json()["status"] == "received"
+    r = await call
+    assert r.status_code == 200, r.text
+    assert r.json()["result"] == {"from": "late"}  # acknowledged first, so it is the result
+    again = await http.post(f"{gw.url}/reach/requests/{rid}/result", json=answer)
+    assert again.json()["status"] == "duplicate"
+
+
+async def test_an_error_late_answer_sent_again_is_a_duplicate(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(gateway, capability, 1, "--defer", "--late-error", "index_gone")
+    rid = f"req-{uuid.uuid4().hex}"
+    r = await http.post(f"{gateway.url}/reach/invoke", json=body(capability, request_id=rid))
+    assert r.status_code == 502, r.text
+    # What the demo agent sent; sent again after the end, it is recognised, not refused.
+    again = await http.post(
+        f"{gateway.url}/reach/requests/{rid}/result",
+        json={
+            "status": "error",
+            "error_type": "index_gone",
+            "error_message": "the index is rebuilding",
+        },
+    )
+    assert again.status_code == 202, again.text
+    assert again.json()["status"] == "duplicate"
+
+
+async def test_without_a_worker_a_late_answer_is_503_and_a_callback_survives_the_outage(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
+) -> None:
+    """No worker for longer than the deadline plus execution_grace_s: a request with a callback
+    still ends in one once a worker is back (within callback.retry_window_s); before, its
+    workflow was ended by Temporal and the callback was never sent."""
+    stack = new_stack(
+        temporal_server,
+        tmp_path,
+        extra={
+            "REACH_TEMPORAL__RPC_TIMEOUT_S": "1",
+            "REACH_TEMPORAL__EXECUTION_GRACE_S": "1",
+            "REACH_CALLBACK__RETRY_WINDOW_S": "60",
+        },
+    )
+    api = await Gateway(stack, "api", worker=False).ready()
+    await start_agents(api, capability, 1)
+    async with CallbackReceiver() as receiver:
+        answered, waiting = f"req-{uuid.uuid4().hex}", f"req-{uuid.uuid4().hex}"
+        for rid in (answered, waiting):
+            r = await http.post(
+                f"{api.url}/reach/invoke",
+                json=body(capability, request_id=rid, timeout_ms=1000, callback=receiver.url),
+            )
+            assert r.status_code == 202, r.text
+        # No worker can take the answer now: a 503 says "send it again" (it was a 500).
+        start = time.monotonic()
+        answer = {"status": "success", "result": {"from": "late"}}
+        late = await http.post(f"{api.url}/reach/requests/{answered}/result", json=answer)
+        assert late.status_code == 503, late.text
+        assert late.json()["error"]["type"] == "unavailable"
+        assert time.monotonic() - start < 5
+        await asyncio.sleep(2.5)  # past the deadline + execution_grace_s
+        await Worker(stack).ready()
+        await receiver.wait(2, timeout_s=20)
+        by_id = {envelope["request_id"]: envelope for _, envelope in receiver.received}
+        assert set(by_id) == {answered, waiting}
+        assert by_id[waiting]["status"] == "timeout"
+        # The answer was kept by Temporal until a worker took it: resending it is harmless.
+        assert by_id[answered]["result"] == {"from": "late"}
+        again = await http.post(f"{api.url}/reach/requests/{answered}/result", json=answer)
+        assert again.json()["status"] == "duplicate"
+        assert (await read(http, api, waiting))["status"] == "timeout"
+
+        async def delivered() -> bool:  # recorded a moment after the receiver answered
+            return (await read(http, api, waiting))["delivery"]["status"] == "delivered"
+
+        await wait_until(delivered, 5)
+
+
+async def test_a_request_ended_before_delivery_reads_given_up_not_pending(
+    gateway: Gateway, http: httpx.AsyncClient
+) -> None:
+    """A request whose workflow ended without a result never hands it to delivery."""
+    client = await _client(gateway)
+    rid = f"req-{uuid.uuid4().hex}"
+    now = int(time.time() * 1000)
+    await client.start_workflow(
+        "InvokeWorkflow",
+        InvokeInput(
+            request_id=rid,
+            caller="t",
+            target="nobody",
+            operation="query",
+            accepted_at_ms=now,
+            deadline_ms=now + 500,
+            callback="http://127.0.0.1:9/cb",
+            plan=CallPlan(timeout_ms=500, idempotent=True, max_retries=0),
+        ),
+        id=rid,
+        task_queue=f"unserved-{uuid.uuid4().hex[:6]}",
+        execution_timeout=timedelta(seconds=1),
+        memo={
+            "reach": {
+                "fingerprint": "x",
+                "deadline_ms": now + 500,
+                "callback": "http://127.0.0.1:9/cb",
+            }
+        },
+    )
+
+    async def ended() -> bool:
+        return (await read(http, gateway, rid))["status"] != "running"
+
+    await wait_until(ended, 10)
+    delivery = (await read(http, gateway, rid))["delivery"]
+    assert delivery["status"] == "given_up"
+    assert "ended (timeout)" in delivery["last_error"]
+
+
+async def test_a_reused_request_id_gets_its_callback_despite_an_old_delivery(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    """After retention the invoke of a RequestID is gone, but its (later) delivery may linger:
+    the new request's delivery must not collide with it (before: 'already started', lost)."""
+    await start_agents(gateway, capability, 1)
+    rid = f"req-{uuid.uuid4().hex}"
+    client = await _client(gateway)
+    old = await client.start_workflow(
+        "DeliverCallbackWorkflow",
+        {"url": "http://127.0.0.1:9/old", "response": {"request_id": rid, "status": "success"}},
+        id=f"{rid}/callback",
+        task_queue=f"unserved-{uuid.uuid4().hex[:6]}",
+    )
+    await old.terminate("stands in for a delivery retained from an earlier request")
+    async with CallbackReceiver() as receiver:
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json=body(capability, request_id=rid, callback=receiver.url),
+        )
+        assert r.status_code == 202, r.text
+        await receiver.wait(1)
+        assert len(receiver.received) == 1
+        assert receiver.received[0][1]["status"] == "success"
+
+    async def delivered() -> bool:  # recorded a moment after the receiver answered
+        return (await read(http, gateway, rid))["delivery"]["status"] == "delivered"
+
+    await wait_until(delivered, 5)

@@ -1,0 +1,53 @@
+"""A stuck Temporal (a server that accepts connections and never answers) is a prompt 503."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway_api.devserver import DevServer, free_port
+from tests.helpers import Gateway, Stack, start_agents
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_stuck_temporal_answers_503_within_the_rpc_timeout(
+    tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    server = DevServer(str(tmp_path / "t.db"), free_port(), None, log_file=tmp_path / "t.log")
+    server.start()
+    assert server.process is not None
+    try:
+        stack = Stack(
+            temporal=server.address,
+            tmp=tmp_path,
+            task_queue=f"tq-{uuid.uuid4().hex[:8]}",
+            extra={"REACH_TEMPORAL__RPC_TIMEOUT_S": "1"},
+        )
+        gateway = await Gateway(stack).ready()
+        await start_agents(gateway, "stuck-cap", 1)
+        os.killpg(server.process.pid, signal.SIGSTOP)
+        try:
+            for method, path, body in (
+                ("POST", "/reach/invoke", {"target": "stuck-cap", "operation": "query"}),
+                ("GET", f"/reach/requests/req-{uuid.uuid4().hex}", None),
+                ("GET", "/readyz", None),
+            ):
+                start = time.monotonic()
+                r = await http.request(method, f"{gateway.url}{path}", json=body)
+                took = time.monotonic() - start
+                assert r.status_code == 503, (path, r.text)
+                assert took < 4.0, (path, took)  # before: 30 s and more
+                if path != "/readyz":
+                    assert r.json()["error"]["type"] == "unavailable"
+                    assert r.headers["Retry-After"] == "1"
+        finally:
+            os.killpg(server.process.pid, signal.SIGCONT)
+    finally:
+        server.stop()
