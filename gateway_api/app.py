@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from temporalio.client import Client
 
 import reach
-from gateway_api.errors import BodyLimit, install_error_handlers
+from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.routes import agents, health, invoke
 from gateway_api.service import Gateway
 from reach.config import ReachSettings
@@ -83,6 +83,7 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
     )
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=Limits(settings.transport.max_message_bytes).max_body_bytes)
+    app.add_middleware(CatchBugs)
     app.include_router(invoke.router)
     app.include_router(agents.router)
     app.include_router(health.router)

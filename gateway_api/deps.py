@@ -1,3 +1,6 @@
+"""FastAPI dependencies. All `async def`: FastAPI runs a plain `def` dependency in its thread
+pool, a thread hop per dependency per request on the hot path."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -12,7 +15,7 @@ from reach.messages import EXAMPLE_REQUEST_ID, REQUEST_ID_PATTERN
 CAPABILITY_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 
 
-def get_gateway(request: Request) -> Gateway:
+async def get_gateway(request: Request) -> Gateway:
     gateway: Gateway = request.app.state.gateway
     return gateway
 
@@ -26,7 +29,7 @@ TRACEPARENT_SCHEMA = {
 }
 
 
-def get_caller(
+async def get_caller(
     x_reach_caller: Annotated[
         str | None,
         Header(description="Who calls (visible ASCII)", json_schema_extra=CALLER_SCHEMA),
@@ -36,7 +39,7 @@ def get_caller(
     return acceptance.caller_header(x_reach_caller) or "anonymous"
 
 
-def get_traceparent(
+async def get_traceparent(
     traceparent: Annotated[
         str | None,
         Header(description="W3C trace context", json_schema_extra=TRACEPARENT_SCHEMA),
@@ -46,7 +49,7 @@ def get_traceparent(
     return acceptance.traceparent_header(traceparent)
 
 
-def get_idempotency_key(
+async def get_idempotency_key(
     idempotency_key: Annotated[
         str | None,
         # The IETF draft's header, an alias of the body's idempotency_key (documented there;

@@ -130,18 +130,47 @@ def install_error_handlers(app: FastAPI) -> None:
         log.error("Temporal call failed on %s: %s", request.url.path, exc)
         return error_response(_request_id(request), err)
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        log.error("%s %s failed inside Reach", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(
-            error_body(
-                _request_id(request),
-                "internal",
-                f"Reach failed on this request ({type(exc).__name__}); see the gateway log",
-                False,
-            ),
-            status_code=500,
-        )
+
+class CatchBugs:
+    """Answer an unforeseen exception with the 500 envelope, and keep the connection.
+
+    Starlette's own last-resort handler sends the response and then re-raises, and the server
+    drops the connection on the re-raise, so a client could read a reset instead of the answer.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            log.error(
+                "%s %s failed inside Reach", scope.get("method"), scope.get("path"), exc_info=exc
+            )
+            if started:
+                raise
+            request = Request(scope)
+            response = JSONResponse(
+                error_body(
+                    _request_id(request),
+                    "internal",
+                    f"Reach failed on this request ({type(exc).__name__}); see the gateway log",
+                    False,
+                ),
+                status_code=500,
+            )
+            await response(scope, receive, send)
 
 
 def _validation_message(exc: RequestValidationError) -> str:

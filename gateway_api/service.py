@@ -16,7 +16,6 @@ from typing import Any
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import (
     Client,
-    WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
@@ -47,12 +46,10 @@ from reach.errors import (
     UnknownRequest,
 )
 from reach.invocation import (
-    MEMO_KEY,
     CallbackPlan,
     DeliveryOutcome,
     InvokeInput,
     LateAnswer,
-    RequestMemo,
     delivery_workflow_id,
     request_fingerprint,
 )
@@ -136,18 +133,15 @@ class Gateway:
             traceparent=traceparent,
             plan=plan,
             payload_bytes=len(payload_json),
-        )
-        memo = RequestMemo(
             fingerprint=request_fingerprint(req, caller, payload_json),
-            deadline_ms=inp.deadline_ms,
-            callback=inp.callback,
         )
-        handle, started = await self._start(inp, memo)
+        handle, started = await self._start(inp)
         deadline_ms = inp.deadline_ms
         if not started:
-            first = await self._memo(await handle.describe(rpc_timeout=self.rpc_timeout))
+            # A repeat (rare): the first request's own input says what it was.
+            first = await self._original(handle)
             if first is not None:
-                check_repeat(request_id, first, memo)
+                check_repeat(request_id, first, inp)
                 deadline_ms = first.deadline_ms
         if req.callback:
             return InvokeResponse(request_id=request_id, status="accepted")
@@ -167,9 +161,8 @@ class Gateway:
                 ),
             )
 
-    async def _start(self, inp: InvokeInput, memo: RequestMemo) -> tuple[InvokeHandle, bool]:
+    async def _start(self, inp: InvokeInput) -> tuple[InvokeHandle, bool]:
         """The handle, and whether this call started the workflow (False: it attached)."""
-        lifetime = timedelta(milliseconds=inp.plan.timeout_ms, seconds=self.grace_s(inp))
         try:
             handle = await self.client.start_workflow(
                 InvokeWorkflow.run,
@@ -178,8 +171,6 @@ class Gateway:
                 task_queue=self.settings.temporal.task_queue,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                execution_timeout=lifetime,
-                memo={MEMO_KEY: memo.model_dump(exclude_none=True)},
                 request_eager_start=True,
                 rpc_timeout=self.rpc_timeout,
                 search_attributes=TypedSearchAttributes(
@@ -195,15 +186,6 @@ class Gateway:
             # Finished earlier: attach to it; a request id never runs twice.
             return self.client.get_workflow_handle_for(InvokeWorkflow.run, inp.request_id), False
         return handle, started_here(handle)
-
-    def grace_s(self, inp: InvokeInput) -> float:
-        """How long past its deadline a request's workflow may wait for a worker.
-
-        A request with a callback waits as long as its delivery would retry, so a worker outage
-        within that window still ends in a callback.
-        """
-        grace = self.settings.temporal.execution_grace_s
-        return max(grace, inp.callback_plan.retry_window_s) if inp.callback else grace
 
     # -- reading a request --------------------------------------------------------------------
 
@@ -223,10 +205,20 @@ class Gateway:
             raise
         return True
 
-    @staticmethod
-    async def _memo(desc: WorkflowExecutionDescription) -> RequestMemo | None:
-        raw: Any = (await desc.memo()).get(MEMO_KEY)
-        return RequestMemo.model_validate(raw) if isinstance(raw, dict) else None
+    async def _original(self, handle: InvokeHandle) -> InvokeInput | None:
+        """The request as it was accepted: its workflow's input, from the first history event.
+
+        Read only off the hot path (repeats and look-ups); a memo would carry the same on every
+        start and measurably slows it.
+        """
+        async for event in handle.fetch_history_events(page_size=1, rpc_timeout=self.rpc_timeout):
+            payloads = event.workflow_execution_started_event_attributes.input.payloads
+            try:
+                [inp] = await self.client.data_converter.decode(payloads, [InvokeInput])
+            except Exception:  # an input nobody can decode: the request reads as failed
+                return None
+            return inp if isinstance(inp, InvokeInput) else None
+        return None
 
     async def status(self, request_id: str) -> InvokeResponse:
         handle = self.client.get_workflow_handle_for(InvokeWorkflow.run, request_id)
@@ -244,9 +236,9 @@ class Gateway:
             )
         else:
             response = await self._outcome(handle)
-        memo = await self._memo(desc)
-        if memo is not None and memo.callback:
-            response.delivery = await self._delivery(request_id, memo.callback, response.status)
+        original = await self._original(handle)
+        if original is not None and original.callback:
+            response.delivery = await self._delivery(request_id, original.callback, response.status)
         return response
 
     async def _delivery(self, request_id: str, url: str, status: str) -> DeliveryState:
@@ -322,7 +314,7 @@ class Gateway:
         )
 
 
-def check_repeat(request_id: str, first: RequestMemo, repeat: RequestMemo) -> None:
+def check_repeat(request_id: str, first: InvokeInput, repeat: InvokeInput) -> None:
     """A repeated RequestID attaches only to the same request; it may drop the callback (and
     wait for the result instead) but never add or change one."""
     read_it = f"GET /reach/requests/{request_id} reads the first one"
@@ -371,8 +363,7 @@ def ended_without_result(request_id: str, cause: BaseException | None) -> Invoke
             status="timeout",
             error=ErrorInfo(
                 type="timeout",
-                message="no worker finished the request within its deadline plus "
-                f"temporal.execution_grace_s (or the callback window); {show}",
+                message=f"the request's workflow was ended by a timeout set outside Reach; {show}",
             ),
         )
     if isinstance(cause, TerminatedError | CancelledError):

@@ -149,12 +149,6 @@ class TemporalSettings(_Section):
         description="The cluster's largest payload blob (server dynamic config "
         "limit.blobSize.error; 2 MiB unless your cluster raised it).",
     )
-    execution_grace_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="How long past its deadline an invoke workflow may live before Temporal "
-        "ends it: the backstop that keeps a request from running forever.",
-    )
     workflow_sandbox: bool = Field(
         default=False,
         description="Run InvokeWorkflow in the SDK's determinism sandbox. The sandbox re-imports "

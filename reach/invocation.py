@@ -26,7 +26,6 @@ UPDATE_LATE_ANSWER = "submit_late_answer"
 SIGNAL_LATE_ANSWER = "late_answer"
 WORKFLOW_INVOKE = "InvokeWorkflow"
 WORKFLOW_DELIVER_CALLBACK = "DeliverCallbackWorkflow"
-MEMO_KEY = "reach"
 
 
 def delivery_workflow_id(request_id: str) -> str:
@@ -68,6 +67,9 @@ class InvokeInput(BaseModel):
     traceparent: str | None = None
     plan: CallPlan
     payload_bytes: int = 0
+    fingerprint: str | None = Field(
+        default=None, description="What a repeat of this RequestID must match (see below)."
+    )
 
 
 class Endpoint(BaseModel):
@@ -126,14 +128,6 @@ def request_fingerprint(req: InvokeRequest, caller: str, payload_json: bytes) ->
     digest.update(b"\0")
     digest.update(payload_json)
     return digest.hexdigest()
-
-
-class RequestMemo(BaseModel):
-    """Kept on the workflow (Temporal memo) so a repeat or a look-up needs no history read."""
-
-    fingerprint: str
-    deadline_ms: int
-    callback: str | None = None
 
 
 class LateAnswer(BaseModel):

@@ -10,7 +10,9 @@ The result is final as soon as it is known: the workflow completes with it, and 
 delivered by a workflow of its own (`DeliverCallbackWorkflow`, id `<request_id>/callback`), so a
 receiver that is down for an hour never holds the request open. A payload this workflow cannot
 decode fails it at once (a pydantic `ValidationError` is a workflow failure, not a task retried
-forever), and the gateway's execution timeout ends anything else that would outlive its deadline.
+forever), and any other exception in this code ends the request with a typed `internal` error:
+no input can make a workflow task fail and retry forever. Without a worker, a request simply
+waits (Temporal keeps it); when one returns, it ends by its own deadline, callback included.
 
 In `inline` mode resolve and call run as local activities inside the first workflow task (the
 fast path); in `queue` mode they run on task queue `reach-cap-<capability>`, served by
@@ -147,7 +149,21 @@ class InvokeWorkflow:
 
     @workflow.run
     async def run(self, inp: InvokeInput) -> InvokeResponse:
-        response = await self._invoke(inp)
+        try:
+            response = await self._invoke(inp)
+        except workflow.NondeterminismError:
+            raise  # a code or deploy problem: its task is retried until the code is fixed
+        except Exception as exc:
+            # A bug, or an input no check foresaw: end with a typed result, never a workflow
+            # task that fails and is retried forever.
+            workflow.logger.exception("request failed inside Reach")
+            response = self._envelope(
+                inp,
+                "error",
+                error=ErrorInfo(
+                    type="internal", message=f"the request failed inside Reach: {exc!r}"
+                ),
+            )
         self._final = response
         workflow.upsert_search_attributes(
             [SA_STATUS.value_set(response.status)]
@@ -155,7 +171,13 @@ class InvokeWorkflow:
         )
         if inp.callback:
             if workflow.patched(PATCH_DELIVERY_WORKFLOW):
-                await self._hand_to_delivery(inp, inp.callback, response)
+                try:
+                    await self._hand_to_delivery(inp, inp.callback, response)
+                except workflow.NondeterminismError:
+                    raise
+                except Exception:
+                    # The result stands; the delivery reads given_up (GET /reach/requests/{id}).
+                    workflow.logger.exception("callback delivery could not be started")
             else:
                 await self._deliver(inp, inp.callback, response)
         return response

@@ -280,18 +280,38 @@ async def test_input_the_workflow_cannot_decode_ends_typed_not_stuck(
     assert "failed inside Reach" in r.json()["error"]["message"]
 
 
-async def test_every_request_has_a_bounded_life(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+async def test_input_that_breaks_workflow_code_ends_typed_not_stuck(
+    gateway: Gateway, http: httpx.AsyncClient
 ) -> None:
-    await start_agents(gateway, capability, 1)
+    """A backstop behind the door: an input that decodes but makes the workflow code raise (a
+    deadline past what a timedelta holds) ends the request with a typed internal error, instead
+    of a workflow task that fails and is retried forever."""
+    client = await _client(gateway)
     rid = f"req-{uuid.uuid4().hex}"
-    r = await http.post(
-        f"{gateway.url}/reach/invoke", json=body(capability, request_id=rid, timeout_ms=1234)
+    now = int(time.time() * 1000)
+    await client.start_workflow(
+        "InvokeWorkflow",
+        InvokeInput(
+            request_id=rid,
+            caller="t",
+            target="nobody",
+            operation="query",
+            accepted_at_ms=now,
+            deadline_ms=10**18,
+            plan=CallPlan(timeout_ms=500, idempotent=True, max_retries=0),
+        ),
+        id=rid,
+        task_queue=gateway.stack.task_queue,
     )
-    assert r.status_code == 200
-    desc = await (await _client(gateway)).get_workflow_handle(rid).describe()
-    lifetime = desc.raw_description.execution_config.workflow_execution_timeout.ToTimedelta()
-    assert lifetime == timedelta(milliseconds=1234, seconds=60)  # + temporal.execution_grace_s
+
+    async def ended() -> bool:
+        return (await read(http, gateway, rid))["status"] != "running"
+
+    await wait_until(ended, 10)
+    r = await http.get(f"{gateway.url}/reach/requests/{rid}")
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "internal"
+    assert "OverflowError" in r.json()["error"]["message"]
 
 
 async def test_a_workflow_that_outlives_its_life_reads_as_a_timeout(
@@ -326,7 +346,7 @@ async def test_a_workflow_that_outlives_its_life_reads_as_a_timeout(
     assert r.status_code == 504
     assert r.json()["status"] == "timeout"
     assert r.json()["error"]["type"] == "timeout"
-    assert "temporal.execution_grace_s" in r.json()["error"]["message"]
+    assert "timeout set outside Reach" in r.json()["error"]["message"]
 
 
 async def test_the_deduplication_window_is_stated_at_start_up(
@@ -394,16 +414,14 @@ async def test_an_error_late_answer_sent_again_is_a_duplicate(
 async def test_without_a_worker_a_late_answer_is_503_and_a_callback_survives_the_outage(
     temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
 ) -> None:
-    """No worker for longer than the deadline plus execution_grace_s: a request with a callback
-    still ends in one once a worker is back (within callback.retry_window_s); before, its
-    workflow was ended by Temporal and the callback was never sent."""
+    """No worker until well past the deadline: the request waits in Temporal and, once a worker
+    is back, ends by its deadline with its callback (the hostile review found it ended by an
+    execution timeout and the callback never sent)."""
     stack = new_stack(
         temporal_server,
         tmp_path,
         extra={
             "REACH_TEMPORAL__RPC_TIMEOUT_S": "1",
-            "REACH_TEMPORAL__EXECUTION_GRACE_S": "1",
-            "REACH_CALLBACK__RETRY_WINDOW_S": "60",
         },
     )
     api = await Gateway(stack, "api", worker=False).ready()
@@ -423,7 +441,7 @@ async def test_without_a_worker_a_late_answer_is_503_and_a_callback_survives_the
         assert late.status_code == 503, late.text
         assert late.json()["error"]["type"] == "unavailable"
         assert time.monotonic() - start < 5
-        await asyncio.sleep(2.5)  # past the deadline + execution_grace_s
+        await asyncio.sleep(2.5)  # well past the deadline
         await Worker(stack).ready()
         await receiver.wait(2, timeout_s=20)
         by_id = {envelope["request_id"]: envelope for _, envelope in receiver.received}
@@ -463,13 +481,6 @@ async def test_a_request_ended_before_delivery_reads_given_up_not_pending(
         id=rid,
         task_queue=f"unserved-{uuid.uuid4().hex[:6]}",
         execution_timeout=timedelta(seconds=1),
-        memo={
-            "reach": {
-                "fingerprint": "x",
-                "deadline_ms": now + 500,
-                "callback": "http://127.0.0.1:9/cb",
-            }
-        },
     )
 
     async def ended() -> bool:
