@@ -318,7 +318,8 @@ def check_repeat(request_id: str, first: InvokeInput, repeat: InvokeInput) -> No
     """A repeated RequestID attaches only to the same request; it may drop the callback (and
     wait for the result instead) but never add or change one."""
     read_it = f"GET /reach/requests/{request_id} reads the first one"
-    if first.fingerprint != repeat.fingerprint:
+    # Requests accepted before fingerprints existed have none: those attach as they always did.
+    if first.fingerprint is not None and first.fingerprint != repeat.fingerprint:
         raise RequestConflict(
             f"request_id {request_id!r} was first used with another body or caller; repeat "
             f"the request exactly or use a new request_id ({read_it})"
