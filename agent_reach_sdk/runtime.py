@@ -49,6 +49,8 @@ from reach.messages import dumps
 
 log = logging.getLogger("agent_reach_sdk")
 
+LATE_ANSWER_TIMEOUT_S = 30.0
+
 OperationFunc = Callable[..., Any]
 HealthCheck = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
 
@@ -336,6 +338,9 @@ class AgentRuntime:
                     f"/reach/requests/{request_id}/result",
                     content=content,
                     headers={"Content-Type": "application/json"},
+                    # Longer than Reach waits for a worker to take it (2 x rpc_timeout_s), so
+                    # the SDK hears Reach's answer instead of resending over it.
+                    timeout=LATE_ANSWER_TIMEOUT_S,
                 )
             except httpx.HTTPError as exc:
                 log.warning("late answer for %s not delivered (%r); retrying", request_id, exc)

@@ -80,6 +80,8 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
         version=reach.__version__,
         summary="Invoke agents by capability name, durably, over any protocol.",
         lifespan=lifespan,
+        # A trailing slash is another path (404 in the envelope), not a bodiless 307.
+        redirect_slashes=False,
     )
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=Limits(settings.transport.max_message_bytes).max_body_bytes)

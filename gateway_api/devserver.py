@@ -17,11 +17,16 @@ import sys
 import time
 from pathlib import Path
 
+from reach.limits import UPDATE_PAYLOADS_LIMIT_BYTES
 from workflows.invoke import SEARCH_ATTRIBUTES
 
 TUNING = (
     "--dynamic-config-value",
     "history.transferProcessorMaxPollRPS=1000",
+    # Late answers in flight per request, in bytes: far below the 4 MiB gRPC message that one
+    # workflow task's answer to all of them must fit in (reach.limits).
+    "--dynamic-config-value",
+    f"history.maxInFlightUpdatePayloads={UPDATE_PAYLOADS_LIMIT_BYTES}",
     "--sqlite-pragma",
     "journal_mode=WAL",
     "--sqlite-pragma",

@@ -50,8 +50,9 @@ from reach.invocation import (
     DeliveryOutcome,
     InvokeInput,
     LateAnswer,
+    answer_key,
     delivery_workflow_id,
-    request_fingerprint,
+    same_request,
 )
 from reach.limits import Limits
 from reach.messages import (
@@ -133,7 +134,6 @@ class Gateway:
             traceparent=traceparent,
             plan=plan,
             payload_bytes=len(payload_json),
-            fingerprint=request_fingerprint(req, caller, payload_json),
         )
         handle, started = await self._start(inp)
         deadline_ms = inp.deadline_ms
@@ -189,10 +189,16 @@ class Gateway:
 
     # -- reading a request --------------------------------------------------------------------
 
-    async def _outcome(self, handle: InvokeHandle) -> InvokeResponse:
-        """The request's final envelope, also when its workflow ended without one."""
+    async def _outcome(
+        self, handle: InvokeHandle, rpc_timeout: timedelta | None = None
+    ) -> InvokeResponse:
+        """The request's final envelope, also when its workflow ended without one.
+
+        `rpc_timeout` for a workflow known to be closed; a caller waiting for a running one
+        bounds the wait itself (the result is a long poll).
+        """
         try:
-            return await handle.result()
+            return await handle.result(rpc_timeout=rpc_timeout)
         except WorkflowFailureError as exc:
             return ended_without_result(handle.id, exc.cause)
 
@@ -235,7 +241,7 @@ class Gateway:
                 instance_id=desc.typed_search_attributes.get(SA_INSTANCE),
             )
         else:
-            response = await self._outcome(handle)
+            response = await self._outcome(handle, self.rpc_timeout)
         original = await self._original(handle)
         if original is not None and original.callback:
             response.delivery = await self._delivery(request_id, original.callback, response.status)
@@ -269,7 +275,7 @@ class Gateway:
                 url=url, status="pending", attempts=attempts, last_error=last_error
             )
         try:
-            outcome: DeliveryOutcome = await handle.result()
+            outcome: DeliveryOutcome = await handle.result(rpc_timeout=self.rpc_timeout)
         except WorkflowFailureError as exc:
             return DeliveryState(url=url, status="given_up", last_error=str(exc.cause))
         return DeliveryState(url=url, **outcome.model_dump())
@@ -277,18 +283,25 @@ class Gateway:
     # -- late answers -------------------------------------------------------------------------
 
     async def late_answer(self, request_id: str, answer: LateAnswer) -> str:
-        """Hand an agent's late answer to its request: 'received' or 'duplicate' (a resend)."""
+        """Hand an agent's late answer to its request: 'received' (also for a resend of it).
+
+        The update's id is the answer's content, so a resend (after a 503, a lost reply) is the
+        same update, never another one carrying the same payload again.
+        """
         handle = self.client.get_workflow_handle_for(InvokeWorkflow.run, request_id)
         # Twice the RPC timeout: the update waits for a worker to run its validator.
         wait = 2 * self.rpc_timeout
         try:
             verdict = await handle.execute_update(
-                InvokeWorkflow.submit_late_answer, answer, rpc_timeout=wait
+                InvokeWorkflow.submit_late_answer,
+                answer,
+                id=f"late-answer-{answer_key(answer)}",
+                rpc_timeout=wait,
             )
         except WorkflowUpdateFailedError as exc:
             cause = exc.cause
             if isinstance(cause, ApplicationError) and cause.type == "duplicate":
-                return "duplicate"
+                return "received"
             reason = cause.message if isinstance(cause, ApplicationError) else str(exc)
             raise RequestClosed(f"request {request_id!r}: {reason}") from exc
         except WorkflowUpdateRPCTimeoutOrCancelledError:
@@ -306,9 +319,9 @@ class Gateway:
         return verdict
 
     async def _answer_after_the_end(self, handle: InvokeHandle, answer: LateAnswer) -> str:
-        final = await self._outcome(handle)
+        final = await self._outcome(handle, self.rpc_timeout)
         if made_the_result(answer, final):
-            return "duplicate"  # the answer that made the result, sent again
+            return "received"  # the answer that made the result, sent again
         raise RequestClosed(
             f"request {handle.id!r} already ended ({final.status}); its result is final"
         )
@@ -318,8 +331,7 @@ def check_repeat(request_id: str, first: InvokeInput, repeat: InvokeInput) -> No
     """A repeated RequestID attaches only to the same request; it may drop the callback (and
     wait for the result instead) but never add or change one."""
     read_it = f"GET /reach/requests/{request_id} reads the first one"
-    # Requests accepted before fingerprints existed have none: those attach as they always did.
-    if first.fingerprint is not None and first.fingerprint != repeat.fingerprint:
+    if not same_request(first, repeat):
         raise RequestConflict(
             f"request_id {request_id!r} was first used with another body or caller; repeat "
             f"the request exactly or use a new request_id ({read_it})"

@@ -25,6 +25,7 @@ from pydantic_settings import (
 from reach.invocation import CallbackPlan, CapabilityMode
 from reach.limits import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    TEMPORAL_GRPC_LIMIT_BYTES,
     TEMPORAL_PAYLOAD_LIMIT_BYTES,
     max_message_ceiling,
 )
@@ -149,6 +150,11 @@ class TemporalSettings(_Section):
         description="The cluster's largest payload blob (server dynamic config "
         "limit.blobSize.error; 2 MiB unless your cluster raised it).",
     )
+    grpc_limit_bytes: int = Field(
+        default=TEMPORAL_GRPC_LIMIT_BYTES,
+        gt=512 * 1024,
+        description="The largest gRPC message the cluster takes (4 MiB by default).",
+    )
     workflow_sandbox: bool = Field(
         default=False,
         description="Run InvokeWorkflow in the SDK's determinism sandbox. The sandbox re-imports "
@@ -190,12 +196,14 @@ class ReachSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _messages_fit_in_temporal(self) -> ReachSettings:
-        ceiling = max_message_ceiling(self.temporal.payload_limit_bytes)
+        t = self.temporal
+        ceiling = max_message_ceiling(t.payload_limit_bytes, t.grpc_limit_bytes)
         if self.transport.max_message_bytes > ceiling:
             raise ValueError(
                 f"transport.max_message_bytes={self.transport.max_message_bytes} cannot be "
-                f"carried: temporal.payload_limit_bytes={self.temporal.payload_limit_bytes} "
-                f"leaves at most {ceiling} bytes for a message"
+                f"carried: temporal.payload_limit_bytes={t.payload_limit_bytes} and "
+                f"temporal.grpc_limit_bytes={t.grpc_limit_bytes} leave at most {ceiling} "
+                "bytes for a message"
             )
         return self
 

@@ -8,11 +8,12 @@ deterministic even after the configuration changes.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from reach.messages import InvokeRequest, InvokeResponse, Message, dumps
+from reach.messages import InvokeResponse, Message
 
 CapabilityMode = Literal["inline", "queue"]
 
@@ -67,9 +68,6 @@ class InvokeInput(BaseModel):
     traceparent: str | None = None
     plan: CallPlan
     payload_bytes: int = 0
-    fingerprint: str | None = Field(
-        default=None, description="What a repeat of this RequestID must match (see below)."
-    )
 
 
 class Endpoint(BaseModel):
@@ -109,25 +107,24 @@ class DeliveryOutcome(BaseModel):
     last_error: str | None = None
 
 
-def request_fingerprint(req: InvokeRequest, caller: str, payload_json: bytes) -> str:
-    """What makes two requests with one RequestID the same request.
+def same_request(first: InvokeInput, repeat: InvokeInput) -> bool:
+    """Whether a repeat of a RequestID is the same request: the same caller asking the same
+    thing under the same terms. The callback is judged apart (a repeat may drop it)."""
+    return (
+        first.caller == repeat.caller
+        and first.target == repeat.target
+        and first.operation == repeat.operation
+        and first.payload == repeat.payload  # as JSON means it: key order does not matter
+        and first.plan.timeout_ms == repeat.plan.timeout_ms
+        and first.idempotency_key == repeat.idempotency_key
+        and first.routing_key == repeat.routing_key
+    )
 
-    The RequestID and the callback are left out: a repeat without a callback may wait for the
-    result of a request that has one (the gateway checks that a repeat never adds or changes
-    a callback).
-    """
-    fields = [
-        caller,
-        req.target,
-        req.operation,
-        req.timeout_ms,
-        req.idempotency_key,
-        req.routing_key,
-    ]
-    digest = hashlib.sha256(dumps(fields))
-    digest.update(b"\0")
-    digest.update(payload_json)
-    return digest.hexdigest()
+
+def answer_key(answer: LateAnswer) -> str:
+    """One id per late answer's content, so a resend is the same update, not another one."""
+    content = [answer.status, answer.result, answer.error_type, answer.error_message]
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
 
 
 class LateAnswer(BaseModel):

@@ -50,6 +50,7 @@ with workflow.unsafe.imports_passed_through():
         InvokeInput,
         LateAnswer,
         ResolveInput,
+        answer_key,
         delivery_workflow_id,
     )
     from reach.messages import (
@@ -130,7 +131,7 @@ class InvokeWorkflow:
     def _check_late_answer(self, answer: LateAnswer) -> None:
         # A refused update leaves no trace in history: re-sent or stray answers cost nothing.
         if self._late is not None:
-            if self._late == answer:
+            if answer_key(self._late) == answer_key(answer):  # the same words, sent again
                 raise ApplicationError("this answer was already received", type="duplicate")
             raise ApplicationError(
                 "another answer to this request was already received", type="request_closed"

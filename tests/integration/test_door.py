@@ -178,6 +178,7 @@ async def test_a_chunked_body_over_the_limit_is_a_413_envelope(
     ("method", "path", "status", "error_type"),
     [
         ("GET", "/no/such/route", 404, "not_found"),
+        ("POST", "/reach/invoke/", 404, "not_found"),
         ("DELETE", "/reach/invoke", 405, "method_not_allowed"),
         ("GET", "/reach/requests/not%20an%20id", 422, "invalid_request"),
         ("PUT", "/reach/agents/%E2%9C%93/heartbeat", 422, "invalid_request"),

@@ -164,7 +164,7 @@ async def test_an_agents_late_error_type_never_chooses_the_status(
     assert r.json()["instance_id"] == f"{capability}-00"
 
 
-async def test_late_answers_first_wins_resend_is_a_duplicate(
+async def test_late_answers_first_wins_and_a_resend_is_received_again(
     gateway: Gateway, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1, "--defer", "--delay-ms", "4000")
@@ -184,12 +184,15 @@ async def test_late_answers_first_wins_resend_is_a_duplicate(
     assert first.json() == {"request_id": rid, "status": "received"}
     resent = await http.post(url, json=answer)
     assert resent.status_code == 202, resent.text
-    assert resent.json()["status"] == "duplicate"
+    assert resent.json()["status"] == "received"  # the same answer: the same acknowledgement
     r = await call
     assert r.status_code == 200, r.text
     assert r.json()["result"] == {"answer": 1}
-    # After the end: the same answer is still a duplicate, another one is refused.
-    assert (await http.post(url, json=answer)).json()["status"] == "duplicate"
+    # After the end: the same answer is still acknowledged, another one is refused.
+    assert (await http.post(url, json=answer)).json()["status"] == "received"
+    # ...whatever order its keys come in, and without the instance id.
+    same = {"result": {"answer": 1}, "status": "success", "instance_id": "someone"}
+    assert (await http.post(url, json=same)).json()["status"] == "received"
     other = await http.post(url, json={"status": "success", "result": {"answer": 2}})
     assert other.status_code == 409
     assert other.json()["error"]["type"] == "request_closed"
@@ -388,10 +391,10 @@ async def test_a_late_answer_acknowledged_while_the_call_is_out_is_never_discard
     assert r.status_code == 200, r.text
     assert r.json()["result"] == {"from": "late"}  # acknowledged first, so it is the result
     again = await http.post(f"{gw.url}/reach/requests/{rid}/result", json=answer)
-    assert again.json()["status"] == "duplicate"
+    assert again.json()["status"] == "received"
 
 
-async def test_an_error_late_answer_sent_again_is_a_duplicate(
+async def test_an_error_late_answer_sent_again_is_received_again(
     gateway: Gateway, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1, "--defer", "--late-error", "index_gone")
@@ -408,7 +411,7 @@ async def test_an_error_late_answer_sent_again_is_a_duplicate(
         },
     )
     assert again.status_code == 202, again.text
-    assert again.json()["status"] == "duplicate"
+    assert again.json()["status"] == "received"
 
 
 async def test_without_a_worker_a_late_answer_is_503_and_a_callback_survives_the_outage(
@@ -450,7 +453,7 @@ async def test_without_a_worker_a_late_answer_is_503_and_a_callback_survives_the
         # The answer was kept by Temporal until a worker took it: resending it is harmless.
         assert by_id[answered]["result"] == {"from": "late"}
         again = await http.post(f"{api.url}/reach/requests/{answered}/result", json=answer)
-        assert again.json()["status"] == "duplicate"
+        assert again.json()["status"] == "received"
         assert (await read(http, api, waiting))["status"] == "timeout"
 
         async def delivered() -> bool:  # recorded a moment after the receiver answered
@@ -521,3 +524,36 @@ async def test_a_reused_request_id_gets_its_callback_despite_an_old_delivery(
         return (await read(http, gateway, rid))["delivery"]["status"] == "delivered"
 
     await wait_until(delivered, 5)
+
+
+async def test_late_answers_piling_up_in_an_outage_cannot_kill_the_request(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
+) -> None:
+    """Before: every resend of a 1 MB late answer during a worker outage was admitted as an
+    update of its own; the workflow task answering them all passed Temporal's 4 MiB message
+    limit and the server terminated the request, result and callback lost."""
+    stack = new_stack(temporal_server, tmp_path, extra={"REACH_TEMPORAL__RPC_TIMEOUT_S": "1"})
+    api = await Gateway(stack, "api", worker=False).ready()
+    await start_agents(api, capability, 1)
+    rid = f"req-{uuid.uuid4().hex}"
+    async with CallbackReceiver() as receiver:
+        r = await http.post(
+            f"{api.url}/reach/invoke",
+            json=body(capability, request_id=rid, timeout_ms=60_000, callback=receiver.url),
+        )
+        assert r.status_code == 202, r.text
+        url = f"{api.url}/reach/requests/{rid}/result"
+        big = {"status": "success", "result": {"text": "a" * 1_000_000}}
+        others = [{"status": "success", "result": {"text": c * 1_000_000}} for c in "bcd"]
+        for answer in [big, big, big, *others, big]:  # resends, and rivals, all in the outage
+            r = await http.post(url, json=answer)
+            assert r.status_code == 503, r.text
+        await Worker(stack).ready()
+        await receiver.wait(1, timeout_s=30)
+        assert len(receiver.received) == 1
+        envelope = receiver.received[0][1]
+        assert envelope["status"] == "success"
+        assert envelope["result"] == big["result"]  # the first answer sent is the result
+    final = await read(http, api, rid)
+    assert final["status"] == "success"
+    assert (await http.post(url, json=big)).json()["status"] == "received"

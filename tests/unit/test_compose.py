@@ -72,3 +72,16 @@ def test_worker_runs_worker_py_and_the_image_builds_from_the_repo(compose: dict[
     dockerfile = (ROOT / "Dockerfile").read_text()
     for path in ("reach", "workflows", "activities", "connectors", "gateway_api", "worker.py"):
         assert path in dockerfile
+
+
+def test_the_cluster_bounds_late_answers_in_flight_as_the_dev_server_does(
+    compose: dict[str, Any],
+) -> None:
+    from reach.limits import UPDATE_PAYLOADS_LIMIT_BYTES
+
+    temporal = compose["services"]["temporal"]
+    mount = next(v for v in temporal["volumes"] if "temporal-dynamicconfig.yaml" in v)
+    host_path, container_path = mount.split(":")[:2]
+    assert container_path.endswith("/" + temporal["environment"]["DYNAMIC_CONFIG_FILE_PATH"])
+    dynamic = yaml.safe_load((ROOT / host_path).read_text())
+    assert dynamic["history.maxInFlightUpdatePayloads"] == [{"value": UPDATE_PAYLOADS_LIMIT_BYTES}]

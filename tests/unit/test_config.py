@@ -97,9 +97,9 @@ def test_a_message_limit_temporal_cannot_carry_is_a_start_up_error(tmp_path: Pat
     message = str(err.value)
     assert "transport.max_message_bytes=4194304 cannot be carried" in message
     assert "temporal.payload_limit_bytes=2097152" in message
-    # A cluster that raised its blob limit may raise the message limit with it.
+    # A cluster that raised its blob and gRPC limits may raise the message limit with them.
     config.write_text(
         "reach:\n  transport: {max_message_bytes: 4194304}\n"
-        "  temporal: {payload_limit_bytes: 8388608}\n"
+        "  temporal: {payload_limit_bytes: 8388608, grpc_limit_bytes: 16777216}\n"
     )
     assert load_settings(config).transport.max_message_bytes == 4194304

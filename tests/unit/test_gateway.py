@@ -36,24 +36,32 @@ async def test_a_bug_is_a_500_envelope_not_a_dropped_connection() -> None:
     }
 
 
-def test_a_repeat_of_a_request_accepted_before_fingerprints_still_attaches() -> None:
-    def inp(fingerprint: str | None, callback: str | None = None) -> InvokeInput:
-        plan = CallPlan(timeout_ms=1, idempotent=True, max_retries=0)
-        return InvokeInput(
-            request_id="r",
-            caller="c",
-            target="t",
-            operation="o",
-            accepted_at_ms=0,
-            deadline_ms=1,
-            plan=plan,
-            fingerprint=fingerprint,
-            callback=callback,
-        )
+def _inp(payload: dict[str, object], callback: str | None = None, **kw: object) -> InvokeInput:
+    fields: dict[str, object] = {
+        "request_id": "r",
+        "caller": "c",
+        "target": "t",
+        "operation": "o",
+        "payload": payload,
+        "accepted_at_ms": 0,
+        "deadline_ms": 1,
+        "plan": CallPlan(timeout_ms=3000, idempotent=True, max_retries=0),
+        "callback": callback,
+        **kw,
+    }
+    return InvokeInput.model_validate(fields)
 
-    check_repeat("r", inp(None), inp("abc"))  # legacy: attaches
-    check_repeat("r", inp("abc", "http://a/cb"), inp("abc"))  # may drop the callback
-    with pytest.raises(RequestConflict):
-        check_repeat("r", inp("abc"), inp("abd"))
-    with pytest.raises(RequestConflict):
-        check_repeat("r", inp("abc"), inp("abc", "http://a/cb"))
+
+def test_a_repeat_is_judged_by_what_it_asks_not_how_it_is_spelled() -> None:
+    first = _inp({"a": 1, "b": [1, 2]}, "http://a/cb")
+    check_repeat("r", first, _inp({"b": [1, 2], "a": 1}, "http://a/cb"))  # key order
+    check_repeat("r", first, _inp({"a": 1, "b": [1, 2]}))  # may drop the callback
+    for other in (
+        _inp({"a": 2, "b": [1, 2]}),
+        _inp({"a": 1, "b": [1, 2]}, caller="someone-else"),
+        _inp({"a": 1, "b": [1, 2]}, idempotency_key="k"),
+        _inp({"a": 1, "b": [1, 2]}, plan=CallPlan(timeout_ms=1, idempotent=True, max_retries=0)),
+        _inp({"a": 1, "b": [1, 2]}, "http://elsewhere/cb"),
+    ):
+        with pytest.raises(RequestConflict):
+            check_repeat("r", first, other)
