@@ -258,6 +258,31 @@ async def _client(gateway: Gateway) -> Client:
     return await Client.connect(gateway.stack.temporal, data_converter=pydantic_data_converter)
 
 
+async def start_directly(gateway: Gateway, *, task_queue: str | None = None, **start: Any) -> str:
+    """Start an InvokeWorkflow past the door, as only a bug or an operator could."""
+    fields: dict[str, Any] = {"deadline_ms": int(time.time() * 1000) + 500}
+    fields.update({k: start.pop(k) for k in ("deadline_ms", "callback") if k in start})
+    rid = f"req-{uuid.uuid4().hex}"
+    inp = InvokeInput(
+        request_id=rid,
+        caller="t",
+        target="nobody",
+        operation="query",
+        accepted_at_ms=int(time.time() * 1000),
+        plan=CallPlan(timeout_ms=500, idempotent=True, max_retries=0),
+        **fields,
+    )
+    client = await _client(gateway)
+    await client.start_workflow(
+        "InvokeWorkflow",
+        inp,
+        id=rid,
+        task_queue=task_queue or gateway.stack.task_queue,
+        **start,
+    )
+    return rid
+
+
 async def test_input_the_workflow_cannot_decode_ends_typed_not_stuck(
     gateway: Gateway, http: httpx.AsyncClient
 ) -> None:
@@ -289,23 +314,7 @@ async def test_input_that_breaks_workflow_code_ends_typed_not_stuck(
     """A backstop behind the door: an input that decodes but makes the workflow code raise (a
     deadline past what a timedelta holds) ends the request with a typed internal error, instead
     of a workflow task that fails and is retried forever."""
-    client = await _client(gateway)
-    rid = f"req-{uuid.uuid4().hex}"
-    now = int(time.time() * 1000)
-    await client.start_workflow(
-        "InvokeWorkflow",
-        InvokeInput(
-            request_id=rid,
-            caller="t",
-            target="nobody",
-            operation="query",
-            accepted_at_ms=now,
-            deadline_ms=10**18,
-            plan=CallPlan(timeout_ms=500, idempotent=True, max_retries=0),
-        ),
-        id=rid,
-        task_queue=gateway.stack.task_queue,
-    )
+    rid = await start_directly(gateway, deadline_ms=10**18)
 
     async def ended() -> bool:
         return (await read(http, gateway, rid))["status"] != "running"
@@ -322,21 +331,8 @@ async def test_a_workflow_that_outlives_its_life_reads_as_a_timeout(
 ) -> None:
     """No worker ever takes it (an unserved queue): Temporal ends it, and the request reads as
     a typed, final timeout rather than `running` for good."""
-    client = await _client(gateway)
-    rid = f"req-{uuid.uuid4().hex}"
-    now = int(time.time() * 1000)
-    await client.start_workflow(
-        "InvokeWorkflow",
-        InvokeInput(
-            request_id=rid,
-            caller="t",
-            target="nobody",
-            operation="query",
-            accepted_at_ms=now,
-            deadline_ms=now + 500,
-            plan=CallPlan(timeout_ms=500, idempotent=True, max_retries=0),
-        ),
-        id=rid,
+    rid = await start_directly(
+        gateway,
         task_queue=f"unserved-{uuid.uuid4().hex[:6]}",
         execution_timeout=timedelta(seconds=1),
     )
@@ -466,22 +462,9 @@ async def test_a_request_ended_before_delivery_reads_given_up_not_pending(
     gateway: Gateway, http: httpx.AsyncClient
 ) -> None:
     """A request whose workflow ended without a result never hands it to delivery."""
-    client = await _client(gateway)
-    rid = f"req-{uuid.uuid4().hex}"
-    now = int(time.time() * 1000)
-    await client.start_workflow(
-        "InvokeWorkflow",
-        InvokeInput(
-            request_id=rid,
-            caller="t",
-            target="nobody",
-            operation="query",
-            accepted_at_ms=now,
-            deadline_ms=now + 500,
-            callback="http://127.0.0.1:9/cb",
-            plan=CallPlan(timeout_ms=500, idempotent=True, max_retries=0),
-        ),
-        id=rid,
+    rid = await start_directly(
+        gateway,
+        callback="http://127.0.0.1:9/cb",
         task_queue=f"unserved-{uuid.uuid4().hex[:6]}",
         execution_timeout=timedelta(seconds=1),
     )
