@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: up test lint fmt test-only fuzz-quick fuzz bench install clean
+.PHONY: up test lint fmt test-only fuzz-quick fuzz bench install clean proto
 
 # The fuzz runs happen in a network namespace of their own with only loopback up, so no URL the
 # fuzzer makes up (callbacks, agent addresses) can send a packet off this machine.
@@ -27,6 +27,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# Regenerate the committed protobuf modules after editing protos/agent_reach_proto/*.proto.
+proto: $(STAMP)
+	PYTHON=$(BIN)/python protos/generate.sh
 
 fmt: $(STAMP)
 	$(BIN)/ruff format .

@@ -1,33 +1,45 @@
 """AgentRuntime: join Reach, heartbeat with a health report, serve operations (R2, R8, R21, R24).
 
-    runtime = AgentRuntime(reach_address="10.0.0.5:7600", capability="knowledge-retriever",
-                           instance_id="retriever-01", protocol="http",
-                           service_address="10.0.1.8:9001", heartbeat_interval=5)
+The smallest complete agent (any protocol: "http", "grpc", "websocket", "mqtt"):
+
+    from agent_reach_sdk import AgentRuntime
+
+    runtime = AgentRuntime("knowledge-retriever", protocol="grpc")
 
     @runtime.operation("query")
-    async def query(payload: dict, ctx: RequestContext) -> dict: ...
+    async def query(payload: dict) -> dict: ...
 
-    runtime.start()        # plain scripts: runs in a background thread
-    async with runtime:    # asyncio code: runs on the current loop
+    runtime.run()          # blocks until Ctrl-C or SIGTERM, then leaves cleanly
+
+`runtime.start()` runs it in a background thread instead (plain scripts), and
+`async with runtime:` on the current loop (asyncio code). The gateway is `reach_address`
+(default: `$REACH_ADDRESS`, else 127.0.0.1:7600); `instance_id` defaults to
+`<capability>-<host>-<pid>-<4 hex>`.
 
 Activities run at least once, so a request can be delivered twice (a worker crashed between the
 agent's answer and the workflow recording it). The runtime remembers recent RequestIDs with their
-answers and answers a re-delivered request without running the operation again. The memory is
-bounded twice: at most `remember` answers and `remember_bytes` bytes of them as sent, the oldest
-forgotten first; an answer bigger than `remember_bytes` on its own is not remembered at all.
+answers and answers a re-delivered request without running the operation again, on every
+protocol. The memory is bounded twice: at most `remember` answers and `remember_bytes` bytes of
+them as sent, the oldest forgotten first; an answer bigger than `remember_bytes` on its own is
+not remembered at all.
 
 Results are sent as `reach.messages.dumps` encodes them, the encoding Reach measures with. A
 result larger than the `max_message_bytes` negotiated at Join is not sent (Reach could not carry
-it): the caller gets HTTP 500 `result_too_large` naming both sizes, marked not retryable (the
-same operation would produce the same result), and the agent's log says so.
+it): the caller gets `result_too_large` naming both sizes, marked not retryable (the same
+operation would produce the same result), and the agent's log says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
+import os
+import secrets
+import signal
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -37,13 +49,15 @@ from typing import Any, Self
 
 import httpx
 
+from agent_reach_sdk import wire
 from agent_reach_sdk.context import (
     Deferred,
     RequestContext,
     current_request_id,
     install_request_id_logging,
 )
-from agent_reach_sdk.server import HttpAgentServer, HttpRequest, HttpResponse
+from agent_reach_sdk.servers import AgentServer, server_class
+from agent_reach_sdk.wire import Answer, Inbound, error_answer
 from reach.limits import DEFAULT_MAX_MESSAGE_BYTES
 from reach.messages import dumps
 
@@ -67,26 +81,27 @@ class OperationError(Exception):
         self.status = status
 
 
-def _split(address: str) -> tuple[str, int]:
-    hostport = address.split("://", 1)[-1].rstrip("/")
-    host, _, port = hostport.rpartition(":")
-    return host or "127.0.0.1", int(port)
-
-
 def _url(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address.rstrip('/')}"
+
+
+def default_instance_id(capability: str) -> str:
+    """Unique per process and start: `<capability>-<host>-<pid>-<4 hex>`."""
+    host = socket.gethostname().split(".", 1)[0].lower() or "host"
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in host)[:32]
+    return f"{capability}-{host}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
 class AgentRuntime:
     def __init__(
         self,
-        reach_address: str,
         capability: str,
-        instance_id: str,
-        protocol: str = "http",
-        service_address: str = "127.0.0.1:0",
-        heartbeat_interval: float = 5.0,
         *,
+        reach_address: str | None = None,
+        instance_id: str | None = None,
+        protocol: str = "http",
+        service_address: str | None = None,
+        heartbeat_interval: float = 5.0,
         token: str | None = None,
         health_check: HealthCheck | None = None,
         listen: str | None = None,
@@ -95,28 +110,31 @@ class AgentRuntime:
         remember: int = 4096,
         remember_bytes: int = DEFAULT_REMEMBER_BYTES,
     ) -> None:
-        if protocol != "http":
-            raise ValueError(f"protocol {protocol!r} is not served by this SDK version; use 'http'")
+        """`service_address` is where Reach calls this instance: `host:port` for http, grpc
+        and websocket (port 0 = any free port, filled in before joining); for mqtt, the
+        broker's `host:port` (the request topic is added). `listen` is where to bind when it
+        differs from the address advertised (e.g. 0.0.0.0:9001 behind a public name)."""
+        self._server_class = server_class(protocol)  # an unknown protocol fails here
         install_request_id_logging()
-        self.reach_url = _url(reach_address)
+        self.reach_url = _url(reach_address or os.environ.get("REACH_ADDRESS", "127.0.0.1:7600"))
         self.capability = capability
-        self.instance_id = instance_id
+        self.instance_id = instance_id or default_instance_id(capability)
         self.protocol = protocol
-        self.service_address = service_address
+        self.service_address = service_address or self._server_class.default_address
         self.heartbeat_interval = heartbeat_interval
         self.token = token
         self.health_check = health_check
         self.max_message_bytes = max_message_bytes
         self.async_callback = async_callback
         self.ack: dict[str, Any] | None = None
-        self._listen = listen or service_address
+        self._listen = listen or self.service_address
         self._operations: dict[str, OperationFunc] = {}
         self._remember = remember
         self._remember_bytes = remember_bytes
-        self._recent: OrderedDict[str, HttpResponse] = OrderedDict()
+        self._recent: OrderedDict[str, Answer] = OrderedDict()
         self._recent_size = 0  # bytes of the remembered answers, as sent
-        self._inflight: dict[str, asyncio.Future[HttpResponse]] = {}
-        self._server: HttpAgentServer | None = None
+        self._inflight: dict[str, asyncio.Future[Answer]] = {}
+        self._server: AgentServer | None = None
         self._client: httpx.AsyncClient | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._joined = threading.Event()
@@ -155,12 +173,15 @@ class AgentRuntime:
 
     async def astart(self) -> None:
         install_request_id_logging()
-        host, port = _split(self._listen)
-        self._server = HttpAgentServer(self._handle, host, port, self.max_message_bytes)
+        self._server = self._server_class(
+            self.dispatch,
+            listen=self._listen,
+            advertise=self.service_address,
+            instance_id=self.instance_id,
+            max_body_bytes=self.max_message_bytes,
+        )
         await self._server.start()
-        if port == 0:  # an ephemeral port: advertise the one we got
-            adv_host, _ = _split(self.service_address)
-            self.service_address = f"{adv_host}:{self._server.port}"
+        self.service_address = self._server.service_address
         self._client = self._reach_client()
         try:
             await self._join()
@@ -168,7 +189,9 @@ class AgentRuntime:
             log.warning("cannot join Reach at %s yet (%r); retrying", self.reach_url, exc)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
 
-    async def astop(self, *, leave: bool = True) -> None:
+    async def astop(self, *, leave: bool = True, grace_s: float = 5.0) -> None:
+        """Leave Reach (no new traffic is routed here), stop taking requests, and let those
+        in flight finish for up to `grace_s` seconds."""
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             await asyncio.gather(self._heartbeat_task, return_exceptions=True)
@@ -181,11 +204,42 @@ class AgentRuntime:
                 pass
         self._joined.clear()
         if self._server is not None:
-            await self._server.close()
+            await self._server.close(grace_s)
             self._server = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+    def run(self) -> None:
+        """Serve until Ctrl-C or SIGTERM, then leave cleanly (the smallest agent's last line)."""
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s [%(request_id)s] %(message)s"
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(self.serve_forever())
+
+    async def serve_forever(self) -> None:
+        """`run()` for asyncio code: serve on this loop until SIGINT/SIGTERM, then leave."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+        try:
+            async with self:
+                log.info(
+                    "serving %s over %s at %s (Ctrl-C to leave)",
+                    self.capability,
+                    self.protocol,
+                    self.service_address,
+                )
+                await stop.wait()
+                log.info("leaving Reach: no new requests; finishing those in flight")
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
 
     def start(self) -> None:
         """Start in a background thread (for plain, non-asyncio scripts)."""
@@ -354,23 +408,20 @@ class AgentRuntime:
 
     # -- serving ------------------------------------------------------------------------------
 
-    async def _handle(self, request: HttpRequest) -> HttpResponse:
-        prefix = "/reach/"
-        if request.method != "POST" or not request.path.startswith(prefix):
-            return _error(404, "invalid_request", f"no route {request.method} {request.path}")
-        name = request.path[len(prefix) :]
+    async def dispatch(self, request: Inbound) -> Answer:
+        """Answer one request, whatever protocol it came by (the servers call this)."""
+        name = request.operation
         func = self._operations.get(name)
         if func is None:
-            return _error(404, "invalid_request", f"operation {name!r} is not served here")
-        h = request.headers
-        request_id = h.get("x-reach-request-id") or f"local-{time.time_ns()}"
+            return error_answer(404, "invalid_request", f"operation {name!r} is not served here")
+        request_id = request.headers.get(wire.REQUEST_ID) or f"local-{time.time_ns()}"
         cached = self._recent.get(request_id)
         if cached is not None:
             return cached
         running = self._inflight.get(request_id)
         if running is not None:
             return await asyncio.shield(running)
-        future: asyncio.Future[HttpResponse] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._inflight[request_id] = future
         try:
             response = await self._execute(func, name, request_id, request)
@@ -385,7 +436,7 @@ class AgentRuntime:
             self._keep(request_id, response)
         return response
 
-    def _keep(self, request_id: str, response: HttpResponse) -> None:
+    def _keep(self, request_id: str, response: Answer) -> None:
         size = len(response.content())
         if size > self._remember_bytes:
             return  # it would push out everything else and still not fit
@@ -404,56 +455,56 @@ class AgentRuntime:
         return len(self._recent), self._recent_size
 
     async def _execute(
-        self, func: OperationFunc, name: str, request_id: str, request: HttpRequest
-    ) -> HttpResponse:
+        self, func: OperationFunc, name: str, request_id: str, request: Inbound
+    ) -> Answer:
         h = request.headers
         try:
-            deadline = int(h["x-reach-deadline-ms"]) if h.get("x-reach-deadline-ms") else None
-            attempt = int(h.get("x-reach-attempt") or "1")
+            deadline = int(h[wire.DEADLINE_MS]) if h.get(wire.DEADLINE_MS) else None
+            attempt = int(h.get(wire.ATTEMPT) or "1")
         except ValueError:
-            return _error(
+            return error_answer(
                 400, "invalid_request", "X-Reach-Deadline-Ms and X-Reach-Attempt are integers"
             )
         ctx = RequestContext(
             request_id=request_id,
             operation=name,
-            caller=h.get("x-reach-caller", "anonymous"),
+            caller=h.get(wire.CALLER, "anonymous"),
             attempt=attempt,
             deadline_ms=deadline,
-            idempotency_key=h.get("idempotency-key"),
-            headers=h,
+            idempotency_key=h.get(wire.IDEMPOTENCY_KEY),
+            headers=dict(h),
         )
         try:
             payload = json.loads(request.body or b"{}")
         except ValueError:
-            return _error(400, "invalid_request", "body is not JSON")
+            return error_answer(400, "invalid_request", "body is not JSON")
         remaining = (deadline / 1000 - time.time()) if deadline else None
         if remaining is not None and remaining <= 0:
-            return _error(504, "timeout", "the request's deadline passed before it started")
+            return error_answer(504, "timeout", "the request's deadline passed before it started")
         token = current_request_id.set(request_id)
         try:
             self.executed += 1
             result = await asyncio.wait_for(self._call(func, payload, ctx), timeout=remaining)
         except TimeoutError:
             log.warning("operation %s passed its deadline", name)
-            return _error(504, "timeout", "the operation passed the request's deadline")
+            return error_answer(504, "timeout", "the operation passed the request's deadline")
         except OperationError as exc:
-            return _error(exc.status, exc.type, exc.message)
+            return error_answer(exc.status, exc.type, exc.message)
         except Exception as exc:
             log.exception("operation %s failed", name)
-            return _error(500, "agent_error", f"{type(exc).__name__}: {exc}")
+            return error_answer(500, "agent_error", f"{type(exc).__name__}: {exc}")
         finally:
             current_request_id.reset(token)
         if isinstance(result, Deferred):
-            return HttpResponse(202, {"request_id": request_id, "status": "accepted"})
+            return Answer(202, {"request_id": request_id, "status": "accepted"})
         if not isinstance(result, dict):
             result = {"value": result}
-        response = HttpResponse(200, result)
+        response = Answer(200, result)
         try:
             size = len(response.content())
         except (TypeError, ValueError) as exc:
             log.error("operation %s returned a result that is not standard JSON: %s", name, exc)
-            return _error(500, "agent_error", f"the result is not standard JSON: {exc}")
+            return error_answer(500, "agent_error", f"the result is not standard JSON: {exc}")
         if size > self.max_message_bytes:
             log.error(
                 "operation %s returned %d bytes, more than the negotiated max_message_bytes %d;"
@@ -462,7 +513,7 @@ class AgentRuntime:
                 size,
                 self.max_message_bytes,
             )
-            return _error(
+            return error_answer(
                 500,
                 "result_too_large",
                 f"the result of {name} is {size} bytes > negotiated {self.max_message_bytes}",
@@ -477,12 +528,3 @@ class AgentRuntime:
         if inspect.iscoroutinefunction(func):
             return await func(*args)
         return await asyncio.to_thread(func, *args)
-
-
-def _error(
-    status: int, error_type: str, message: str, *, retryable: bool | None = None
-) -> HttpResponse:
-    error: dict[str, Any] = {"type": error_type, "message": message}
-    if retryable is not None:
-        error["retryable"] = retryable
-    return HttpResponse(status, {"error": error})

@@ -53,8 +53,8 @@ def build(args: argparse.Namespace) -> AgentRuntime:
         return {"status": status or "ok", "checks": {"corpus": len(CORPUS)}}
 
     runtime = AgentRuntime(
+        args.capability,
         reach_address=args.reach,
-        capability=args.capability,
         instance_id=args.instance_id,
         protocol="http",
         service_address=f"{args.host}:{args.port}",

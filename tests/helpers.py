@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from agent_reach_sdk.server import HttpAgentServer, HttpRequest, HttpResponse
+from agent_reach_sdk.servers.http import HttpAgentServer
+from agent_reach_sdk.wire import Answer, Dispatch, Inbound
 from gateway_api.devserver import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,6 +209,34 @@ async def start_agents(gateway: Gateway, capability: str, count: int, *flags: st
     return agents
 
 
+class PathServer(HttpAgentServer):
+    """The SDK's HTTP server answering every method and path; `Inbound.operation` is the path."""
+
+    def route(self, method: str, path: str) -> str | None:
+        return path
+
+
+def path_server(handler: Dispatch, max_body_bytes: int = 1 << 20) -> PathServer:
+    return PathServer(
+        handler,
+        listen="127.0.0.1:0",
+        advertise="127.0.0.1:0",
+        instance_id="test-server",
+        max_body_bytes=max_body_bytes,
+    )
+
+
+def agent_server(handler: Dispatch, max_body_bytes: int = 1 << 20) -> HttpAgentServer:
+    """The SDK's HTTP agent server (`POST /reach/{operation}`) around a raw handler."""
+    return HttpAgentServer(
+        handler,
+        listen="127.0.0.1:0",
+        advertise="127.0.0.1:0",
+        instance_id="test-agent",
+        max_body_bytes=max_body_bytes,
+    )
+
+
 class CallbackReceiver:
     """A real HTTP endpoint that records every callback POST."""
 
@@ -217,15 +246,15 @@ class CallbackReceiver:
         self.arrived = asyncio.Event()
         self._fail_first = fail_first
         self._fail_status = fail_status
-        self._server = HttpAgentServer(self._handle, "127.0.0.1", 0, 1 << 20)
+        self._server = path_server(self._handle)
 
-    async def _handle(self, request: HttpRequest) -> HttpResponse:
+    async def _handle(self, request: Inbound) -> Answer:
         if self.refused < self._fail_first:
             self.refused += 1
-            return HttpResponse(self._fail_status, {"error": "not now"})
-        self.received.append((request.headers, json.loads(request.body)))
+            return Answer(self._fail_status, {"error": "not now"})
+        self.received.append((dict(request.headers), json.loads(request.body)))
         self.arrived.set()
-        return HttpResponse(200, {"ok": True})
+        return Answer(200, {"ok": True})
 
     async def __aenter__(self) -> CallbackReceiver:
         await self._server.start()

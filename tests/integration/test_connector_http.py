@@ -12,16 +12,17 @@ from typing import Any
 
 import pytest
 
-from agent_reach_sdk.server import HttpAgentServer, HttpRequest, HttpResponse
+from agent_reach_sdk.wire import Answer, Inbound
 from connectors.http import HttpConnector
 from reach.config import TransportSettings
 from reach.errors import AgentError, AgentFault, DeadlineExceeded, TransportError
 from reach.invocation import Endpoint
 from reach.messages import Header, Message, dumps, json_size
+from tests.helpers import agent_server
 
 pytestmark = pytest.mark.integration
 
-SEEN: list[HttpRequest] = []
+SEEN: list[Inbound] = []
 
 
 def free_port() -> int:
@@ -31,22 +32,22 @@ def free_port() -> int:
         return port
 
 
-def agent_error(status: int, type_: str, text: str) -> HttpResponse:
-    return HttpResponse(status, {"error": {"type": type_, "message": text}})
+def agent_error(status: int, type_: str, text: str) -> Answer:
+    return Answer(status, {"error": {"type": type_, "message": text}})
 
 
-async def handler(request: HttpRequest) -> HttpResponse:
+async def handler(request: Inbound) -> Answer:
     SEEN.append(request)
-    op = request.path.rsplit("/", 1)[-1]
+    op = request.operation
     if op == "ok":
-        return HttpResponse(200, {"got": json.loads(request.body)})
+        return Answer(200, {"got": json.loads(request.body)})
     if op == "list":
-        return HttpResponse(200, [1, 2])  # type: ignore[arg-type]
+        return Answer(200, [1, 2])  # type: ignore[arg-type]
     if op == "later":
-        return HttpResponse(202, {"status": "accepted"})
+        return Answer(202, {"status": "accepted"})
     if op == "slow":
         await asyncio.sleep(1)
-        return HttpResponse(200, {})
+        return Answer(200, {})
     if op == "overloaded":
         return agent_error(503, "agent_error", "busy")
     if op == "big":
@@ -91,7 +92,7 @@ def endpoint(port: int, max_message_bytes: int | None = None, name: str = "a1") 
 
 @pytest.fixture
 async def agent() -> AsyncIterator[Endpoint]:
-    server = HttpAgentServer(handler, "127.0.0.1", 0, 1 << 20)
+    server = agent_server(handler)
     await server.start()
     try:
         yield endpoint(server.port)

@@ -15,10 +15,17 @@ import pytest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from agent_reach_sdk.server import HttpAgentServer, HttpRequest, HttpResponse
+from agent_reach_sdk.wire import Answer, Inbound
 from reach.invocation import CallPlan, InvokeInput
 from tests.conftest import new_stack
-from tests.helpers import CallbackReceiver, Gateway, Worker, start_agents, wait_until
+from tests.helpers import (
+    CallbackReceiver,
+    Gateway,
+    Worker,
+    agent_server,
+    start_agents,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -203,10 +210,10 @@ class BigReplyAgent:
 
     def __init__(self, reply_bytes: int) -> None:
         self.reply = {"padding": "x" * reply_bytes}
-        self.server = HttpAgentServer(self._handle, "127.0.0.1", 0, 1 << 20)
+        self.server = agent_server(self._handle)
 
-    async def _handle(self, request: HttpRequest) -> HttpResponse:
-        return HttpResponse(200, self.reply)
+    async def _handle(self, request: Inbound) -> Answer:
+        return Answer(200, self.reply)
 
 
 async def test_a_reply_over_the_negotiated_size_is_a_typed_agent_error(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -32,8 +33,8 @@ class Records(logging.Handler):
 
 def make_runtime(gateway: Gateway, capability: str) -> tuple[AgentRuntime, list[str]]:
     runtime = AgentRuntime(
+        capability,
         reach_address=gateway.url,
-        capability=capability,
         instance_id=f"{capability}-sdk",
         protocol="http",
         service_address="127.0.0.1:0",
@@ -156,8 +157,14 @@ async def test_start_and_stop_for_plain_scripts(
 
 
 def test_unsupported_protocol_is_refused_up_front() -> None:
-    with pytest.raises(ValueError, match="grpc"):
-        AgentRuntime("127.0.0.1:7600", "c", "i", protocol="grpc")
+    with pytest.raises(ValueError, match="known: grpc, http, mqtt, websocket"):
+        AgentRuntime("c", protocol="carrier-pigeon")
+
+
+def test_instance_ids_default_to_unique_names() -> None:
+    first, second = AgentRuntime("retriever"), AgentRuntime("retriever")
+    assert first.instance_id.startswith(f"retriever-{socket.gethostname().split('.')[0].lower()}")
+    assert first.instance_id != second.instance_id
 
 
 async def test_late_answer_after_the_agent_crashed_and_restarted(
@@ -192,7 +199,9 @@ async def test_late_answer_after_the_agent_crashed_and_restarted(
 
         await wait_until(accepted, 10)
         agent.proc.kill()
-        restarted = AgentRuntime(gateway.url, capability, agent.instance_id)  # never started
+        restarted = AgentRuntime(
+            capability, reach_address=gateway.url, instance_id=agent.instance_id
+        )  # never started
         await restarted.send_result(rid, {"answer": "after restart"})
         await receiver.wait(1)
         assert receiver.received[0][1]["status"] == "success"

@@ -10,12 +10,13 @@ import httpx
 import pytest
 
 from agent_reach_sdk import AgentRuntime, RequestContext
-from agent_reach_sdk.server import HttpAgentServer, HttpRequest, HttpResponse
+from agent_reach_sdk.wire import Answer, Inbound
 from connectors.http import HttpConnector
 from reach.errors import AgentError
 from reach.invocation import Endpoint
 from reach.limits import DEFAULT_MAX_MESSAGE_BYTES
 from reach.messages import Header, Message, dumps, json_size
+from tests.helpers import path_server
 
 pytestmark = pytest.mark.integration
 
@@ -27,16 +28,16 @@ class StandInReach:
 
     def __init__(self, max_message_bytes: int = NEGOTIATED) -> None:
         self.max_message_bytes = max_message_bytes
-        self.late: list[HttpRequest] = []
-        self.server = HttpAgentServer(self._handle, "127.0.0.1", 0, 1 << 24)
+        self.late: list[Inbound] = []
+        self.server = path_server(self._handle, 1 << 24)
 
-    async def _handle(self, request: HttpRequest) -> HttpResponse:
-        if request.path == "/reach/agents":
+    async def _handle(self, request: Inbound) -> Answer:
+        if request.operation == "/reach/agents":
             ack = {"heartbeat_interval": 60, "max_message_bytes": self.max_message_bytes}
-            return HttpResponse(200, ack)
-        if request.path.endswith("/result"):
+            return Answer(200, ack)
+        if request.operation.endswith("/result"):
             self.late.append(request)
-        return HttpResponse(200, {})
+        return Answer(200, {})
 
     @property
     def address(self) -> str:
@@ -54,7 +55,9 @@ async def reach() -> AsyncIterator[StandInReach]:
 
 
 def make_runtime(reach: StandInReach, **kw: Any) -> AgentRuntime:
-    runtime = AgentRuntime(reach.address, "cap", "sdk-1", heartbeat_interval=60, **kw)
+    runtime = AgentRuntime(
+        "cap", reach_address=reach.address, instance_id="sdk-1", heartbeat_interval=60, **kw
+    )
 
     @runtime.operation("sized")
     def sized(payload: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +86,10 @@ async def agent(reach: StandInReach) -> AsyncIterator[tuple[AgentRuntime, httpx.
 
 
 def test_the_default_limit_is_reachs() -> None:
-    assert AgentRuntime("127.0.0.1:1", "c", "i").max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES
+    assert (
+        AgentRuntime("c", reach_address="127.0.0.1:1").max_message_bytes
+        == DEFAULT_MAX_MESSAGE_BYTES
+    )
 
 
 async def test_the_duplicate_memory_stays_within_its_byte_budget(reach: StandInReach) -> None:
@@ -202,5 +208,5 @@ async def test_a_late_answer_is_checked_and_sent_as_reach_measures_it(
     result = {"text": "語" * 2000}
     await runtime.send_result("r-late", result)
     (sent,) = reach.late
-    assert sent.path == "/reach/requests/r-late/result"
+    assert sent.operation == "/reach/requests/r-late/result"
     assert sent.body == dumps({"instance_id": "sdk-1", "status": "success", "result": result})

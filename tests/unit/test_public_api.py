@@ -28,7 +28,7 @@ def test_http_connector_is_registered_as_an_entry_point() -> None:
 
 
 def test_unknown_protocol_fails_loudly_with_the_known_names() -> None:
-    with pytest.raises(LookupError, match=r"'smoke-signals'.*known: http"):
+    with pytest.raises(LookupError, match=r"'smoke-signals'.*known: grpc, http, mqtt, websocket"):
         connectors.load("smoke-signals")
 
 

@@ -1,0 +1,208 @@
+"""The agent's HTTP/1.1 server: `POST /reach/{operation}`, on h11 over asyncio streams.
+
+h11 does the parsing (chunked bodies, pipelining, `Expect: 100-continue`, and the strictness
+that keeps request smuggling out); this module only moves bytes. Each response leaves in a
+single write with TCP_NODELAY: headers and body as two small sends meet Nagle's algorithm and
+delayed ACKs and cost ~40 ms per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from http import HTTPStatus
+from typing import Any
+
+import h11
+
+from agent_reach_sdk.servers import AgentServer, split_hostport
+from agent_reach_sdk.wire import INTERNAL_ERROR, Answer, Dispatch, Inbound, error_answer
+
+log = logging.getLogger("agent_reach_sdk.server")
+
+MAX_HEADER_BYTES = 64 * 1024
+READ_CHUNK = 64 * 1024
+PREFIX = "/reach/"
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class HttpAgentServer(AgentServer):
+    protocol = "http"
+
+    def __init__(self, dispatch: Dispatch, **kwargs: Any) -> None:
+        super().__init__(dispatch, **kwargs)
+        self._server: asyncio.Server | None = None
+        self._conns: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._busy: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self.port = 0
+
+    async def start(self) -> None:
+        host, port = split_hostport(self.listen)
+        self._server = await asyncio.start_server(self._serve, host, port, limit=READ_CHUNK)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def service_address(self) -> str:
+        host, port = split_hostport(self.advertise)
+        return f"{host}:{port or self.port}"
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        if self._server is None:
+            return
+        self._closing = True
+        self._server.close()
+        # Idle keep-alive connections end now; one with a request running answers it first
+        # (with `Connection: close`), or is cancelled after `grace_s`.
+        for task, writer in list(self._conns.items()):
+            if task not in self._busy:
+                writer.close()
+        if self._conns:
+            _, running = await asyncio.wait(set(self._conns), timeout=grace_s)
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+        await self._server.wait_closed()
+        self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns[task] = writer
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        try:
+            while not self._closing or task in self._busy:
+                event = await self._next(conn, reader)
+                if isinstance(event, h11.Request):
+                    self._busy.add(task)
+                    try:
+                        answer = await self._request(conn, reader, writer, event)
+                    finally:
+                        self._busy.discard(task)
+                    if not await self._send(conn, writer, answer):
+                        break
+                    if conn.our_state is h11.MUST_CLOSE or self._closing:
+                        break
+                    conn.start_next_cycle()
+                else:  # ConnectionClosed, or the peer's half of the cycle ended badly
+                    break
+        except h11.RemoteProtocolError as exc:
+            status = exc.error_status_hint
+            await self._send(conn, writer, error_answer(status, "invalid_request", str(exc)))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._conns.pop(task, None)
+            writer.close()
+
+    def route(self, method: str, path: str) -> str | None:
+        """The operation a request names: `POST /reach/{operation}`, else none."""
+        if method != "POST" or not path.startswith(PREFIX) or len(path) == len(PREFIX):
+            return None
+        return path[len(PREFIX) :]
+
+    async def _next(self, conn: h11.Connection, reader: asyncio.StreamReader) -> object:
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            conn.receive_data(await reader.read(READ_CHUNK))
+
+    async def _request(
+        self,
+        conn: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        request: h11.Request,
+    ) -> Answer:
+        method = request.method.decode("ascii", "replace").upper()
+        path = request.target.decode("latin-1").split("?", 1)[0]
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in request.headers
+        }
+        try:
+            body = await self._body(conn, reader, writer, headers)
+        except _TooLarge:
+            return error_answer(
+                413, "payload_too_large", f"the body passes the limit of {self.max_body_bytes}"
+            )
+        operation = self.route(method, path)
+        if operation is None:
+            return error_answer(404, "invalid_request", f"no route {method} {path}")
+        try:
+            return await self.dispatch(Inbound(operation, headers, body))
+        except Exception:
+            log.exception("operation handler crashed")
+            return INTERNAL_ERROR
+
+    async def _body(
+        self,
+        conn: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        headers: dict[str, str],
+    ) -> bytes:
+        with contextlib.suppress(ValueError):
+            if int(headers.get("content-length", "0")) > self.max_body_bytes:
+                raise _TooLarge
+        if conn.they_are_waiting_for_100_continue:
+            writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            event = await self._next(conn, reader)
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > self.max_body_bytes:
+                    raise _TooLarge
+                chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                return b"".join(chunks)
+            else:
+                raise ConnectionError("the client went away mid-body")
+
+    async def _send(
+        self, conn: h11.Connection, writer: asyncio.StreamWriter, answer: Answer
+    ) -> bool:
+        """Write the whole response at once; False when the connection must end."""
+        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return False
+        try:
+            payload = answer.content()  # a body that is not JSON fails here
+        except (TypeError, ValueError):
+            log.exception("an operation answered with a body that is not JSON")
+            answer = INTERNAL_ERROR
+            payload = answer.content()
+        headers = [
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(payload))),
+        ]
+        if self._closing or answer.status == 413:
+            headers.append(("Connection", "close"))
+        try:
+            data = conn.send(
+                h11.Response(status_code=answer.status, headers=headers, reason=_reason(answer))
+            )
+            data = (data or b"") + (conn.send(h11.Data(data=payload)) or b"")
+            data += conn.send(h11.EndOfMessage()) or b""
+        except h11.LocalProtocolError:
+            return False
+        writer.write(data)
+        await writer.drain()
+        return True
+
+
+def _reason(answer: Answer) -> bytes:
+    try:
+        return HTTPStatus(answer.status).phrase.encode()
+    except ValueError:
+        return b""
