@@ -4,14 +4,31 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
 from importlib.metadata import entry_points
 
+from connectors._pools import ConnectionStats
 from connectors.base import Connector
 from reach.config import TransportSettings
 
 ENTRY_POINT_GROUP = "agent_reach.connectors"
 
-__all__ = ["ENTRY_POINT_GROUP", "Connector", "ConnectorSet", "available", "load"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ConnectionStats",
+    "Connector",
+    "ConnectorSet",
+    "available",
+    "load",
+]
+
+log = logging.getLogger("connectors")
+
+# capability -> the instance ids it has now (None: the registry could not say).
+LiveInstances = Callable[[str], Awaitable[set[str] | None]]
 
 
 def available() -> dict[str, str]:
@@ -31,20 +48,72 @@ def load(protocol: str) -> type[Connector]:
 
 
 class ConnectorSet:
-    """One live connector per protocol, built on first use with these settings, closed together."""
+    """One live connector per protocol, built on first use with these settings, closed together.
 
-    def __init__(self, transport: TransportSettings | None = None) -> None:
+    With `live_instances`, a sweep every `sweep_s` closes the connections of instances that
+    left the registry (or were evicted), whichever process they left through.
+    """
+
+    def __init__(
+        self,
+        transport: TransportSettings | None = None,
+        *,
+        live_instances: LiveInstances | None = None,
+        sweep_s: float = 1.0,
+    ) -> None:
         self.transport = transport
+        self.stats = ConnectionStats()
         self._live: dict[str, Connector] = {}
+        self._live_instances = live_instances
+        self._sweep_s = sweep_s
+        self._sweeper: asyncio.Task[None] | None = None
 
     def get(self, protocol: str) -> Connector:
         connector = self._live.get(protocol)
         if connector is None:
-            connector = load(protocol)(self.transport)
+            connector = load(protocol)(self.transport, stats=self.stats)
             self._live[protocol] = connector
+        if self._sweeper is None and self._live_instances is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: the next call starts it
+                self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
         return connector
 
+    def stats_of(self, capability: str) -> dict[str, dict[str, int]]:
+        return self.stats.of(capability)
+
+    async def sweep(self) -> int:
+        """Close the connections of instances no longer registered; how many were closed."""
+        if self._live_instances is None:
+            return 0
+        by_capability: dict[str, list[tuple[Connector, str]]] = {}
+        for connector in list(self._live.values()):
+            for instance_id, capability in connector.held().items():
+                by_capability.setdefault(capability, []).append((connector, instance_id))
+        closed = 0
+        for capability, held in by_capability.items():
+            live = await self._live_instances(capability)
+            if live is None:
+                continue  # the registry did not answer: keep everything until it does
+            for connector, instance_id in held:
+                if instance_id not in live:
+                    log.info("closing connections to %s: it left the registry", instance_id)
+                    await connector.forget(instance_id)
+                    closed += 1
+        return closed
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_s)
+            try:
+                await self.sweep()
+            except Exception as exc:  # the registry's trouble; the next sweep tries again
+                log.debug("connection sweep failed: %r", exc)
+
     async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
         live, self._live = self._live, {}
         for connector in live.values():
             await connector.aclose()

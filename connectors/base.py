@@ -5,6 +5,11 @@ Shaped like httpx's transports: one async method that takes the standard message
 exceptions (mapped from its library's exceptions in one place), so the policy engine can act on
 failures without knowing the protocol.
 
+Connections are the connector's to manage (R4): opened lazily, kept alive, reconnected after a
+break, closed when idle past `transport.idle_timeout_s`, and closed when their instance leaves
+the registry (`held` + `forget`, driven by `ConnectorSet`'s sweep). Their lifecycle is counted
+in `stats` (`connectors._pools.ConnectionStats`).
+
 A connector gets the transport settings once, at construction, and checks an agent's service
 address when the agent joins (`check_address`), so that an address it cannot call is refused
 there rather than failing every request routed to it.
@@ -16,6 +21,7 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import ClassVar, Self
 
+from connectors._pools import ConnectionStats
 from reach.config import TransportSettings
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply
@@ -24,8 +30,11 @@ from reach.messages import Message, Reply
 class Connector(ABC):
     protocol: ClassVar[str]
 
-    def __init__(self, transport: TransportSettings | None = None) -> None:
+    def __init__(
+        self, transport: TransportSettings | None = None, *, stats: ConnectionStats | None = None
+    ) -> None:
         self.transport = transport if transport is not None else TransportSettings()
+        self.stats = stats if stats is not None else ConnectionStats()
 
     @classmethod
     def check_address(cls, address: str) -> str:
@@ -38,6 +47,15 @@ class Connector(ABC):
     @abstractmethod
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         """Deliver `message` to `endpoint` and return its answer within `timeout_s`."""
+
+    def held(self) -> dict[str, str]:
+        """instance_id -> capability of every instance this connector holds a connection to."""
+        return {}
+
+    async def forget(self, instance_id: str) -> None:
+        """Close what is held for an instance that left the registry (in-flight calls end
+        first)."""
+        return None
 
     async def aclose(self) -> None:
         return None

@@ -11,20 +11,12 @@ The reply body may be at most the `max_message_bytes` negotiated at Join, as sen
 is refused (non-retryable `agent_error`) before or while it is read, never held whole, because
 Temporal could not carry it. Agents should answer in compact UTF-8 JSON for the same reason.
 
-Any other status is an `agent_error` that carries the agent's error body
-`{"error": {"type", "message"}}` as its `AgentFault`; the agent's words never choose Reach's
-error type. The status does, deliberately:
+Every other status means what `connectors._answers` says (the table every protocol shares):
+504 is a `timeout`, 429 and 5xx are retryable `agent_error`s, the rest are not. The whole call,
+reading the reply included, ends at the request's deadline.
 
-    504             timeout (the agent ran out of the request's deadline)
-    404             agent_error, not retryable (operation not served)
-    413             agent_error, not retryable (the payload was within what was negotiated;
-                    the agent disagrees, and another attempt would send the same bytes)
-    429, 5xx        agent_error, retryable
-    other           agent_error, not retryable
-
-An agent that knows another attempt cannot help says so with `"retryable": false` in its error
-body (it can only withhold a retry, never ask for one). The whole call, reading the reply
-included, ends at the request's deadline.
+Connections: one httpx client (its own keep-alive pool) per instance, opened on first use,
+closed when idle past `transport.idle_timeout_s` or when the instance leaves the registry.
 """
 
 from __future__ import annotations
@@ -32,21 +24,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 
 from connectors._address import check_http_address
-from connectors._pools import ClientPools
+from connectors._answers import reply_for_status, too_large
+from connectors._pools import ConnectionStats, Pools
 from connectors.base import Connector
-from reach.acceptance import check_json, parse_json
 from reach.config import TransportSettings
 from reach.errors import (
     AgentError,
-    AgentFault,
     DeadlineExceeded,
     InternalError,
-    ReachError,
     TransportError,
 )
 from reach.invocation import Endpoint
@@ -113,14 +102,6 @@ def map_httpx_exceptions(address: str) -> Iterator[None]:
         raise InternalError(f"HTTP connector misused httpx for {address}: {exc!r}") from exc
 
 
-def _too_large(endpoint: Endpoint, size: str, limit: int) -> AgentError:
-    return AgentError(
-        f"agent {endpoint.instance_id} answered {size} bytes; the negotiated "
-        f"max_message_bytes is {limit}",
-        retryable=False,
-    )
-
-
 async def _read_result(response: httpx.Response, endpoint: Endpoint, limit: int) -> bytes:
     """The body of a 200, refused as soon as it is known to pass `limit` bytes."""
     declared = response.headers.get("content-length")
@@ -128,13 +109,13 @@ async def _read_result(response: httpx.Response, endpoint: Endpoint, limit: int)
     if declared is not None and "content-encoding" not in response.headers:
         with contextlib.suppress(ValueError):
             if int(declared) > limit:
-                raise _too_large(endpoint, declared, limit)
+                raise too_large(endpoint, declared, limit)
     chunks = []
     size = 0
     async for chunk in response.aiter_bytes():
         size += len(chunk)
         if size > limit:
-            raise _too_large(endpoint, f"more than {limit}", limit)
+            raise too_large(endpoint, f"more than {limit}", limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -151,54 +132,8 @@ async def _read_some(response: httpx.Response, limit: int) -> bytes:
     return b"".join(chunks)[:limit]
 
 
-def _text(value: object) -> str:
-    # A JSON escape can smuggle in a lone surrogate, which no later hop could encode.
-    return str(value).encode("utf-8", "replace").decode("utf-8")
-
-
-def _fault(raw: bytes, code: int) -> tuple[AgentFault, bool]:
-    """What the agent said about its failure, whatever shape it said it in, and whether it
-    said another attempt could not help."""
-    try:
-        body = parse_json(raw, what="error body")
-    except ReachError:
-        body = None
-    err = body.get("error") if isinstance(body, dict) else None
-    if isinstance(err, dict):
-        fault = AgentFault(
-            type=_text(err.get("type") or "agent_error"),
-            message=_text(err.get("message") or ""),
-            status=code,
-        )
-        return fault, err.get("retryable") is False
-    return AgentFault(message=raw.decode("utf-8", "replace").strip(), status=code), False
-
-
-def _reply(endpoint: Endpoint, code: int, raw: bytes, limit: int) -> Reply:
-    where = f"agent {endpoint.instance_id} answered HTTP {code}"
-    if code == 200:
-        try:
-            data: Any = parse_json(raw, what="result") if raw else {}
-            result = data if isinstance(data, dict) else {"value": data}
-            # As Reach will carry it: re-encoded, within the limit, nesting and charset rules.
-            check_json(result, what="its result", limit=limit)
-        except ReachError as exc:
-            raise AgentError(f"{where}; {exc.message}", retryable=False) from exc
-        return Reply(status="ok", result=result)
-    if code == 202:
-        return Reply(status="accepted")
-    fault, final = _fault(raw, code)
-    said = f": {fault.message}" if fault.message else ""
-    if code == 504:
-        raise DeadlineExceeded(f"{where}{said}")
-    if code == 404:
-        raise AgentError(f"{where}: operation not served{said}", retryable=False, fault=fault)
-    if code == 413:
-        raise AgentError(
-            f"{where}: it refused the payload as too large{said}", retryable=False, fault=fault
-        )
-    retryable = (code >= 500 or code == 429) and not final
-    raise AgentError(f"{where}{said}", retryable=retryable, fault=fault)
+async def _close_client(client: httpx.AsyncClient) -> None:
+    await client.aclose()
 
 
 class HttpConnector(Connector):
@@ -208,44 +143,59 @@ class HttpConnector(Connector):
         self,
         transport: TransportSettings | None = None,
         *,
+        stats: ConnectionStats | None = None,
         max_connections_per_instance: int = 64,
     ) -> None:
-        super().__init__(transport)
+        super().__init__(transport, stats=stats)
         limits = httpx.Limits(
             max_connections=max_connections_per_instance,
             max_keepalive_connections=max_connections_per_instance,
             keepalive_expiry=self.transport.idle_timeout_s,
         )
 
-        def make_client(url: str) -> httpx.AsyncClient:
-            return httpx.AsyncClient(base_url=url, limits=limits, trust_env=False)
+        def make_client(address: str) -> httpx.AsyncClient:
+            return httpx.AsyncClient(base_url=base_url(address), limits=limits, trust_env=False)
 
-        self._pools = ClientPools(
+        self._pools: Pools[httpx.AsyncClient] = Pools(
+            self.protocol,
             make_client,
+            _close_client,
             idle_timeout_s=self.transport.idle_timeout_s,
             max_pools=self.transport.max_pools,
+            stats=self.stats,
         )
 
     @classmethod
     def check_address(cls, address: str) -> str:
         return check_http_address(address)
 
+    def held(self) -> dict[str, str]:
+        return {key.split(" ", 1)[0]: cap for key, cap in self._pools.capabilities().items()}
+
+    async def forget(self, instance_id: str) -> None:
+        for key in self._pools.held_keys():
+            if key.split(" ", 1)[0] == instance_id:
+                self._pools.discard(key)
+
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         limit = endpoint.max_message_bytes or self.transport.max_message_bytes
         with map_httpx_exceptions(endpoint.address):
             body = dumps(message.payload)
-            pool = self._pools.acquire(base_url(endpoint.address))
+            # Per instance and address: a re-join at a new address gets a fresh client.
+            pool = self._pools.acquire(
+                f"{endpoint.instance_id} {endpoint.address}", endpoint.capability, endpoint.address
+            )
             try:
                 # httpx's timeout bounds each phase; this bounds the call, slow trickles included.
                 async with asyncio.timeout(max(timeout_s, 0.001)):
-                    request = pool.client.build_request(
+                    request = pool.value.build_request(
                         "POST",
                         f"/reach/{message.header.operation}",
                         content=body,
                         headers=wire_headers(message),
                         timeout=max(timeout_s, 0.001),
                     )
-                    response = await pool.client.send(request, stream=True)
+                    response = await pool.value.send(request, stream=True)
                     try:
                         if response.status_code == 200:
                             raw = await _read_result(response, endpoint, limit)
@@ -253,9 +203,12 @@ class HttpConnector(Connector):
                             raw = await _read_some(response, MAX_ERROR_BODY_BYTES)
                     finally:
                         await response.aclose()
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                self.stats.count(endpoint.capability, self.protocol, "failed")
+                raise
             finally:
                 self._pools.release(pool)
-        return _reply(endpoint, response.status_code, raw, limit)
+        return reply_for_status(endpoint, response.status_code, raw, limit)
 
     async def aclose(self) -> None:
         await self._pools.aclose()
