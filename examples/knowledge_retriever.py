@@ -56,8 +56,8 @@ def build(args: argparse.Namespace) -> AgentRuntime:
         args.capability,
         reach_address=args.reach,
         instance_id=args.instance_id,
-        protocol="http",
-        service_address=f"{args.host}:{args.port}",
+        protocol=args.protocol,
+        service_address=args.broker if args.protocol == "mqtt" else f"{args.host}:{args.port}",
         heartbeat_interval=args.heartbeat_interval,
         health_check=health,
     )
@@ -132,6 +132,8 @@ def main() -> None:
     p.add_argument("--reach", default="127.0.0.1:7600", help="gateway address")
     p.add_argument("--capability", default="knowledge-retriever")
     p.add_argument("--instance-id", default="retriever-01")
+    p.add_argument("--protocol", default="http", choices=["http", "grpc", "websocket", "mqtt"])
+    p.add_argument("--broker", default="127.0.0.1:1883", help="MQTT broker (with --protocol mqtt)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = any free port")
     p.add_argument("--heartbeat-interval", type=float, default=5.0)
