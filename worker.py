@@ -38,6 +38,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 from activities import ReachActivities
 from connectors import ConnectorSet
 from reach.config import ConfigError, ReachSettings, load_settings
+from reach.errors import ReachError
 from reach.registry import Registry
 from reach.routing import create_router
 from reach.store import Store, create_store
@@ -147,7 +148,14 @@ class Services:
 def build_services(settings: ReachSettings) -> Services:
     store = create_store(settings.registry)
     registry = Registry(store, settings.registry, settings.transport)
-    connectors = ConnectorSet(settings.transport)
+
+    async def live_instances(capability: str) -> set[str] | None:
+        try:
+            return {i.instance_id for i in await registry.instances(capability)}
+        except ReachError:  # the store is away: keep connections until it can say
+            return None
+
+    connectors = ConnectorSet(settings.transport, live_instances=live_instances)
     router = create_router("round_robin", store, settings.registry.capability_retention_s)
     activities = ReachActivities(registry, router, connectors)
     return Services(settings, store, registry, connectors, activities)

@@ -16,7 +16,14 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from connectors import ConnectorSet
-from reach.errors import AgentError, InternalError, NoInstance, ReachError, UnknownCapability
+from reach.errors import (
+    AgentError,
+    InternalError,
+    NoInstance,
+    PayloadTooLarge,
+    ReachError,
+    UnknownCapability,
+)
 from reach.invocation import (
     ACTIVITY_CALL,
     ACTIVITY_DELIVER_CALLBACK,
@@ -84,6 +91,15 @@ class ReachActivities:
                 f"({len(instances)} registered, all unhealthy)"
                 if instances
                 else f"capability {inp.capability!r} has no live instance"
+            )
+        # R8: what one routable instance negotiated, the capability can carry; refused before
+        # anything is sent, whichever instance routing would have picked.
+        smallest = min(routable, key=lambda i: i.max_message_bytes)
+        if inp.payload_bytes > smallest.max_message_bytes:
+            raise PayloadTooLarge(
+                f"the payload is {inp.payload_bytes} bytes; capability {inp.capability!r} "
+                f"takes at most {smallest.max_message_bytes} (max_message_bytes negotiated by "
+                f"instance {smallest.instance_id})"
             )
         # A retry goes elsewhere when it can; with one instance left, that one is still tried.
         fresh = [i for i in routable if i.instance_id not in inp.exclude] or routable

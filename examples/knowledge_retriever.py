@@ -1,13 +1,16 @@
-"""A demo `knowledge-retriever` agent built on the SDK (HTTP protocol).
+"""A demo `knowledge-retriever` agent built on the SDK, on any protocol.
 
     python examples/knowledge_retriever.py --reach 127.0.0.1:7600 --instance-id retriever-01
+    python examples/knowledge_retriever.py --protocol grpc   # or websocket, or mqtt
 
-Operations: `query` ({"text", "top_k"} -> ranked passages), `get_metadata`, and `create` (a
-non-idempotent write: {"note"} -> a new note id). Flags make it misbehave on purpose for demos
-and tests: --delay-ms (slow), --defer (answer 202, POST the result later), --late-error TYPE
-(with --defer: answer late with an error of the agent's own TYPE), --reply-bytes N (pad every
-result with N bytes), --health-file (read ok/degraded/unhealthy from a file at every heartbeat),
---ledger (append every executed RequestID to a file, to check nothing runs twice).
+Operations: `query` ({"text", "top_k"} -> ranked passages), `get_metadata`, `create` (a
+non-idempotent write: {"note"} -> a new note id), and `fail` (answers the agent's own error
+`index_unavailable`, with {"status"} as its HTTP-style status). Flags make it misbehave on
+purpose for demos and tests: --delay-ms (slow), --defer (answer 202, POST the result later),
+--late-error TYPE (with --defer: answer late with an error of the agent's own TYPE),
+--reply-bytes N (pad every result with N bytes), --max-message-bytes N (proposed at Join),
+--health-file (read ok/degraded/unhealthy from a file at every heartbeat), --ledger (append every
+executed RequestID to a file, to check nothing runs twice).
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from agent_reach_sdk import AgentRuntime, RequestContext, install_request_id_logging
+from agent_reach_sdk import (
+    AgentRuntime,
+    OperationError,
+    RequestContext,
+    install_request_id_logging,
+)
+from reach.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("knowledge_retriever")
 
@@ -60,6 +69,7 @@ def build(args: argparse.Namespace) -> AgentRuntime:
         service_address=args.broker if args.protocol == "mqtt" else f"{args.host}:{args.port}",
         heartbeat_interval=args.heartbeat_interval,
         health_check=health,
+        max_message_bytes=args.max_message_bytes,
     )
     ledger = Path(args.ledger) if args.ledger else None
     pending: set[asyncio.Task[None]] = set()
@@ -109,6 +119,15 @@ def build(args: argparse.Namespace) -> AgentRuntime:
         record(ctx.request_id)
         return {"instance_id": args.instance_id, "note_id": f"note-{ctx.request_id}"}
 
+    @runtime.operation("fail")
+    def fail(payload: dict[str, Any]) -> dict[str, Any]:
+        # The agent's own error: its type and message travel inside Reach's agent_error.
+        raise OperationError(
+            str(payload.get("message", "the index is missing")),
+            type="index_unavailable",
+            status=int(payload.get("status", 422)),
+        )
+
     @runtime.operation("get_metadata")
     def get_metadata(payload: dict[str, Any]) -> dict[str, Any]:
         return {"instance_id": args.instance_id, "documents": len(CORPUS)}
@@ -141,6 +160,9 @@ def main() -> None:
     p.add_argument("--defer", action="store_true")
     p.add_argument("--late-error", help="with --defer: answer late with this error type")
     p.add_argument("--reply-bytes", type=int, default=0, help="pad each result with N bytes")
+    p.add_argument(
+        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="proposed at Join"
+    )
     p.add_argument("--health-file")
     p.add_argument("--ledger")
     args = p.parse_args()

@@ -59,6 +59,7 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
         )
         workers = build_workers(client, services, invoke=run_worker, capabilities=queue_caps)
         app.state.gateway = Gateway(settings, client, services.registry)
+        app.state.connectors = services.connectors
         sweeper = asyncio.create_task(
             _sweep(services.registry, min(1.0, settings.registry.heartbeat_interval))
         )

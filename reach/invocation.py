@@ -85,6 +85,9 @@ class ResolveInput(BaseModel):
     exclude: list[str] = Field(default_factory=list)
     routing_key: str | None = None
     request_id: str = ""
+    payload_bytes: int = Field(
+        default=0, description="The payload as sent; refused if an instance could not take it."
+    )
 
 
 class CallInput(BaseModel):

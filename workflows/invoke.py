@@ -249,6 +249,7 @@ class InvokeWorkflow:
                         exclude=tried,
                         routing_key=inp.routing_key,
                         request_id=inp.request_id,
+                        payload_bytes=inp.payload_bytes,
                     ),
                     Endpoint,
                     None,

@@ -3,9 +3,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 import connectors
+from connectors import ConnectorSet
 from gateway_api.deps import CapabilityPath, GatewayDep, InstanceIdPath, json_body
 from reach import acceptance
 from reach.errors import InvalidRequest, UnknownCapability, UnknownInstance
@@ -34,6 +35,14 @@ class CapabilityList(BaseModel):
 class CapabilityDetail(BaseModel):
     name: str
     instances: list[InstanceRecord]
+    connections: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description="This gateway process's connections to the capability's instances, per "
+        "protocol: opened, reused, reconnected, reclaimed, failed (R4).",
+        examples=[
+            {"http": {"opened": 1, "reused": 41, "reconnected": 0, "reclaimed": 0, "failed": 0}}
+        ],
+    )
 
 
 _ERR: dict[int | str, dict[str, Any]] = {
@@ -120,7 +129,14 @@ async def list_capabilities(gateway: GatewayDep) -> CapabilityList:
     responses=_ERR,
     summary="One capability",
 )
-async def get_capability(name: CapabilityPath, gateway: GatewayDep) -> CapabilityDetail:
+async def get_capability(
+    name: CapabilityPath, gateway: GatewayDep, request: Request
+) -> CapabilityDetail:
     if not await gateway.registry.known(name):
         raise UnknownCapability(f"no agent has ever registered capability {name!r}")
-    return CapabilityDetail(name=name, instances=await gateway.registry.instances(name))
+    connections: ConnectorSet | None = getattr(request.app.state, "connectors", None)
+    return CapabilityDetail(
+        name=name,
+        instances=await gateway.registry.instances(name),
+        connections=connections.stats_of(name) if connections is not None else {},
+    )
