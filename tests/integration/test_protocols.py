@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import re
 import signal
+import sys
 import time
 import uuid
 from collections import Counter
@@ -24,7 +25,7 @@ from connectors import ConnectorSet
 from reach.invocation import Endpoint
 from reach.messages import Header, Message
 from tests.conftest import new_stack
-from tests.helpers import Agent, CallbackReceiver, Gateway, free_port, wait_until
+from tests.helpers import ROOT, Agent, CallbackReceiver, Gateway, free_port, spawn, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -355,6 +356,64 @@ def established(port: int) -> int:
                 if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
                     count += 1
     return count
+
+
+async def test_a_stopping_agent_finishes_what_it_started(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str, tmp_path: Path
+) -> None:
+    """SIGTERM: the agent leaves (no new traffic) and answers the request it is running."""
+    ledger = tmp_path / "ledger"
+    a = await agent(gateway, capability, protocol, "--delay-ms", "1500", "--ledger", str(ledger))
+    call = asyncio.create_task(http.post(f"{gateway.url}/reach/invoke", json=body(capability)))
+    await until(ledger.exists, 5)
+    a.proc.kill(signal.SIGTERM)
+    r = await call
+    assert r.status_code == 200, r.text
+    assert r.json()["instance_id"] == a.instance_id
+    assert await asyncio.to_thread(a.proc.popen.wait, 10) == 0
+    assert "left Reach" in a.proc.output()
+
+
+EXAMPLES = {
+    "http": ("http_agent.py", "summarizer", "summarize", {"text": "Reach is durable. It retries."}),
+    "grpc": ("grpc_agent.py", "intent-classifier", "classify", {"text": "can I get a refund?"}),
+    "websocket": ("websocket_agent.py", "content-generator", "generate", {"topic": "routing"}),
+    "mqtt": ("mqtt_agent.py", "translator", "translate", {"text": "hello world"}),
+}
+EXPECTED = {
+    "http": {"summary": "Reach is durable."},
+    "grpc": {"intent": "refund"},
+    "websocket": {"text": "A short note on routing: reach them by name, never by address."},
+    "mqtt": {"text": "bonjour monde", "to": "fr"},
+}
+
+
+async def test_each_protocols_example_runs_with_one_command_and_leaves_on_sigterm(
+    gateway: Gateway, http: httpx.AsyncClient, protocol: str, tmp_path: Path
+) -> None:
+    script, capability, operation, payload = EXAMPLES[protocol]
+    proc = spawn(
+        [sys.executable, str(ROOT / "examples" / script)],
+        {"REACH_ADDRESS": gateway.url},
+        tmp_path / "example.log",
+    )
+
+    async def joined() -> bool:
+        r = await http.get(f"{gateway.url}/reach/capabilities/{capability}")
+        return r.status_code == 200 and len(r.json()["instances"]) == 1
+
+    await wait_until(joined, 20)
+    r = await http.post(
+        f"{gateway.url}/reach/invoke",
+        json={"target": capability, "operation": operation, "payload": payload},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["result"] == EXPECTED[protocol]
+    proc.popen.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.popen.wait, 10) == 0, proc.output()
+    assert "left Reach" in proc.output()
+    r = await http.get(f"{gateway.url}/reach/capabilities/{capability}")
+    assert r.json()["instances"] == []
 
 
 class Broker:
