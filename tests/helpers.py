@@ -108,6 +108,8 @@ class Stack:
             # Determinism guard: tests run the workflow in the SDK sandbox (production doesn't).
             "REACH_TEMPORAL__WORKFLOW_SANDBOX": "true",
             "REACH_CONFIG": str(ROOT / "reach.yaml"),
+            # Many gateways per session: each gRPC front on a free port of its own.
+            "REACH_TRANSPORT__PORTS__GRPC": "0",
             **self.extra,
         }
         if port is not None:

@@ -194,8 +194,9 @@ async def test_one_capability_on_every_protocol_looks_the_same_to_the_caller(
     assert {i["protocol"] for i in detail["instances"]} == set(PROTOCOLS)
     for p in PROTOCOLS:
         counts = detail["connections"][p]
-        assert counts["opened"] >= 1, detail["connections"]
-        assert counts["opened"] + counts["reused"] >= 2, detail["connections"]
+        assert counts["opened"] + counts["reused"] == 2, detail["connections"]
+        if p != "mqtt":  # one MQTT client per broker, likely opened for an earlier capability
+            assert counts["opened"] == 1, detail["connections"]
 
 
 async def test_a_payload_over_the_smallest_negotiated_limit_is_refused_before_sending(

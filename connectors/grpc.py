@@ -1,0 +1,476 @@
+"""gRPC connector: one unary call, `reach.agent.v1.Agent/Invoke`, per request.
+
+Wire contract (what a non-SDK agent implements; the service is `protos/agent_reach_proto/
+agent.proto`, package `reach.agent.v1`, plaintext HTTP/2, no TLS):
+
+    service Agent { rpc Invoke(InvokeRequest) returns (InvokeReply); }
+    InvokeRequest { string operation = 1; bytes payload = 2; }
+    InvokeReply   { bool accepted = 1;    bytes result = 2; }
+
+Service address: `host:port` or `grpc://host:port` (normalized to `host:port`; IPv6 in
+brackets). The request: `operation` names the operation, `payload` is the JSON payload as
+`reach.messages.dumps` encodes it (one compact UTF-8 JSON object, never larger than the size Reach
+accepted; an agent's own gRPC receive limit should allow that plus about 1 KiB). Request
+metadata, lower-case keys and visible-ASCII values (the same names as on every protocol):
+
+    x-reach-request-id   always: the RequestID; the same on a re-delivery (answer from cache)
+    x-reach-caller       always: who asked
+    x-reach-attempt      always: 1, 2, ... (an attempt after a retryable failure)
+    x-reach-deadline-ms  when set: the request's absolute deadline, Unix epoch milliseconds
+    idempotency-key      when set: the caller's idempotency key
+    traceparent          when set: W3C trace context
+
+The call carries a gRPC deadline equal to the request's remaining time (`grpc-timeout`); Reach
+also ends the call itself at that moment, so a slow agent is a `timeout`, never a hang.
+
+The reply: `accepted = true` means the request is taken and its answer comes later through
+`POST /reach/requests/{request_id}/result` on the gateway (`result` is then ignored). Otherwise
+`result` is the result, one JSON object in compact UTF-8 (any other JSON value is wrapped as
+`{"value": ...}`; empty bytes are `{}`). The whole InvokeReply may be at most the
+`max_message_bytes` negotiated at Join plus 64 bytes of protobuf framing: gRPC refuses a bigger
+one on receipt (a non-retryable `agent_error` naming the limit), and a result that passes the
+limit once re-encoded, is not standard JSON, or is not an InvokeReply at all is a non-retryable
+`agent_error` for that request alone; the channel and the other requests on it carry on.
+
+A failure is a gRPC status. Its code alone decides Reach's error type and whether another
+attempt may help (`STATUS_TABLE` below):
+
+    OK                                                  the reply above
+    DEADLINE_EXCEEDED                                   timeout
+    UNAVAILABLE, CANCELLED                              transport_error, retryable
+    RESOURCE_EXHAUSTED, ABORTED, INTERNAL, UNKNOWN,     agent_error, retryable
+      DATA_LOSS
+    INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,        agent_error, not retryable
+      PERMISSION_DENIED, FAILED_PRECONDITION,
+      OUT_OF_RANGE, UNIMPLEMENTED, UNAUTHENTICATED
+
+The status details (`grpc-message`, UTF-8) are the agent's message. An agent may add trailing
+metadata: `x-reach-error-type` (its own error type) and
+`x-reach-retryable: false` (another attempt cannot help; it can withhold a retry, never ask for
+one). The agent's type and the status details (its message) travel only inside the error's
+`AgentFault`, whose `status` is the numeric gRPC code (14 for UNAVAILABLE); they never choose
+Reach's error type. A transport code (UNAVAILABLE, CANCELLED) that carries `x-reach-error-type` was
+said by the agent itself, over a working connection: it is an `agent_error` (same retryable flag)
+so that the agent's words are kept, as an HTTP agent's 503 is. RESOURCE_EXHAUSTED "larger than
+max" is gRPC's own size refusal (of the reply here, or of the payload at the agent): not
+retryable, as the same bytes would be refused again. The SDK's server maps its answers onto these
+codes (`agent_reach_sdk.servers.grpc`): 504 DEADLINE_EXCEEDED, 404 UNIMPLEMENTED, 413
+RESOURCE_EXHAUSTED with `x-reach-retryable: false`, 429 RESOURCE_EXHAUSTED, 400/422
+INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 409 ALREADY_EXISTS, 503 UNAVAILABLE,
+other 5xx INTERNAL, other 4xx FAILED_PRECONDITION.
+
+Connections: one `grpc.aio` channel per instance and address (HTTP/2 multiplexes every request
+on it), opened on first use, closed when idle past `transport.idle_timeout_s` or when the instance
+leaves the registry. `failed` counts calls that found no connection (UNAVAILABLE while the
+channel is not READY) and connections that broke between calls; `reconnected` counts a channel
+that had failed becoming READY again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import grpc
+import grpc.aio
+from google.protobuf.message import DecodeError
+
+from agent_reach_proto.agent_pb2 import InvokeReply, InvokeRequest
+from connectors._address import MAX_ADDRESS_CHARS, check_host, check_port, refuse
+from connectors._answers import too_large
+from connectors._pools import ConnectionStats, Entry, Pools
+from connectors.base import Connector
+from reach.acceptance import check_json, parse_json
+from reach.config import TransportSettings
+from reach.errors import (
+    AgentError,
+    AgentFault,
+    DeadlineExceeded,
+    InternalError,
+    InvalidRequest,
+    ReachError,
+    TransportError,
+)
+from reach.invocation import Endpoint
+from reach.messages import Message, Reply, dumps
+
+METHOD = "/reach.agent.v1.Agent/Invoke"
+
+MD_REQUEST_ID = "x-reach-request-id"
+MD_CALLER = "x-reach-caller"
+MD_ATTEMPT = "x-reach-attempt"
+MD_DEADLINE = "x-reach-deadline-ms"
+MD_IDEMPOTENCY_KEY = "idempotency-key"
+MD_TRACEPARENT = "traceparent"
+MD_ERROR_TYPE = "x-reach-error-type"
+MD_RETRYABLE = "x-reach-retryable"
+
+# InvokeReply's framing around `result`: tags, a length varint and `accepted`. A reply within
+# the limit always fits; one past it is refused by gRPC before it is held whole.
+REPLY_OVERHEAD_BYTES = 64
+# Keepalive pings only while calls are in flight, no more often than the 5 minutes that gRPC
+# servers (C core, Go, Java) accept by default: a more eager client is sent GOAWAY
+# "too_many_pings". Each call's own deadline bounds it anyway; this finds dead peers under
+# long calls.
+KEEPALIVE_TIME_MS = 300_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+# gRPC's own channel idleness (30 min by default) must not come before the pool reaper's, or an
+# idle channel would look like a broken one.
+MIN_CLIENT_IDLE_MS = 30 * 60 * 1000
+# Calls on a channel that failed to connect fail at once (no wait_for_ready) until its backoff
+# ends; gRPC's default backoff (1 s, growing to 120 s) would keep a restarted agent unreachable
+# long after it is back.
+INITIAL_RECONNECT_BACKOFF_MS = 250
+MAX_RECONNECT_BACKOFF_MS = 10_000
+INT32_MAX = 2**31 - 1
+
+_TOO_BIG = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
+# gRPC metadata values: visible ASCII and space (anything else fails inside grpc core).
+_METADATA_VALUE = re.compile(r"[\x20-\x7e]*")
+
+Kind = Literal["ok", "timeout", "transport", "agent"]
+
+STATUS_TABLE: dict[grpc.StatusCode, tuple[Kind, bool]] = {
+    # code                               (Reach's reading, retryable)
+    grpc.StatusCode.OK: ("ok", False),
+    grpc.StatusCode.DEADLINE_EXCEEDED: ("timeout", False),
+    # No connection, or it broke: another attempt (maybe elsewhere) can succeed.
+    grpc.StatusCode.UNAVAILABLE: ("transport", True),
+    grpc.StatusCode.CANCELLED: ("transport", True),  # the agent's server cancelled (shutdown)
+    # The agent is overloaded or failed on its side: it may succeed later.
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ("agent", True),
+    grpc.StatusCode.ABORTED: ("agent", True),
+    grpc.StatusCode.INTERNAL: ("agent", True),
+    grpc.StatusCode.UNKNOWN: ("agent", True),  # also an agent handler that raised
+    grpc.StatusCode.DATA_LOSS: ("agent", True),
+    # The agent refused this request: the same request gets the same answer.
+    grpc.StatusCode.INVALID_ARGUMENT: ("agent", False),
+    grpc.StatusCode.NOT_FOUND: ("agent", False),
+    grpc.StatusCode.ALREADY_EXISTS: ("agent", False),
+    grpc.StatusCode.PERMISSION_DENIED: ("agent", False),
+    grpc.StatusCode.FAILED_PRECONDITION: ("agent", False),
+    grpc.StatusCode.OUT_OF_RANGE: ("agent", False),
+    grpc.StatusCode.UNIMPLEMENTED: ("agent", False),  # no such service or operation
+    grpc.StatusCode.UNAUTHENTICATED: ("agent", False),
+}
+assert set(STATUS_TABLE) == set(grpc.StatusCode), "every gRPC status code is mapped"
+
+
+def check_grpc_address(address: str) -> str:
+    """`host:port` or `grpc://host:port`, normalized to `host:port`; else `InvalidRequest`."""
+    if not address:
+        raise InvalidRequest("service address is empty")
+    if len(address) > MAX_ADDRESS_CHARS:
+        raise refuse(address, f"longer than {MAX_ADDRESS_CHARS} characters")
+    if not address.isascii():
+        raise refuse(address, "not ASCII (use the punycode form of an international name)")
+    if any(c <= " " or c == "\x7f" for c in address):
+        raise refuse(address, "contains spaces or control characters")
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        rest = address
+    elif scheme.lower() != "grpc":
+        raise refuse(address, f"scheme {scheme!r} is not grpc (host:port or grpc://host:port)")
+    if "/" in rest or "?" in rest or "#" in rest:
+        raise refuse(address, "a gRPC address has no path, query or fragment: host:port")
+    if "@" in rest:
+        raise refuse(address, "userinfo (user@host) is not allowed")
+    if rest.startswith("["):
+        end = rest.find("]")
+        if end < 0:
+            raise refuse(address, "an IPv6 literal needs its closing ']'")
+        host, port = rest[: end + 1], rest[end + 1 :]
+        if not port.startswith(":"):
+            raise refuse(address, "no port ([addr]:port)")
+        port = port[1:]
+    else:
+        if rest.count(":") > 1:
+            raise refuse(address, "an IPv6 literal goes in brackets: [addr]:port")
+        host, colon, port = rest.partition(":")
+        if not colon:
+            raise refuse(address, "no port (host:port)")
+    return f"{check_host(address, host)}:{check_port(address, port)}"
+
+
+def wire_metadata(message: Message) -> list[tuple[str, str]]:
+    """The request's metadata, each entry only when the request has it."""
+    h = message.header
+    metadata = [(MD_REQUEST_ID, h.request_id), (MD_CALLER, h.caller), (MD_ATTEMPT, str(h.attempt))]
+    if h.deadline_ms is not None:
+        metadata.append((MD_DEADLINE, str(h.deadline_ms)))
+    if h.idempotency_key:
+        metadata.append((MD_IDEMPOTENCY_KEY, h.idempotency_key))
+    if h.traceparent:
+        metadata.append((MD_TRACEPARENT, h.traceparent))
+    return metadata
+
+
+def _trailing(exc: grpc.aio.AioRpcError) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for key, value in exc.trailing_metadata() or ():
+        if isinstance(value, str):
+            found.setdefault(key.lower(), value)
+    return found
+
+
+def _text(value: str) -> str:
+    return value.encode("utf-8", "replace").decode("utf-8").strip()
+
+
+def error_for_status(
+    endpoint: Endpoint,
+    code: grpc.StatusCode,
+    details: str,
+    trailing: Mapping[str, str],
+    receive_limit: int | None = None,
+    limit: int | None = None,
+) -> ReachError:
+    """The Reach error a failed call's status stands for (`STATUS_TABLE`, read one way only).
+
+    `receive_limit` is the channel's max_receive_message_length and `limit` the reply limit, to
+    tell gRPC's refusal of a too-large reply from an agent refusing the payload.
+    """
+    kind, retryable = STATUS_TABLE[code]
+    name = code.name
+    where = f"agent {endpoint.instance_id} answered gRPC {name}"
+    said_type = trailing.get(MD_ERROR_TYPE)
+    fault = AgentFault(
+        type=_text(said_type or "") or "agent_error", message=_text(details), status=code.value[0]
+    )
+    said = f": {fault.message}" if fault.message else ""
+    if trailing.get(MD_RETRYABLE, "").strip().lower() == "false":
+        retryable = False  # withheld; an agent can never make a final code retryable
+    if kind == "ok":  # a caller's bug: OK is not a failure
+        return InternalError(f"gRPC connector asked to map status OK from {endpoint.instance_id}")
+    if kind == "timeout":
+        return DeadlineExceeded(
+            f"agent {endpoint.instance_id} did not answer in time (gRPC {name}){said}"
+        )
+    if kind == "transport" and said_type is None:
+        return TransportError(
+            f"cannot reach agent at {endpoint.address}: {name}{said}", retryable=retryable
+        )
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        size = _TOO_BIG.search(details)
+        if size is not None and receive_limit is not None and int(size[2]) == receive_limit:
+            error = too_large(endpoint, size[1], limit if limit is not None else receive_limit)
+            error.fault = fault
+            return error
+        if size is not None:
+            return AgentError(
+                f"{where}: it refused the payload as too large{said}", retryable=False, fault=fault
+            )
+    return AgentError(f"{where}{said}", retryable=retryable, fault=fault)
+
+
+def reply_of(endpoint: Endpoint, raw: bytes, limit: int) -> Reply:
+    """The Reply in an OK call's bytes, or the non-retryable `AgentError` they amount to."""
+    where = f"agent {endpoint.instance_id} answered gRPC OK"
+    try:
+        reply = InvokeReply.FromString(raw)
+    except DecodeError as exc:
+        raise AgentError(
+            f"{where} with bytes that are not an InvokeReply", retryable=False
+        ) from exc
+    if reply.accepted:
+        return Reply(status="accepted")
+    try:
+        data = parse_json(reply.result, what="result") if reply.result else {}
+        result = data if isinstance(data, dict) else {"value": data}
+        # As Reach will carry it: re-encoded, within the limit, nesting and charset rules.
+        check_json(result, what="its result", limit=limit)
+    except ReachError as exc:
+        raise AgentError(f"{where}; {exc.message}", retryable=False) from exc
+    return Reply(status="ok", result=result)
+
+
+@dataclass
+class _Channel:
+    """A channel and what the connector knows of its connection's history."""
+
+    channel: grpc.aio.Channel
+    invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]
+    receive_limit: int
+    up: bool = False  # READY after the last call
+    broken: bool = False  # failed since it was last READY (a READY then is a reconnect)
+
+    def state(self) -> grpc.ChannelConnectivity:
+        return self.channel.get_state(try_to_connect=False)
+
+
+async def _close_channel(channel: _Channel) -> None:
+    await channel.channel.close(grace=None)
+
+
+@contextlib.contextmanager
+def map_grpc_exceptions(endpoint: Endpoint, receive_limit: int, limit: int) -> Iterator[None]:
+    """The one place grpcio's exceptions (and the call's own deadline) become Reach errors.
+
+    `receive_limit` is the channel's max_receive_message_length, `limit` the reply limit.
+    """
+    try:
+        yield
+    except TimeoutError as exc:  # asyncio.timeout: the whole call, whatever gRPC was doing
+        raise DeadlineExceeded(f"agent at {endpoint.address} did not answer in time") from exc
+    except grpc.aio.AioRpcError as exc:
+        raise error_for_status(
+            endpoint,
+            exc.code(),
+            exc.details() or "",
+            _trailing(exc),
+            receive_limit=receive_limit,
+            limit=limit,
+        ) from exc
+    except grpc.aio.InternalError as exc:  # grpc core refused to start the call (its batch)
+        raise TransportError(
+            f"cannot send this request to agent at {endpoint.address}: {exc!r}", retryable=False
+        ) from exc
+    except (grpc.aio.BaseError, grpc.RpcError) as exc:
+        # A closed channel used, or a non-aio error from the aio API: nothing the agent did.
+        raise InternalError(
+            f"gRPC connector misused grpcio for {endpoint.address}: {exc!r}"
+        ) from exc
+
+
+class GrpcConnector(Connector):
+    protocol = "grpc"
+
+    def __init__(
+        self, transport: TransportSettings | None = None, *, stats: ConnectionStats | None = None
+    ) -> None:
+        super().__init__(transport, stats=stats)
+        idle_ms = min(max(MIN_CLIENT_IDLE_MS, int(self.transport.idle_timeout_s * 2000)), INT32_MAX)
+
+        def make_channel(target: str) -> _Channel:
+            limit, address = target.split(" ", 1)
+            receive_limit = int(limit) + REPLY_OVERHEAD_BYTES
+            channel = grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_receive_message_length", receive_limit),
+                    # Reach checked the payload against the smallest limit before sending.
+                    ("grpc.max_send_message_length", -1),
+                    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                    ("grpc.keepalive_permit_without_calls", 0),
+                    ("grpc.http2.max_pings_without_data", 0),
+                    ("grpc.client_idle_timeout_ms", idle_ms),
+                    ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+                    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+                    ("grpc.primary_user_agent", "agent-reach"),
+                    # Its own connection: grpc would otherwise share one among channels to the
+                    # same address, and closing an instance's channel would close nothing.
+                    ("grpc.use_local_subchannel_pool", 1),
+                ],
+            )
+            # Bytes in and out: the connector encodes and decodes, so a reply that is not an
+            # InvokeReply is this request's typed error, not grpcio's logged exception.
+            invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(METHOD)
+            return _Channel(channel, invoke, receive_limit)
+
+        self._pools: Pools[_Channel] = Pools(
+            self.protocol,
+            make_channel,
+            _close_channel,
+            idle_timeout_s=self.transport.idle_timeout_s,
+            max_pools=self.transport.max_pools,
+            stats=self.stats,
+        )
+
+    @classmethod
+    def check_address(cls, address: str) -> str:
+        return check_grpc_address(address)
+
+    def held(self) -> dict[str, str]:
+        return {key.split(" ", 1)[0]: cap for key, cap in self._pools.capabilities().items()}
+
+    async def forget(self, instance_id: str) -> None:
+        for key in self._pools.held_keys():
+            if key.split(" ", 1)[0] == instance_id:
+                self._pools.discard(key)
+
+    async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
+        limit = endpoint.max_message_bytes or self.transport.max_message_bytes
+        try:
+            address = check_grpc_address(endpoint.address)
+        except InvalidRequest as exc:
+            raise TransportError(
+                f"cannot send this request to agent at {endpoint.address}: {exc.message}",
+                retryable=False,
+            ) from exc
+        metadata = wire_metadata(message)
+        for name, value in metadata:
+            if not _METADATA_VALUE.fullmatch(value):
+                raise TransportError(
+                    f"cannot send this request to agent at {address}: metadata {name} has "
+                    "characters gRPC metadata cannot carry (visible ASCII only)",
+                    retryable=False,
+                )
+        try:
+            payload = dumps(message.payload)
+        except ValueError as exc:  # NaN, or a lone surrogate: refused at the door, normally
+            raise TransportError(
+                f"cannot send this request to agent at {address}: the payload is not standard "
+                f"JSON ({exc})",
+                retryable=False,
+            ) from exc
+        request = InvokeRequest(
+            operation=message.header.operation, payload=payload
+        ).SerializeToString()
+        # Per instance, address and reply limit: a re-join with either changed gets a fresh one.
+        entry = self._pools.acquire(
+            f"{endpoint.instance_id} {address} {limit}", endpoint.capability, f"{limit} {address}"
+        )
+        try:
+            return await self._call(entry, endpoint, request, metadata, timeout_s, limit)
+        finally:
+            self._pools.release(entry)
+
+    async def _call(
+        self,
+        entry: Entry[_Channel],
+        endpoint: Endpoint,
+        request: bytes,
+        metadata: list[tuple[str, str]],
+        timeout_s: float,
+        limit: int,
+    ) -> Reply:
+        channel = entry.value
+        timeout = max(timeout_s, 0.001)
+        if channel.up and channel.state() is not grpc.ChannelConnectivity.READY:
+            # READY after the last call, not now: the connection broke in between.
+            channel.up, channel.broken = False, True
+            self.stats.count(entry.capability, self.protocol, "failed")
+        code = grpc.StatusCode.OK
+        try:
+            with map_grpc_exceptions(endpoint, channel.receive_limit, limit):
+                try:
+                    # gRPC's deadline tells the agent; this one bounds the call on our side.
+                    async with asyncio.timeout(timeout):
+                        raw = await channel.invoke(request, timeout=timeout, metadata=metadata)
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    raise
+        finally:
+            self._observe(entry, code)
+        return reply_of(endpoint, raw, limit)
+
+    def _observe(self, entry: Entry[_Channel], code: grpc.StatusCode) -> None:
+        """Count a failed connection or a reconnect, from the channel's state after a call."""
+        channel = entry.value
+        if channel.state() is grpc.ChannelConnectivity.READY:
+            if channel.broken:
+                self.stats.count(entry.capability, self.protocol, "reconnected")
+            channel.up, channel.broken = True, False
+        elif code is grpc.StatusCode.UNAVAILABLE:
+            # Not READY after UNAVAILABLE: no connection (an agent's own UNAVAILABLE comes over
+            # a READY one).
+            channel.up, channel.broken = False, True
+            self.stats.count(entry.capability, self.protocol, "failed")
+
+    async def aclose(self) -> None:
+        await self._pools.aclose()
