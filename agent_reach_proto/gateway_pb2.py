@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61gent_reach_proto/gateway.proto\x12\x08reach.v1\"\x98\x02\n\rInvokeRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x11\n\toperation\x18\x03 \x01(\t\x12\x14\n\x0cpayload_json\x18\x04 \x01(\t\x12\x17\n\ntimeout_ms\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x15\n\x08\x63\x61llback\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x1c\n\x0fidempotency_key\x18\x07 \x01(\tH\x03\x88\x01\x01\x12\x18\n\x0brouting_key\x18\x08 \x01(\tH\x04\x88\x01\x01\x42\r\n\x0b_request_idB\r\n\x0b_timeout_msB\x0b\n\t_callbackB\x12\n\x10_idempotency_keyB\x0e\n\x0c_routing_key\"d\n\x05\x45rror\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x12\n\nagent_type\x18\x04 \x01(\t\x12\x15\n\ragent_message\x18\x05 \x01(\t\"\x88\x01\n\x0eInvokeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x18\n\x0b\x64uration_ms\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0bresult_json\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\tB\x0e\n\x0c_duration_ms\"\xdd\x02\n\x0bJoinRequest\x12\x12\n\ncapability\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x17\n\x0fservice_address\x18\x04 \x01(\t\x12\x1f\n\x12heartbeat_interval\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\noperations\x18\x06 \x03(\t\x12\x1e\n\x11max_message_bytes\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0e\x61sync_callback\x18\x08 \x01(\x08\x12\x31\n\x06labels\x18\t \x03(\x0b\x32!.reach.v1.JoinRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x15\n\x13_heartbeat_intervalB\x14\n\x12_max_message_bytes\"\x9c\x01\n\x07JoinAck\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\x12\x1a\n\x12heartbeat_interval\x18\x03 \x01(\x01\x12\x19\n\x11heartbeat_timeout\x18\x04 \x01(\x01\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\x12\x16\n\x0e\x61sync_callback\x18\x06 \x01(\x08\"^\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x13\n\x0b\x63hecks_json\x18\x03 \x01(\t\x12\x10\n\x08inflight\x18\x04 \x01(\x03\"H\n\x0cHeartbeatAck\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nerror_type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t2\xbb\x01\n\x05Reach\x12;\n\x06Invoke\x12\x17.reach.v1.InvokeRequest\x1a\x18.reach.v1.InvokeResponse\x12\x30\n\x04Join\x12\x15.reach.v1.JoinRequest\x1a\x11.reach.v1.JoinAck\x12\x43\n\tHeartbeat\x12\x1a.reach.v1.HeartbeatRequest\x1a\x16.reach.v1.HeartbeatAck(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61gent_reach_proto/gateway.proto\x12\x08reach.v1\"\x98\x02\n\rInvokeRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x11\n\toperation\x18\x03 \x01(\t\x12\x14\n\x0cpayload_json\x18\x04 \x01(\t\x12\x17\n\ntimeout_ms\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x15\n\x08\x63\x61llback\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x1c\n\x0fidempotency_key\x18\x07 \x01(\tH\x03\x88\x01\x01\x12\x18\n\x0brouting_key\x18\x08 \x01(\tH\x04\x88\x01\x01\x42\r\n\x0b_request_idB\r\n\x0b_timeout_msB\x0b\n\t_callbackB\x12\n\x10_idempotency_keyB\x0e\n\x0c_routing_key\"\x88\x01\n\x0eInvokeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x18\n\x0b\x64uration_ms\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0bresult_json\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\tB\x0e\n\x0c_duration_ms\"\xdd\x02\n\x0bJoinRequest\x12\x12\n\ncapability\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x17\n\x0fservice_address\x18\x04 \x01(\t\x12\x1f\n\x12heartbeat_interval\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\noperations\x18\x06 \x03(\t\x12\x1e\n\x11max_message_bytes\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0e\x61sync_callback\x18\x08 \x01(\x08\x12\x31\n\x06labels\x18\t \x03(\x0b\x32!.reach.v1.JoinRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x15\n\x13_heartbeat_intervalB\x14\n\x12_max_message_bytes\"\x9c\x01\n\x07JoinAck\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\x12\x1a\n\x12heartbeat_interval\x18\x03 \x01(\x01\x12\x19\n\x11heartbeat_timeout\x18\x04 \x01(\x01\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\x12\x16\n\x0e\x61sync_callback\x18\x06 \x01(\x08\"^\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x13\n\x0b\x63hecks_json\x18\x03 \x01(\t\x12\x10\n\x08inflight\x18\x04 \x01(\x03\"t\n\x0cHeartbeatAck\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nerror_type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\x1a\n\x12heartbeat_interval\x18\x05 \x01(\x01\x32\xbb\x01\n\x05Reach\x12;\n\x06Invoke\x12\x17.reach.v1.InvokeRequest\x1a\x18.reach.v1.InvokeResponse\x12\x30\n\x04Join\x12\x15.reach.v1.JoinRequest\x1a\x11.reach.v1.JoinAck\x12\x43\n\tHeartbeat\x12\x1a.reach.v1.HeartbeatRequest\x1a\x16.reach.v1.HeartbeatAck(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,20 +35,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_INVOKEREQUEST']._serialized_start=46
   _globals['_INVOKEREQUEST']._serialized_end=326
-  _globals['_ERROR']._serialized_start=328
-  _globals['_ERROR']._serialized_end=428
-  _globals['_INVOKERESPONSE']._serialized_start=431
-  _globals['_INVOKERESPONSE']._serialized_end=567
-  _globals['_JOINREQUEST']._serialized_start=570
-  _globals['_JOINREQUEST']._serialized_end=919
-  _globals['_JOINREQUEST_LABELSENTRY']._serialized_start=829
-  _globals['_JOINREQUEST_LABELSENTRY']._serialized_end=874
-  _globals['_JOINACK']._serialized_start=922
-  _globals['_JOINACK']._serialized_end=1078
-  _globals['_HEARTBEATREQUEST']._serialized_start=1080
-  _globals['_HEARTBEATREQUEST']._serialized_end=1174
-  _globals['_HEARTBEATACK']._serialized_start=1176
-  _globals['_HEARTBEATACK']._serialized_end=1248
-  _globals['_REACH']._serialized_start=1251
-  _globals['_REACH']._serialized_end=1438
+  _globals['_INVOKERESPONSE']._serialized_start=329
+  _globals['_INVOKERESPONSE']._serialized_end=465
+  _globals['_JOINREQUEST']._serialized_start=468
+  _globals['_JOINREQUEST']._serialized_end=817
+  _globals['_JOINREQUEST_LABELSENTRY']._serialized_start=727
+  _globals['_JOINREQUEST_LABELSENTRY']._serialized_end=772
+  _globals['_JOINACK']._serialized_start=820
+  _globals['_JOINACK']._serialized_end=976
+  _globals['_HEARTBEATREQUEST']._serialized_start=978
+  _globals['_HEARTBEATREQUEST']._serialized_end=1072
+  _globals['_HEARTBEATACK']._serialized_start=1074
+  _globals['_HEARTBEATACK']._serialized_end=1190
+  _globals['_REACH']._serialized_start=1193
+  _globals['_REACH']._serialized_end=1380
 # @@protoc_insertion_point(module_scope)

@@ -26,20 +26,6 @@ class InvokeRequest(_message.Message):
     routing_key: str
     def __init__(self, request_id: _Optional[str] = ..., target: _Optional[str] = ..., operation: _Optional[str] = ..., payload_json: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., callback: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., routing_key: _Optional[str] = ...) -> None: ...
 
-class Error(_message.Message):
-    __slots__ = ("type", "message", "retryable", "agent_type", "agent_message")
-    TYPE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
-    AGENT_TYPE_FIELD_NUMBER: _ClassVar[int]
-    AGENT_MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    type: str
-    message: str
-    retryable: bool
-    agent_type: str
-    agent_message: str
-    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., agent_type: _Optional[str] = ..., agent_message: _Optional[str] = ...) -> None: ...
-
 class InvokeResponse(_message.Message):
     __slots__ = ("request_id", "status", "duration_ms", "result_json", "instance_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -112,11 +98,15 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., status: _Optional[str] = ..., checks_json: _Optional[str] = ..., inflight: _Optional[int] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
-    __slots__ = ("instance_id", "error_type", "message")
+    __slots__ = ("instance_id", "error_type", "message", "status", "heartbeat_interval")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     error_type: str
     message: str
-    def __init__(self, instance_id: _Optional[str] = ..., error_type: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    status: str
+    heartbeat_interval: float
+    def __init__(self, instance_id: _Optional[str] = ..., error_type: _Optional[str] = ..., message: _Optional[str] = ..., status: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ...) -> None: ...

@@ -4,12 +4,19 @@
 
 Rows (same Temporal dev server, same agent process kind, all on loopback):
   direct HTTP      the agent called straight, no Reach (the network/agent floor)
+  direct gRPC / WebSocket / MQTT    the same agent on that protocol, called straight through
+                   Reach's connector (one connection, reused), no Temporal
+  reach inline via <protocol> agent   POST /reach/invoke to a capability served on <protocol>
+  reach inline, gRPC front   reach.v1.Reach/Invoke on the gateway's gRPC port instead of HTTP
   raw Temporal     the floor: a minimal workflow, eager start + one local activity doing that
                    HTTP call, unsandboxed (as Reach runs by default); every ratio is against it
   raw Temporal, sandboxed    the same workflow in the SDK's sandbox (for reference)
   reach inline     POST /reach/invoke, capability in inline mode (local activities)
   reach inline, sandboxed    the same with temporal.workflow_sandbox=true
   reach queue      POST /reach/invoke, capability in queue mode (regular activities)
+
+MQTT runs through a Mosquitto of the bench's own with `set_tcp_nodelay true` (the broker a
+deployment should run; without it each call pays ~40 ms of Nagle at the broker).
 
 Sequential p50/p95/p99 over --requests calls after a warm-up, then throughput with
 --concurrency calls in flight. Prints a Markdown table; writes bench/out/invoke.png if
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -31,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 from temporalio import activity
 from temporalio.client import Client
@@ -40,10 +49,16 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from agent_reach_proto import gateway_pb2  # noqa: E402
 from bench.raw_workflow import RawWorkflow  # noqa: E402
+from connectors import ConnectorSet  # noqa: E402
 from gateway_api.devserver import DevServer, free_port  # noqa: E402
+from reach.invocation import Endpoint  # noqa: E402
+from reach.messages import Header, Message  # noqa: E402
 
 PAYLOAD = {"text": "durable retries", "top_k": 2}
+PROTOCOLS = ("grpc", "websocket", "mqtt")
+NAMES = {"grpc": "gRPC", "websocket": "WebSocket", "mqtt": "MQTT"}
 _http: httpx.AsyncClient | None = None
 
 
@@ -143,9 +158,11 @@ async def main(args: argparse.Namespace) -> None:
     gw_port = free_port()
     gw = f"http://127.0.0.1:{gw_port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "TEMPORAL_"))}
+    front_port = free_port()
     env.update(
         TEMPORAL_ADDRESS=server.address,
         REACH_LISTEN_PORT=str(gw_port),
+        REACH_TRANSPORT__PORTS__GRPC=str(front_port),
         REACH_TEMPORAL__TASK_QUEUE=f"bench-{uuid.uuid4().hex[:6]}",
         REACH_CAPABILITIES='{"bench-queue": {"mode": "queue"}}',
         REACH_CONFIG=str(ROOT / "reach.yaml"),
@@ -158,9 +175,15 @@ async def main(args: argparse.Namespace) -> None:
         REACH_LISTEN_PORT=str(gw2_port),
         REACH_TEMPORAL__TASK_QUEUE=f"bench-{uuid.uuid4().hex[:6]}",
         REACH_TEMPORAL__WORKFLOW_SANDBOX="true",
+        REACH_TRANSPORT__PORTS__GRPC="-1",
         REACH_CAPABILITIES="{}",  # reach-cap-* queues are per namespace: leave them to gateway 1
     )
+    broker_port = free_port()
+    (tmp / "mosquitto.conf").write_text(
+        f"listener {broker_port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n"
+    )
     try:
+        procs.append(spawn(["mosquitto", "-c", str(tmp / "mosquitto.conf")], env, tmp / "mq.log"))
         procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env, tmp / "gw.log"))
         procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env2, tmp / "gw2.log"))
         await wait_http(f"{gw}/readyz", lambda r: r.status_code == 200)
@@ -198,18 +221,57 @@ async def main(args: argparse.Namespace) -> None:
                 tmp / "bench-inline-2.log",
             )
         )
+        for protocol in PROTOCOLS:
+            procs.append(
+                spawn(
+                    [
+                        sys.executable,
+                        str(ROOT / "examples/knowledge_retriever.py"),
+                        "--reach",
+                        gw,
+                        "--capability",
+                        f"bench-{protocol}",
+                        "--instance-id",
+                        f"bench-{protocol}-01",
+                        "--protocol",
+                        protocol,
+                        "--broker",
+                        f"127.0.0.1:{broker_port}",
+                    ],
+                    env,
+                    tmp / f"bench-{protocol}.log",
+                )
+            )
         await wait_http(
             f"{gw2}/reach/capabilities/bench-inline",
             lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
         )
-        for cap in ("bench-inline", "bench-queue"):
+        for cap in ("bench-inline", "bench-queue", *(f"bench-{p}" for p in PROTOCOLS)):
             await wait_http(
                 f"{gw}/reach/capabilities/{cap}",
                 lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
             )
         async with httpx.AsyncClient(trust_env=False) as c:
             inst = (await c.get(f"{gw}/reach/capabilities/bench-inline")).json()["instances"][0]
+            endpoints = {
+                p: Endpoint.model_validate(
+                    {
+                        **(await c.get(f"{gw}/reach/capabilities/bench-{p}")).json()["instances"][
+                            0
+                        ],
+                        "capability": f"bench-{p}",
+                    }
+                )
+                for p in PROTOCOLS
+            }
         agent_url = f"http://{inst['address']}/reach/query"
+        connectors = ConnectorSet()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{front_port}")
+        front_invoke = channel.unary_unary(
+            "/reach.v1.Reach/Invoke",
+            request_serializer=gateway_pb2.InvokeRequest.SerializeToString,
+            response_deserializer=gateway_pb2.InvokeResponse.FromString,
+        )
 
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         _http = httpx.AsyncClient(trust_env=False, limits=limits, timeout=30)
@@ -238,6 +300,38 @@ async def main(args: argparse.Namespace) -> None:
 
             return call
 
+        def direct_via(protocol: str) -> Callable[[], Awaitable[None]]:
+            connector = connectors.get(protocol)
+            endpoint = endpoints[protocol]
+
+            async def call() -> None:
+                header = Header(
+                    request_id=str(uuid.uuid4()),
+                    caller="bench",
+                    target=endpoint.capability,
+                    operation="query",
+                    deadline_ms=int(time.time() * 1000) + 10_000,
+                )
+                reply = await connector.invoke(
+                    endpoint, Message(header=header, payload=PAYLOAD), 10
+                )
+                if reply.status != "ok":
+                    raise RuntimeError(reply)
+
+            return call
+
+        async def front() -> None:
+            r = await front_invoke(
+                gateway_pb2.InvokeRequest(
+                    target="bench-inline",
+                    operation="query",
+                    payload_json=json.dumps(PAYLOAD),
+                    timeout_ms=10000,
+                )
+            )
+            if r.status != "success":
+                raise RuntimeError(r)
+
         def reach(cap: str, base: str = gw) -> Callable[[], Awaitable[None]]:
             async def call() -> None:
                 r = await _http.post(
@@ -256,9 +350,12 @@ async def main(args: argparse.Namespace) -> None:
 
         paths = {
             "direct HTTP": direct,
+            **{f"direct {NAMES[p]}": direct_via(p) for p in PROTOCOLS},
             "raw Temporal": raw(queue),
             "raw Temporal, sandboxed": raw(sandboxed_queue),
             "reach inline": reach("bench-inline"),
+            **{f"reach inline via {NAMES[p]} agent": reach(f"bench-{p}") for p in PROTOCOLS},
+            "reach inline, gRPC front": front,
             "reach inline, sandboxed": reach("bench-inline", gw2),
             "reach queue": reach("bench-queue"),
         }
@@ -275,6 +372,8 @@ async def main(args: argparse.Namespace) -> None:
         async with floor, sandboxed:
             rows = await measure(paths, args.requests, 20, args.concurrency)
         await _http.aclose()
+        await connectors.aclose()
+        await channel.close()
         report(rows, args)
     finally:
         for p in procs:

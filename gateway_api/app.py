@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from temporalio.client import Client
 
 import reach
+from gateway_api import grpc_front
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.routes import agents, health, invoke
 from gateway_api.service import Gateway
@@ -58,13 +59,15 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
             else []
         )
         workers = build_workers(client, services, invoke=run_worker, capabilities=queue_caps)
-        app.state.gateway = Gateway(settings, client, services.registry)
+        app.state.gateway = gateway = Gateway(settings, client, services.registry)
         app.state.connectors = services.connectors
         sweeper = asyncio.create_task(
             _sweep(services.registry, min(1.0, settings.registry.heartbeat_interval))
         )
         try:
-            async with running_workers(workers):
+            # The gRPC front stops before the workers: its in-flight invokes need them.
+            async with running_workers(workers), grpc_front.serving(settings, gateway) as front:
+                app.state.grpc_port = front.port if front else None
                 log.info(
                     "gateway ready on %s (registry=%s, task queue=%s)",
                     settings.gateway_url,

@@ -24,7 +24,8 @@ import httpx
 import uvicorn
 
 from gateway_api.app import create_app
-from gateway_api.devserver import DevServer, PortInUse, die_with_parent, require_free
+from gateway_api.devserver import DevServer, PortInUse, dies_with_parent, require_free
+from gateway_api.grpc_front import grpc_port
 from reach.config import ConfigError, ReachSettings, load_settings
 from worker import configure_logging, connect_temporal, exit_now
 
@@ -54,37 +55,56 @@ async def _serve(
             task.cancel()
 
 
-def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
+def _require_free_ports(settings: ReachSettings) -> None:
+    """The gateway's HTTP and gRPC ports, both on `listen_host`."""
     require_free(
         settings.listen_port,
         "gateway",
         "reach.listen_port / REACH_LISTEN_PORT",
         settings.listen_host,
     )
+    port = grpc_port(settings)
+    if port:  # 0 binds any free port, None is no gRPC front
+        require_free(
+            port,
+            "gateway gRPC front",
+            "reach.transport.ports.grpc / REACH_TRANSPORT__PORTS__GRPC (negative: none)",
+            settings.listen_host,
+        )
+
+
+def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
+    _require_free_ports(settings)
     asyncio.run(_serve(settings, run_worker=run_worker))
 
 
 def _start_agent(gateway: str, instance_id: str, log_dir: Path) -> subprocess.Popen[bytes]:
     with open(log_dir / f"{instance_id}.log", "ab") as out:
         return subprocess.Popen(
-            [
-                sys.executable,
-                str(EXAMPLES / "knowledge_retriever.py"),
-                "--reach",
-                gateway,
-                "--instance-id",
-                instance_id,
-            ],
+            dies_with_parent(
+                [
+                    sys.executable,
+                    str(EXAMPLES / "knowledge_retriever.py"),
+                    "--reach",
+                    gateway,
+                    "--instance-id",
+                    instance_id,
+                ]
+            ),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
 
 
 def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: Path) -> str:
     url = settings.gateway_url
     ui = f"http://127.0.0.1:{ui_port}" if ui_port else "(headless)"
+    port = grpc_port(settings)
+    host = "127.0.0.1" if settings.listen_host in ("0.0.0.0", "::") else settings.listen_host
+    grpc_line = (
+        f"\n    gRPC front   {host}:{port}   (reach.v1.Reach, health, reflection)" if port else ""
+    )
     example = json.dumps(
         {
             "target": "knowledge-retriever",
@@ -95,7 +115,7 @@ def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: 
     )
     return f"""
   Agent-Reach is up.
-    gateway      {url}      (OpenAPI: {url}/docs)
+    gateway      {url}      (OpenAPI: {url}/docs){grpc_line}
     temporal UI  {ui}
     worker       in the gateway process, task queue {settings.temporal.task_queue}
     agents       {agents} x knowledge-retriever (logs in {log_dir}/)
@@ -129,12 +149,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
     dev = settings.temporal.dev_server
     ui_port = None if dev.headless else dev.ui_port
-    require_free(
-        settings.listen_port,
-        "gateway",
-        "reach.listen_port / REACH_LISTEN_PORT",
-        settings.listen_host,
-    )
+    _require_free_ports(settings)
     require_free(
         dev.port,
         "Temporal dev server",

@@ -38,17 +38,17 @@ class PortInUse(RuntimeError):
     pass
 
 
-def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM if the process that started it dies (Linux).
+def dies_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd`, made to get SIGTERM if the process that started it dies (Linux, via util-linux
+    `setpriv --pdeathsig`; elsewhere unchanged).
 
     `reach up` starts its children in their own sessions so that Ctrl-C reaches only it and it
-    stops them in order; this covers the case where it is killed outright.
+    stops them in order; this covers the case where it is killed outright. It is done by
+    `setpriv` rather than a Python `preexec_fn`: code between fork and exec in a process whose
+    other threads hold locks (grpc's do) can hang the child before it ever runs.
     """
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
 
 
 def temporal_binary() -> str:
@@ -161,7 +161,9 @@ class DevServer:
 
     def start(self, timeout_s: float = 60.0) -> None:
         Path(self.db_filename).parent.mkdir(parents=True, exist_ok=True)
-        cmd = command(self.db_filename, self.port, self.ui_port, namespace=self.namespace)
+        cmd = dies_with_parent(
+            command(self.db_filename, self.port, self.ui_port, namespace=self.namespace)
+        )
         if self.log_file:
             with open(self.log_file, "ab") as out:  # the child keeps its own descriptor
                 self.process = subprocess.Popen(
@@ -169,7 +171,6 @@ class DevServer:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=die_with_parent,
                 )
         else:
             self.process = subprocess.Popen(
@@ -177,7 +178,6 @@ class DevServer:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
             )
         try:
             wait_port(self.port, timeout_s)

@@ -37,8 +37,10 @@ from temporalio.exceptions import (
 from temporalio.exceptions import TimeoutError as TemporalTimeout
 from temporalio.service import RPCError, RPCStatusCode
 
+import connectors
 from reach.config import ReachSettings
 from reach.errors import (
+    InvalidRequest,
     RequestClosed,
     RequestConflict,
     Unavailable,
@@ -63,7 +65,7 @@ from reach.messages import (
     new_request_id,
 )
 from reach.policy import plan_call
-from reach.registry import Registry
+from reach.registry import Ack, JoinRequest, Registry
 from workflows.invoke import (
     SA_CALLER,
     SA_CAPABILITY,
@@ -77,6 +79,8 @@ log = logging.getLogger("reach.gateway")
 
 # How long past its deadline a synchronous caller waits for the workflow's own verdict.
 SYNC_GRACE_S = 5.0
+# How long a readiness probe waits for Temporal before calling it down.
+READY_CHECK_S = 2.0
 
 InvokeHandle = WorkflowHandle[InvokeWorkflow, InvokeResponse]
 
@@ -92,6 +96,31 @@ class Gateway:
     def __post_init__(self) -> None:
         self.limits = Limits(max_message_bytes=self.settings.transport.max_message_bytes)
         self.rpc_timeout = timedelta(seconds=self.settings.temporal.rpc_timeout_s)
+
+    # -- agents and readiness (shared by the HTTP routes and the gRPC front) ------------------
+
+    async def join(self, body: JoinRequest) -> Ack:
+        """Register an instance whose protocol has a connector and whose address it accepts."""
+        known = connectors.available()
+        if body.protocol not in known:
+            raise InvalidRequest(
+                f"protocol {body.protocol!r} has no connector; known: {', '.join(sorted(known))}"
+            )
+        body.service_address = connectors.load(body.protocol).check_address(body.service_address)
+        return await self.registry.join(body)
+
+    async def readiness(self) -> dict[str, bool]:
+        """Whether Temporal and the registry store answer, each bounded in time."""
+        checks: dict[str, bool] = {}
+        try:
+            checks["temporal"] = await asyncio.wait_for(
+                self.client.service_client.check_health(), READY_CHECK_S
+            )
+        except (RPCError, TimeoutError):
+            checks["temporal"] = False
+        # The store's own socket timeout bounds this one (registry.redis_timeout_s).
+        checks["registry"] = await self.registry.store.ping()
+        return checks
 
     # -- invoke -------------------------------------------------------------------------------
 

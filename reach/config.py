@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -69,7 +69,11 @@ class RegistrySettings(_Section):
 
 class TransportSettings(_Section):
     default_protocol: str = "http"
-    ports: dict[str, int] = Field(default_factory=lambda: {"http": 7600, "grpc": 7601})
+    ports: dict[str, Annotated[int, Field(ge=-1, le=65535)]] = Field(
+        default_factory=lambda: {"http": 7600, "grpc": 7601},
+        description="grpc: the gateway's gRPC front (0 = any free port, -1 = off). The HTTP "
+        "port is `listen_port`.",
+    )
     max_message_bytes: int = Field(
         default=DEFAULT_MAX_MESSAGE_BYTES,
         ge=1024,

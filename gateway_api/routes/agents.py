@@ -5,11 +5,10 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
-import connectors
 from connectors import ConnectorSet
 from gateway_api.deps import CapabilityPath, GatewayDep, InstanceIdPath, json_body
 from reach import acceptance
-from reach.errors import InvalidRequest, UnknownCapability, UnknownInstance
+from reach.errors import UnknownCapability, UnknownInstance
 from reach.messages import ErrorResponse
 from reach.registry import Ack, HealthReport, InstanceRecord, JoinRequest
 
@@ -66,13 +65,7 @@ _ERR: dict[int | str, dict[str, Any]] = {
 )
 async def join(request: Request, gateway: GatewayDep) -> Ack:
     body = acceptance.join_request(await request.body(), gateway.limits)
-    known = connectors.available()
-    if body.protocol not in known:
-        raise InvalidRequest(
-            f"protocol {body.protocol!r} has no connector; known: {', '.join(sorted(known))}"
-        )
-    body.service_address = connectors.load(body.protocol).check_address(body.service_address)
-    return await gateway.registry.join(body)
+    return await gateway.join(body)
 
 
 @router.put(

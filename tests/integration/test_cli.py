@@ -20,7 +20,7 @@ def run_reach(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "TEMPORAL_"))}
     return subprocess.run(
         [sys.executable, "-m", "gateway_api", *args],
-        env={**clean, **(env or {})},
+        env={**clean, "REACH_TRANSPORT__PORTS__GRPC": "0", **(env or {})},
         capture_output=True,
         text=True,
         timeout=60,

@@ -60,13 +60,14 @@ class Up:
 
 
 async def test_up_runs_the_stack_stops_cleanly_and_keeps_history(tmp_path: Path) -> None:
-    gw_port, t_port, ui_port = free_port(), free_port(), free_port()
+    gw_port, t_port, ui_port, grpc_port = free_port(), free_port(), free_port(), free_port()
     db = tmp_path / "state" / "temporal.db"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "TEMPORAL_"))}
     env = {
         **clean,
         "REACH_CONFIG": str(ROOT / "reach.yaml"),
         "REACH_LISTEN_PORT": str(gw_port),
+        "REACH_TRANSPORT__PORTS__GRPC": str(grpc_port),
         "REACH_TEMPORAL__DEV_SERVER__PORT": str(t_port),
         "REACH_TEMPORAL__DEV_SERVER__UI_PORT": str(ui_port),
         "REACH_TEMPORAL__DEV_SERVER__DB_FILENAME": str(db),
@@ -79,6 +80,7 @@ async def test_up_runs_the_stack_stops_cleanly_and_keeps_history(tmp_path: Path)
         banner = first.output()
         assert gateway in banner
         assert f"http://127.0.0.1:{ui_port}" in banner
+        assert f"127.0.0.1:{grpc_port}" in banner  # the gRPC front, beside HTTP
         assert "curl -s -X POST" in banner
         assert "worker       in the gateway process, task queue reach-invoke" in banner
         assert len(processes_mentioning(f"--reach {gateway}")) == 2  # the demo agents

@@ -37,7 +37,8 @@ def test_services_present(compose: dict[str, Any]) -> None:
 def test_ports_match_the_embedded_defaults(compose: dict[str, Any]) -> None:
     s = ReachSettings()
     svc = compose["services"]
-    assert _ports(svc["gateway"]) == {s.listen_port: s.listen_port}
+    grpc = s.transport.ports["grpc"]
+    assert _ports(svc["gateway"]) == {s.listen_port: s.listen_port, grpc: grpc}
     temporal_port = int(s.temporal.address.rsplit(":", 1)[1])
     assert _ports(svc["temporal"]) == {temporal_port: temporal_port}
     assert _ports(svc["temporal-ui"])[8080] == s.temporal.dev_server.ui_port
@@ -85,3 +86,14 @@ def test_the_cluster_bounds_late_answers_in_flight_as_the_dev_server_does(
     assert container_path.endswith("/" + temporal["environment"]["DYNAMIC_CONFIG_FILE_PATH"])
     dynamic = yaml.safe_load((ROOT / host_path).read_text())
     assert dynamic["history.maxInFlightUpdatePayloads"] == [{"value": UPDATE_PAYLOADS_LIMIT_BYTES}]
+
+
+def test_the_image_holds_every_package_the_project_installs() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for package in packages:
+        assert f"COPY {package} ./{package}" in dockerfile, package
+    assert "EXPOSE 7600 7601" in dockerfile
