@@ -262,11 +262,11 @@ async def test_mqtt_survives_a_broker_restart(
         assert r.json()["status"] == "success"
 
 
+# An MQTT agent holds no connection of Reach's: both talk to the broker.
+@pytest.mark.parametrize("protocol", ["http", "grpc", "websocket"])
 async def test_leaving_closes_the_connection(
     gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str
 ) -> None:
-    if protocol == "mqtt":
-        pytest.skip("an MQTT agent holds no connection of Reach's: both talk to the broker")
     a = await agent(gateway, capability, protocol)
     for _ in range(2):
         r = await http.post(f"{gateway.url}/reach/invoke", json=body(capability))
