@@ -53,11 +53,20 @@ class ConnectionStats:
 
 
 class Entry(Generic[T]):
-    __slots__ = ("capability", "discarded", "in_flight", "key", "last_used", "value")
+    __slots__ = (
+        "capability",
+        "discarded",
+        "in_flight",
+        "instance_id",
+        "key",
+        "last_used",
+        "value",
+    )
 
-    def __init__(self, key: str, capability: str, value: T) -> None:
+    def __init__(self, key: str, capability: str, value: T, instance_id: str | None) -> None:
         self.key = key
         self.capability = capability
+        self.instance_id = instance_id
         self.value = value
         self.in_flight = 0
         self.last_used = time.monotonic()
@@ -101,16 +110,37 @@ class Pools(Generic[T]):
         """key -> capability of every entry held."""
         return {key: entry.capability for key, entry in self._entries.items()}
 
-    def acquire(self, key: str, capability: str, target: str | None = None) -> Entry[T]:
+    def instances(self) -> dict[str, str]:
+        """instance_id -> capability of every entry held for one instance."""
+        return {
+            entry.instance_id: entry.capability
+            for entry in self._entries.values()
+            if entry.instance_id is not None
+        }
+
+    def discard_instance(self, instance_id: str) -> int:
+        """Close every entry held for `instance_id` (see `discard`); how many."""
+        keys = [k for k, e in self._entries.items() if e.instance_id == instance_id]
+        return sum(self.discard(key) for key in keys)
+
+    def acquire(
+        self,
+        key: str,
+        capability: str,
+        target: str | None = None,
+        *,
+        instance_id: str | None = None,
+    ) -> Entry[T]:
         """The entry for `key` (made from `target`, default the key), in flight until
-        `release`."""
+        `release`. `instance_id`: the one instance it serves (None: shared, like a broker)."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
             entry.in_flight += 1
             self.stats.count(capability, self.protocol, "reused")
             return entry
-        entry = Entry(key, capability, self._make(target if target is not None else key))
+        value = self._make(target if target is not None else key)
+        entry = Entry(key, capability, value, instance_id)
         entry.in_flight = 1  # before evicting, so the new entry is never the one evicted
         self._entries[key] = entry
         self.stats.count(capability, self.protocol, "opened")

@@ -18,10 +18,11 @@ there rather than failing every request routed to it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
-from connectors._pools import ConnectionStats
+from connectors._pools import ConnectionStats, Pools
 from reach.config import TransportSettings
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply
@@ -70,3 +71,34 @@ class Connector(ABC):
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+T = TypeVar("T")
+
+
+class PooledConnector(Connector):
+    """A connector holding one connection (or pool of them) per instance in `Pools`: `held`
+    and `forget` come with it."""
+
+    _pools: Pools[Any]
+
+    def _new_pools(
+        self, make: Callable[[str], T], close: Callable[[T], Awaitable[None]]
+    ) -> Pools[T]:
+        return Pools(
+            self.protocol,
+            make,
+            close,
+            idle_timeout_s=self.transport.idle_timeout_s,
+            max_pools=self.transport.max_pools,
+            stats=self.stats,
+        )
+
+    def held(self) -> dict[str, str]:
+        return self._pools.instances()
+
+    async def forget(self, instance_id: str) -> None:
+        self._pools.discard_instance(instance_id)
+
+    async def aclose(self) -> None:
+        await self._pools.aclose()

@@ -83,7 +83,7 @@ from agent_reach_proto.agent_pb2 import InvokeReply, InvokeRequest
 from connectors._address import MAX_ADDRESS_CHARS, check_host, check_port, refuse
 from connectors._answers import too_large
 from connectors._pools import ConnectionStats, Entry, Pools
-from connectors.base import Connector
+from connectors.base import PooledConnector
 from reach.acceptance import check_json, parse_json
 from reach.config import TransportSettings
 from reach.errors import (
@@ -336,7 +336,7 @@ def map_grpc_exceptions(endpoint: Endpoint, receive_limit: int, limit: int) -> I
         ) from exc
 
 
-class GrpcConnector(Connector):
+class GrpcConnector(PooledConnector):
     protocol = "grpc"
 
     def __init__(
@@ -372,26 +372,11 @@ class GrpcConnector(Connector):
             invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(METHOD)
             return _Channel(channel, invoke, receive_limit)
 
-        self._pools: Pools[_Channel] = Pools(
-            self.protocol,
-            make_channel,
-            _close_channel,
-            idle_timeout_s=self.transport.idle_timeout_s,
-            max_pools=self.transport.max_pools,
-            stats=self.stats,
-        )
+        self._pools: Pools[_Channel] = self._new_pools(make_channel, _close_channel)
 
     @classmethod
     def check_address(cls, address: str) -> str:
         return check_grpc_address(address)
-
-    def held(self) -> dict[str, str]:
-        return {key.split(" ", 1)[0]: cap for key, cap in self._pools.capabilities().items()}
-
-    async def forget(self, instance_id: str) -> None:
-        for key in self._pools.held_keys():
-            if key.split(" ", 1)[0] == instance_id:
-                self._pools.discard(key)
 
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         limit = endpoint.max_message_bytes or self.transport.max_message_bytes
@@ -423,7 +408,10 @@ class GrpcConnector(Connector):
         ).SerializeToString()
         # Per instance, address and reply limit: a re-join with either changed gets a fresh one.
         entry = self._pools.acquire(
-            f"{endpoint.instance_id} {address} {limit}", endpoint.capability, f"{limit} {address}"
+            f"{endpoint.instance_id} {address} {limit}",
+            endpoint.capability,
+            f"{limit} {address}",
+            instance_id=endpoint.instance_id,
         )
         try:
             return await self._call(entry, endpoint, request, metadata, timeout_s, limit)
@@ -471,6 +459,3 @@ class GrpcConnector(Connector):
             # a READY one).
             channel.up, channel.broken = False, True
             self.stats.count(entry.capability, self.protocol, "failed")
-
-    async def aclose(self) -> None:
-        await self._pools.aclose()

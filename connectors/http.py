@@ -30,7 +30,7 @@ import httpx
 from connectors._address import check_http_address
 from connectors._answers import reply_for_status, too_large
 from connectors._pools import ConnectionStats, Pools
-from connectors.base import Connector
+from connectors.base import PooledConnector
 from reach.config import TransportSettings
 from reach.errors import (
     AgentError,
@@ -136,7 +136,7 @@ async def _close_client(client: httpx.AsyncClient) -> None:
     await client.aclose()
 
 
-class HttpConnector(Connector):
+class HttpConnector(PooledConnector):
     protocol = "http"
 
     def __init__(
@@ -156,26 +156,11 @@ class HttpConnector(Connector):
         def make_client(address: str) -> httpx.AsyncClient:
             return httpx.AsyncClient(base_url=base_url(address), limits=limits, trust_env=False)
 
-        self._pools: Pools[httpx.AsyncClient] = Pools(
-            self.protocol,
-            make_client,
-            _close_client,
-            idle_timeout_s=self.transport.idle_timeout_s,
-            max_pools=self.transport.max_pools,
-            stats=self.stats,
-        )
+        self._pools: Pools[httpx.AsyncClient] = self._new_pools(make_client, _close_client)
 
     @classmethod
     def check_address(cls, address: str) -> str:
         return check_http_address(address)
-
-    def held(self) -> dict[str, str]:
-        return {key.split(" ", 1)[0]: cap for key, cap in self._pools.capabilities().items()}
-
-    async def forget(self, instance_id: str) -> None:
-        for key in self._pools.held_keys():
-            if key.split(" ", 1)[0] == instance_id:
-                self._pools.discard(key)
 
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         limit = endpoint.max_message_bytes or self.transport.max_message_bytes
@@ -183,7 +168,10 @@ class HttpConnector(Connector):
             body = dumps(message.payload)
             # Per instance and address: a re-join at a new address gets a fresh client.
             pool = self._pools.acquire(
-                f"{endpoint.instance_id} {endpoint.address}", endpoint.capability, endpoint.address
+                f"{endpoint.instance_id} {endpoint.address}",
+                endpoint.capability,
+                endpoint.address,
+                instance_id=endpoint.instance_id,
             )
             try:
                 # httpx's timeout bounds each phase; this bounds the call, slow trickles included.
@@ -209,6 +197,3 @@ class HttpConnector(Connector):
             finally:
                 self._pools.release(pool)
         return reply_for_status(endpoint, response.status_code, raw, limit)
-
-    async def aclose(self) -> None:
-        await self._pools.aclose()

@@ -116,7 +116,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from connectors._address import MAX_ADDRESS_CHARS, check_host, check_port, refuse
 from connectors._answers import reply_for_status, too_large
 from connectors._pools import ConnectionStats, Counter, Pools
-from connectors.base import Connector
+from connectors.base import PooledConnector
 from reach.config import TransportSettings
 from reach.errors import (
     AgentError,
@@ -601,7 +601,7 @@ async def _close_link(link: BrokerLink) -> None:
     await link.aclose()
 
 
-class MqttConnector(Connector):
+class MqttConnector(PooledConnector):
     protocol = "mqtt"
 
     def __init__(
@@ -617,24 +617,14 @@ class MqttConnector(Connector):
                 host, int(port), self.reply_topic, stats=self.stats, protocol=self.protocol
             )
 
-        self._pools: Pools[BrokerLink] = Pools(
-            self.protocol,
-            make_link,
-            _close_link,
-            idle_timeout_s=self.transport.idle_timeout_s,
-            max_pools=self.transport.max_pools,
-            stats=self.stats,
-        )
+        # Keyed by broker and held for no one instance: an instance leaving closes nothing
+        # (`held()` is empty); idle reclaim closes the client once no one uses it.
+        self._pools: Pools[BrokerLink] = self._new_pools(make_link, _close_link)
 
     @classmethod
     def check_address(cls, address: str) -> str:
         host, port, topic = split_address(address)
         return f"mqtt://{host}:{port}/{topic}"
-
-    def held(self) -> dict[str, str]:
-        """Nothing: a broker client serves every instance behind that broker, so an instance
-        leaving closes nothing (idle reclaim closes the client once no one uses it)."""
-        return {}
 
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         limit = endpoint.max_message_bytes or self.transport.max_message_bytes
@@ -672,6 +662,3 @@ class MqttConnector(Connector):
                     reply.cancel()
                 self._pools.release(entry)
         return answer_of(endpoint, answer, limit)
-
-    async def aclose(self) -> None:
-        await self._pools.aclose()

@@ -121,7 +121,7 @@ from websockets.protocol import State
 from connectors._address import check_http_address
 from connectors._answers import reply_for_status
 from connectors._pools import ConnectionStats, Pools
-from connectors.base import Connector
+from connectors.base import PooledConnector
 from reach.config import TransportSettings
 from reach.errors import (
     AgentError,
@@ -550,7 +550,7 @@ class _Link:
             await self.socket.close()
 
 
-class WebSocketConnector(Connector):
+class WebSocketConnector(PooledConnector):
     protocol = "websocket"
 
     def __init__(
@@ -561,26 +561,11 @@ class WebSocketConnector(Connector):
         def make_link(address: str) -> _Link:
             return _Link(address, self.protocol, self.stats)
 
-        self._pools: Pools[_Link] = Pools(
-            self.protocol,
-            make_link,
-            _close_link,
-            idle_timeout_s=self.transport.idle_timeout_s,
-            max_pools=self.transport.max_pools,
-            stats=self.stats,
-        )
+        self._pools: Pools[_Link] = self._new_pools(make_link, _close_link)
 
     @classmethod
     def check_address(cls, address: str) -> str:
         return check_ws_address(address)
-
-    def held(self) -> dict[str, str]:
-        return {key.split(" ", 1)[0]: cap for key, cap in self._pools.capabilities().items()}
-
-    async def forget(self, instance_id: str) -> None:
-        for key in self._pools.held_keys():
-            if key.split(" ", 1)[0] == instance_id:
-                self._pools.discard(key)
 
     def waiting(self) -> int:
         """Requests waiting for a reply, over every connection held (none leak: a request
@@ -597,7 +582,10 @@ class WebSocketConnector(Connector):
         frame = request_frame(message)
         # Per instance and address: a re-join at a new address gets a fresh connection.
         entry = self._pools.acquire(
-            f"{endpoint.instance_id} {endpoint.address}", endpoint.capability, endpoint.address
+            f"{endpoint.instance_id} {endpoint.address}",
+            endpoint.capability,
+            endpoint.address,
+            instance_id=endpoint.instance_id,
         )
         try:
             with map_websocket_exceptions(endpoint.address):
@@ -611,9 +599,6 @@ class WebSocketConnector(Connector):
         finally:
             self._pools.release(entry)
         return read_reply(endpoint, answer, limit)
-
-    async def aclose(self) -> None:
-        await self._pools.aclose()
 
 
 async def _close_link(link: _Link) -> None:
