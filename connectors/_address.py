@@ -72,8 +72,8 @@ def check_port(address: str, port: str) -> int:
     return int(port)
 
 
-def check_http_address(address: str) -> str:
-    """Return `address` normalized (lower-case scheme and host), or raise `InvalidRequest`."""
+def check_characters(address: str) -> None:
+    """What every protocol's address needs: not empty, not too long, visible ASCII."""
     if not address:
         raise InvalidRequest("service address is empty")
     if len(address) > MAX_ADDRESS_CHARS:
@@ -82,6 +82,11 @@ def check_http_address(address: str) -> str:
         raise refuse(address, "not ASCII (use the punycode form of an international name)")
     if any(c <= " " or c == "\x7f" for c in address):
         raise refuse(address, "contains spaces or control characters")
+
+
+def check_http_address(address: str) -> str:
+    """Return `address` normalized (lower-case scheme and host), or raise `InvalidRequest`."""
+    check_characters(address)
     if "?" in address or "#" in address:
         raise refuse(address, "a query or fragment is not allowed")
     scheme, sep, rest = address.partition("://")

@@ -80,7 +80,7 @@ import grpc.aio
 from google.protobuf.message import DecodeError
 
 from agent_reach_proto.agent_pb2 import InvokeReply, InvokeRequest
-from connectors._address import MAX_ADDRESS_CHARS, check_host, check_port, refuse
+from connectors._address import check_characters, check_host, check_port, refuse
 from connectors._answers import too_large
 from connectors._pools import ConnectionStats, Entry, Pools
 from connectors.base import PooledConnector
@@ -162,14 +162,7 @@ assert set(STATUS_TABLE) == set(grpc.StatusCode), "every gRPC status code is map
 
 def check_grpc_address(address: str) -> str:
     """`host:port` or `grpc://host:port`, normalized to `host:port`; else `InvalidRequest`."""
-    if not address:
-        raise InvalidRequest("service address is empty")
-    if len(address) > MAX_ADDRESS_CHARS:
-        raise refuse(address, f"longer than {MAX_ADDRESS_CHARS} characters")
-    if not address.isascii():
-        raise refuse(address, "not ASCII (use the punycode form of an international name)")
-    if any(c <= " " or c == "\x7f" for c in address):
-        raise refuse(address, "contains spaces or control characters")
+    check_characters(address)
     scheme, sep, rest = address.partition("://")
     if not sep:
         rest = address

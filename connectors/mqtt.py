@@ -113,7 +113,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from connectors._address import MAX_ADDRESS_CHARS, check_host, check_port, refuse
+from connectors._address import check_characters, check_host, check_port, refuse
 from connectors._answers import reply_for_status, too_large
 from connectors._pools import ConnectionStats, Counter, Pools
 from connectors.base import PooledConnector
@@ -165,12 +165,7 @@ PUBACK_FINAL = frozenset({0x90, 0x99})  # Topic name invalid, Payload format inv
 def split_address(address: str) -> tuple[str, int, str]:
     """`mqtt://host[:port]/topic` -> (host as written in a URL, port, topic), or
     `InvalidRequest` naming what is wrong."""
-    if not address:
-        raise InvalidRequest("service address is empty")
-    if len(address) > MAX_ADDRESS_CHARS:
-        raise refuse(address, f"longer than {MAX_ADDRESS_CHARS} characters")
-    if not address.isascii() or any(c <= " " or c == "\x7f" for c in address):
-        raise refuse(address, "only visible ASCII characters are allowed")
+    check_characters(address)
     scheme, sep, rest = address.partition("://")
     if not sep or scheme.lower() != "mqtt":
         raise refuse(address, "an MQTT address is mqtt://<broker-host>:<port>/<request topic>")
