@@ -74,6 +74,10 @@ async def test_sync_invoke(
     assert len(out["result"]["passages"]) == 2
     (record,) = (await instances(http, gateway, capability))["instances"]
     assert record["protocol"] == protocol
+    # The RequestID is on the agent's own log records, whatever the protocol (R24).
+    await until(
+        lambda: f"[{out['request_id']}] knowledge_retriever: query from" in a.proc.output(), 5
+    )
 
 
 async def test_async_invoke_delivers_the_callback(
