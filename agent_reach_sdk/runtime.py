@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import inspect
 import json
 import logging
@@ -75,6 +77,10 @@ class OperationError(Exception):
     """Raise from an operation to answer with a typed error instead of a result."""
 
     def __init__(self, message: str, *, type: str = "agent_error", status: int = 422) -> None:
+        """`status` is HTTP-style and decides whether Reach may retry: 429 and 5xx yes, other
+        4xx no, 504 is a timeout. Only 400-599 say that the same way on every protocol."""
+        if not 400 <= status <= 599:
+            raise ValueError(f"OperationError status must be 400-599, not {status}")
         super().__init__(message)
         self.message = message
         self.type = type
@@ -187,6 +193,10 @@ class AgentRuntime:
             await self._join()
         except httpx.HTTPError as exc:
             log.warning("cannot join Reach at %s yet (%r); retrying", self.reach_url, exc)
+        except BaseException:
+            # Refused (or cancelled): nothing may stay bound for a retry to trip over.
+            await self.astop(leave=False, grace_s=0)
+            raise
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
 
     async def astop(self, *, leave: bool = True, grace_s: float = 5.0) -> None:
@@ -527,4 +537,30 @@ class AgentRuntime:
         args = (payload, ctx) if params >= 2 else (payload,)
         if inspect.iscoroutinefunction(func):
             return await func(*args)
-        return await asyncio.to_thread(func, *args)
+        return await _in_daemon_thread(func, *args)
+
+
+async def _in_daemon_thread(func: Callable[..., Any], *args: Any) -> Any:
+    """Run a plain (blocking) handler in a thread of its own, with the caller's context (the
+    RequestID for logs). A daemon thread, unlike `asyncio.to_thread`'s pool: a handler stuck
+    past the shutdown grace cannot keep the process from exiting on SIGTERM."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not done.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = context.run(func, *args)
+        except BaseException as exc:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(settle, functools.partial(done.set_exception, exc))
+        else:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, functools.partial(done.set_result, result))
+
+    threading.Thread(target=run, name="reach-handler", daemon=True).start()
+    return await done

@@ -1,7 +1,8 @@
 """What an agent's answer means, the same on every protocol that carries an HTTP-style status.
 
-HTTP carries it as the response status, WebSocket frames and MQTT replies as a `status` field
-(see each connector's wire contract). One table decides, deliberately:
+HTTP carries it as the response status, WebSocket frames and MQTT replies as a `status` field,
+and the SDK's gRPC agents as the `x-reach-status` trailer (see each connector's wire contract).
+One table decides, deliberately:
 
     200             result (a JSON object; any other JSON value is wrapped as {"value": ...})
     202             accepted: the answer comes later as a late answer
@@ -59,11 +60,13 @@ def fault_of(raw: bytes, code: int) -> tuple[AgentFault, bool]:
     return AgentFault(message=raw.decode("utf-8", "replace").strip(), status=code), False
 
 
-def reply_for_status(
-    endpoint: Endpoint, code: int, raw: bytes, limit: int, *, via: str = "HTTP"
-) -> Reply:
-    """The Reply for status `code` with body `raw`, or the typed error it stands for."""
-    where = f"agent {endpoint.instance_id} answered {via} {code}"
+def reply_for_status(endpoint: Endpoint, code: int, raw: bytes, limit: int) -> Reply:
+    """The Reply for status `code` with body `raw`, or the typed error it stands for.
+
+    The message never names the protocol: the same answer reads the same whichever protocol
+    carried it, so a caller cannot tell them apart.
+    """
+    where = f"agent {endpoint.instance_id} answered {code}"
     if code == 200:
         try:
             data: Any = parse_json(raw, what="result") if raw else {}

@@ -32,8 +32,15 @@ one on receipt (a non-retryable `agent_error` naming the limit), and a result th
 limit once re-encoded, is not standard JSON, or is not an InvokeReply at all is a non-retryable
 `agent_error` for that request alone; the channel and the other requests on it carry on.
 
-A failure is a gRPC status. Its code alone decides Reach's error type and whether another
-attempt may help (`STATUS_TABLE` below):
+A failure is a gRPC status. An agent that knows the HTTP-style status of its answer sends it in
+the trailing metadata `x-reach-status` (three digits, 100-599; the SDK's server always does, a
+non-SDK agent may): then that status decides, through the one table HTTP, WebSocket and MQTT
+answers are read with (`connectors._answers`: 504 timeout; 404 and 413 final; 429 and 5xx
+retryable; other final), with the status details as the error body's `message` and
+`x-reach-error-type` as its `type`, so the same answer reads the same on every protocol (the
+same message, `AgentFault.status` the HTTP-style status). 200 and 202 are not failures and are
+ignored there, as is anything else that is not a status. Without `x-reach-status`, the code
+alone decides Reach's error type and whether another attempt may help (`STATUS_TABLE` below):
 
     OK                                                  the reply above
     DEADLINE_EXCEEDED                                   timeout
@@ -45,19 +52,27 @@ attempt may help (`STATUS_TABLE` below):
       OUT_OF_RANGE, UNIMPLEMENTED, UNAUTHENTICATED
 
 The status details (`grpc-message`, UTF-8) are the agent's message. An agent may add trailing
-metadata: `x-reach-error-type` (its own error type) and
+metadata: `x-reach-status` (above), `x-reach-error-type` (its own error type) and
 `x-reach-retryable: false` (another attempt cannot help; it can withhold a retry, never ask for
 one). The agent's type and the status details (its message) travel only inside the error's
-`AgentFault`, whose `status` is the numeric gRPC code (14 for UNAVAILABLE); they never choose
-Reach's error type. A transport code (UNAVAILABLE, CANCELLED) that carries `x-reach-error-type` was
-said by the agent itself, over a working connection: it is an `agent_error` (same retryable flag)
-so that the agent's words are kept, as an HTTP agent's 503 is. RESOURCE_EXHAUSTED "larger than
-max" is gRPC's own size refusal (of the reply here, or of the payload at the agent): not
-retryable, as the same bytes would be refused again. The SDK's server maps its answers onto these
-codes (`agent_reach_sdk.servers.grpc`): 504 DEADLINE_EXCEEDED, 404 UNIMPLEMENTED, 413
+`AgentFault`, whose `status` is `x-reach-status` when sent, else the numeric gRPC code (14 for
+UNAVAILABLE); they never choose Reach's error type. Without `x-reach-status`, a transport code
+(UNAVAILABLE, CANCELLED) that carries `x-reach-error-type` was said by the agent itself, over a
+working connection: it is an `agent_error` (same retryable flag) so that the agent's words are
+kept, as an HTTP agent's 503 is. RESOURCE_EXHAUSTED "larger than max" is gRPC's own size refusal
+(of the reply here, or of the payload at the agent): not retryable, as the same bytes would be
+refused again.
+
+Trailers up to 64 KiB are read (gRPC's default, 8 KiB, refused at random past it and always
+past 16 KiB, would turn a chatty agent's final answer into a retryable failure). Keep the
+details short all the same (the SDK sends at most 1 KiB of UTF-8, at most 3 KiB once
+percent-encoded): other gRPC clients keep the default.
+
+The SDK's server sends `x-reach-status` and maps its answers onto these codes for generic
+clients (`agent_reach_sdk.servers.grpc`): 504 DEADLINE_EXCEEDED, 404 UNIMPLEMENTED, 413
 RESOURCE_EXHAUSTED with `x-reach-retryable: false`, 429 RESOURCE_EXHAUSTED, 400/422
-INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 409 ALREADY_EXISTS, 503 UNAVAILABLE,
-other 5xx INTERNAL, other 4xx FAILED_PRECONDITION.
+INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 409 ALREADY_EXISTS, 503
+UNAVAILABLE, other 5xx INTERNAL, other 4xx FAILED_PRECONDITION.
 
 Connections: one `grpc.aio` channel per instance and address (HTTP/2 multiplexes every request
 on it), opened on first use, closed when idle past `transport.idle_timeout_s` or when the instance
@@ -81,7 +96,7 @@ from google.protobuf.message import DecodeError
 
 from agent_reach_proto.agent_pb2 import InvokeReply, InvokeRequest
 from connectors._address import check_characters, check_host, check_port, refuse
-from connectors._answers import too_large
+from connectors._answers import reply_for_status, too_large
 from connectors._pools import ConnectionStats, Entry, Pools
 from connectors.base import PooledConnector
 from reach.acceptance import check_json, parse_json
@@ -108,6 +123,7 @@ MD_IDEMPOTENCY_KEY = "idempotency-key"
 MD_TRACEPARENT = "traceparent"
 MD_ERROR_TYPE = "x-reach-error-type"
 MD_RETRYABLE = "x-reach-retryable"
+MD_STATUS = "x-reach-status"
 
 # InvokeReply's framing around `result`: tags, a length varint and `accepted`. A reply within
 # the limit always fits; one past it is refused by gRPC before it is held whole.
@@ -127,8 +143,12 @@ MIN_CLIENT_IDLE_MS = 30 * 60 * 1000
 INITIAL_RECONNECT_BACKOFF_MS = 250
 MAX_RECONNECT_BACKOFF_MS = 10_000
 INT32_MAX = 2**31 - 1
+# Trailers an agent may send (gRPC's own default is 8 KiB, refused at random past it and always
+# past 16 KiB: an agent's long non-ASCII message, percent-encoded, would be a transport failure).
+MAX_METADATA_BYTES = 64 * 1024
 
 _TOO_BIG = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
+_HTTP_STATUS = re.compile(r"[1-5][0-9][0-9]")
 # gRPC metadata values: visible ASCII and space (anything else fails inside grpc core).
 _METADATA_VALUE = re.compile(r"[\x20-\x7e]*")
 
@@ -214,6 +234,38 @@ def _text(value: str) -> str:
     return value.encode("utf-8", "replace").decode("utf-8").strip()
 
 
+def said_status(trailing: Mapping[str, str]) -> int | None:
+    """The HTTP-style status in `x-reach-status`, when it is one a failure can have."""
+    value = trailing.get(MD_STATUS, "").strip()
+    if not _HTTP_STATUS.fullmatch(value) or value in ("200", "202"):
+        return None
+    return int(value)
+
+
+def error_for_answer(
+    endpoint: Endpoint,
+    status: int,
+    details: str,
+    said_type: str | None,
+    withheld: bool,
+    limit: int,
+) -> ReachError:
+    """An answer with an HTTP-style status, read by the table every other protocol is read with
+    (`reply_for_status`): its words, its error type and retry flag cannot tell gRPC apart."""
+    error: dict[str, object] = {"message": details.encode("utf-8", "replace").decode("utf-8")}
+    if said_type is not None:
+        error["type"] = said_type
+    if withheld:
+        error["retryable"] = False
+    try:
+        reply_for_status(endpoint, status, dumps({"error": error}), limit)
+    except ReachError as exc:
+        return exc
+    return InternalError(  # said_status never lets a success status through
+        f"gRPC connector read status {status} from {endpoint.instance_id} as a success"
+    )
+
+
 def error_for_status(
     endpoint: Endpoint,
     code: grpc.StatusCode,
@@ -222,23 +274,30 @@ def error_for_status(
     receive_limit: int | None = None,
     limit: int | None = None,
 ) -> ReachError:
-    """The Reach error a failed call's status stands for (`STATUS_TABLE`, read one way only).
+    """The Reach error a failed call's status stands for: `x-reach-status` through the shared
+    HTTP-style table when the agent sent one, else the code through `STATUS_TABLE`.
 
     `receive_limit` is the channel's max_receive_message_length and `limit` the reply limit, to
     tell gRPC's refusal of a too-large reply from an agent refusing the payload.
     """
     kind, retryable = STATUS_TABLE[code]
+    if kind == "ok":  # a caller's bug: OK is not a failure
+        return InternalError(f"gRPC connector asked to map status OK from {endpoint.instance_id}")
+    said_type = trailing.get(MD_ERROR_TYPE)
+    withheld = trailing.get(MD_RETRYABLE, "").strip().lower() == "false"
+    status = said_status(trailing)
+    if status is not None:
+        return error_for_answer(
+            endpoint, status, details, said_type, withheld, limit or receive_limit or 0
+        )
     name = code.name
     where = f"agent {endpoint.instance_id} answered gRPC {name}"
-    said_type = trailing.get(MD_ERROR_TYPE)
     fault = AgentFault(
         type=_text(said_type or "") or "agent_error", message=_text(details), status=code.value[0]
     )
     said = f": {fault.message}" if fault.message else ""
-    if trailing.get(MD_RETRYABLE, "").strip().lower() == "false":
-        retryable = False  # withheld; an agent can never make a final code retryable
-    if kind == "ok":  # a caller's bug: OK is not a failure
-        return InternalError(f"gRPC connector asked to map status OK from {endpoint.instance_id}")
+    if withheld:
+        retryable = False  # an agent can never make a final code retryable
     if kind == "timeout":
         return DeadlineExceeded(
             f"agent {endpoint.instance_id} did not answer in time (gRPC {name}){said}"
@@ -262,7 +321,7 @@ def error_for_status(
 
 def reply_of(endpoint: Endpoint, raw: bytes, limit: int) -> Reply:
     """The Reply in an OK call's bytes, or the non-retryable `AgentError` they amount to."""
-    where = f"agent {endpoint.instance_id} answered gRPC OK"
+    where = f"agent {endpoint.instance_id} answered 200"  # gRPC OK, worded as on every protocol
     try:
         reply = InvokeReply.FromString(raw)
     except DecodeError as exc:
@@ -345,6 +404,7 @@ class GrpcConnector(PooledConnector):
                 address,
                 options=[
                     ("grpc.max_receive_message_length", receive_limit),
+                    ("grpc.max_metadata_size", MAX_METADATA_BYTES),
                     # Reach checked the payload against the smallest limit before sending.
                     ("grpc.max_send_message_length", -1),
                     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),

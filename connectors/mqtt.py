@@ -5,8 +5,9 @@ Wire contract (what an agent written without the SDK implements)
 Address. An MQTT agent's service address is `mqtt://<broker-host>:<port>/<request topic>`
 (port 1883 when left out; Reach stores it with the port written out). The request topic is
 everything after the `/` that ends `host:port`, taken as it is: visible ASCII, no wildcard
-(`+`, `#`), not starting with `$`. The SDK's agents use `reach/agents/<instance_id>/requests`.
-The agent connects to that broker with MQTT 5 and subscribes to its request topic with QoS 1.
+(`+`, `#`), not starting with `$`. The SDK's agents use
+`reach/agents/<instance_id>/<random per process>/requests`. The agent connects to that broker
+with MQTT 5 and subscribes to its request topic with QoS 1.
 Reach uses no persistent sessions, so a request published while no one is subscribed is lost;
 the broker says so (see "Delivery" below) and the request fails at once.
 
@@ -86,6 +87,12 @@ the registry closes nothing.
 
 Brokers
 -------
+MQTT 5 authenticates clients to the broker, not publishers to each other: whoever may publish to
+a Response Topic can answer a request, and whoever may subscribe to a request topic receives its
+payload. Give the broker ACLs: only Reach's clients read `reach/replies/#`; each agent reads
+only its own request topic; agents publish only to `reach/replies/#`. Without them, any client
+of the broker can read or forge results.
+
 Run the broker with TCP_NODELAY: for Mosquitto, `set_tcp_nodelay true` in mosquitto.conf (it
 is off by default). Both Reach and the SDK set it on their sockets, but without it at the
 broker each call waits ~40 ms on Nagle's algorithm and delayed ACKs there, since a request and
@@ -248,7 +255,7 @@ def answer_of(endpoint: Endpoint, reply: aiomqtt.Message, limit: int) -> Reply:
         raise too_large(endpoint, str(len(raw)), limit)
     if status != 200:
         raw = raw[:MAX_ERROR_BODY_BYTES]
-    return reply_for_status(endpoint, status, raw, limit, via="MQTT")
+    return reply_for_status(endpoint, status, raw, limit)
 
 
 def reach_error(exc: BaseException, broker: str) -> ReachError:

@@ -263,11 +263,11 @@ def read_reply(endpoint: Endpoint, frame: Frame, limit: int) -> Reply:
         raw = b"" if body is None else dumps(body)
     except (ValueError, RecursionError) as exc:  # NaN, Infinity, lone surrogates
         raise AgentError(
-            f"agent {endpoint.instance_id} answered WebSocket {status} with a body that is not "
+            f"agent {endpoint.instance_id} answered {status} with a body that is not "
             f"standard JSON: {exc}",
             retryable=False,
         ) from None
-    return reply_for_status(endpoint, status, raw, limit, via="WebSocket")
+    return reply_for_status(endpoint, status, raw, limit)
 
 
 # -- exceptions -----------------------------------------------------------------------------------

@@ -26,7 +26,19 @@ beside `x-reach-request-id` when the request got that far, and `grpc-retry-pushb
 where HTTP says `Retry-After: 1` (503, 429). A sync invoke that ends in an error envelope
 (agent_error, timeout, a request still running at its deadline) ends the same way, with the
 whole envelope. A message past `Limits.max_body_bytes` is refused by gRPC itself before it is
-read (RESOURCE_EXHAUSTED without an envelope, where HTTP answers 413 with one).
+read (RESOURCE_EXHAUSTED without an envelope, where HTTP answers 413 with one). Bytes that are
+not the method's message (or a string field that is not UTF-8) are INVALID_ARGUMENT with the
+envelope HTTP gives a body that is not JSON (422 `invalid_request`, `request_id` null); in a
+Heartbeat stream such a report is acked with that error and the stream goes on.
+
+**Trailer size.** gRPC clients refuse trailing metadata past 8 KiB at random and past 16 KiB
+always (RESOURCE_EXHAUSTED "received metadata size exceeds", which would hide Reach's verdict),
+and `grpc-message` is percent-encoded (a non-ASCII byte is three characters). So the details are
+the message cut to 1 KiB of UTF-8 (between characters, ending in "…"), and the whole trailer
+stays within `TRAILERS_MAX_BYTES` (6 KiB, counted as a base64-encoding client counts it): when
+the envelope would not fit, its longest strings are cut the same way until it does (it stays
+valid JSON with every field; only long texts, an agent's message say, are shortened). The
+complete envelope is always there to read over HTTP: `GET /reach/requests/{request_id}`.
 
 **A caller's own gRPC deadline.** The request's deadline is its `timeout_ms` (or the policy's),
 never the gRPC deadline. A client whose gRPC deadline passes first gets DEADLINE_EXCEEDED from
@@ -50,13 +62,16 @@ to finish (open Heartbeat streams end then too; their agents open new ones elsew
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
-from typing import Any, Never, TypeAlias
+from typing import Any, Never, TypeAlias, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from grpc_reflection.v1alpha import reflection  # type: ignore[import-untyped]
 from pydantic import TypeAdapter, ValidationError
@@ -96,6 +111,15 @@ TRACEPARENT_KEY = "traceparent"
 IDEMPOTENCY_KEY = "idempotency-key"
 PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
+# The error's message in `grpc-message`, in UTF-8 bytes (at most three times that on the wire).
+DETAILS_MAX_BYTES = 1024
+# The whole trailing metadata of a refusal, as a gRPC client counts it (each entry's name and
+# value plus 32 bytes; `-bin` values as base64, the worst case), well under the 8 KiB default.
+TRAILERS_MAX_BYTES = 6 * 1024
+ENTRY_OVERHEAD_BYTES = 32
+# What the transport adds to a trailers-only answer (:status, content-type, grpc-status).
+TRANSPORT_TRAILER_BYTES = 256
+
 # HTTP status (decided by Reach's error type) -> gRPC code; gateway.proto's table.
 GRPC_CODES: dict[int, grpc.StatusCode] = {
     401: grpc.StatusCode.UNAUTHENTICATED,
@@ -114,10 +138,12 @@ GRPC_CODES: dict[int, grpc.StatusCode] = {
 assert {e.http_status for e in ERRORS_BY_TYPE.values()} <= set(GRPC_CODES), "a code for each"
 
 _INSTANCE_ID: TypeAdapter[str] = TypeAdapter(InstanceId)
+M = TypeVar("M", bound=Message)
 
-InvokeContext: TypeAlias = grpc.aio.ServicerContext[pb.InvokeRequest, pb.InvokeResponse]
-JoinContext: TypeAlias = grpc.aio.ServicerContext[pb.JoinRequest, pb.JoinAck]
-HeartbeatContext: TypeAlias = grpc.aio.ServicerContext[pb.HeartbeatRequest, pb.HeartbeatAck]
+# Requests arrive as bytes and are parsed here, so a malformed one is refused with the envelope.
+InvokeContext: TypeAlias = grpc.aio.ServicerContext[bytes, pb.InvokeResponse]
+JoinContext: TypeAlias = grpc.aio.ServicerContext[bytes, pb.JoinAck]
+HeartbeatContext: TypeAlias = grpc.aio.ServicerContext[bytes, pb.HeartbeatAck]
 
 
 def grpc_port(settings: ReachSettings) -> int | None:
@@ -137,6 +163,53 @@ def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def clip_utf8(text: str, max_bytes: int) -> str:
+    """`text` in at most `max_bytes` of UTF-8, never half a character; a cut ends in "…".
+
+    A lone surrogate (no UTF-8 of its own) becomes "?", as no hop could carry it."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= max_bytes:
+        return raw.decode("utf-8")
+    mark = "…" if max_bytes >= 3 else ""  # the mark is 3 bytes of UTF-8
+    # Cut bytes, then drop the partial character the cut may have left at the end.
+    return raw[: max_bytes - len(mark.encode())].decode("utf-8", "ignore") + mark
+
+
+def _percent_encoded_size(text: str) -> int:
+    """`grpc-message` on the wire: visible ASCII but '%' as is, every other byte as %XX."""
+    return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in text.encode())
+
+
+def _clip_strings(value: Any, max_bytes: int | None) -> Any:
+    """A JSON value with every string within `max_bytes` of UTF-8 (None: any length)."""
+    if isinstance(value, str):
+        return clip_utf8(value, max_bytes if max_bytes is not None else len(value) * 4)
+    if isinstance(value, dict):
+        return {key: _clip_strings(item, max_bytes) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_clip_strings(item, max_bytes) for item in value]
+    return value
+
+
+# What an envelope keeps when cutting its strings is not enough: what happened to the request.
+_ESSENTIALS = ("request_id", "status", "duration_ms", "error", "instance_id")
+
+
+def fit_envelope(envelope: dict[str, Any], max_bytes: int) -> bytes:
+    """The envelope as compact UTF-8 JSON in at most `max_bytes`: its long strings cut, each
+    field kept, so that it stays the envelope a client parses; when even that is too much (a
+    great many short strings), only the fields that say what happened, cut short."""
+    raw = dumps(_clip_strings(envelope, None))
+    cut = 1024
+    while len(raw) > max_bytes and cut >= 16:
+        raw = dumps(_clip_strings(envelope, cut))
+        cut //= 2
+    if len(raw) > max_bytes:
+        essentials = {key: envelope[key] for key in _ESSENTIALS if key in envelope}
+        raw = dumps(_clip_strings(essentials, 64))
+    return raw
+
+
 class Refusal:
     """How one call ends when it does not succeed: a gRPC code, details and the envelope."""
 
@@ -151,15 +224,35 @@ class Refusal:
         body = error_body(request_id, err.type, err.message, err.retryable)
         return cls(err.http_status, err.message, body)
 
-    async def end(self, context: grpc.aio.ServicerContext[Any, Any]) -> Never:
-        trailing: list[tuple[str, str | bytes]] = [(ERROR_KEY, dumps(self.envelope))]
+    def trailers(self) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
+        """The details and trailing metadata, within what every gRPC client accepts."""
+        details = clip_utf8(self.message, DETAILS_MAX_BYTES)
+        trailing: list[tuple[str, str | bytes]] = []
         request_id = self.envelope.get("request_id")
         if isinstance(request_id, str):
             trailing.append((REQUEST_ID_KEY, request_id))
         if self.status in (429, 503):
             # HTTP's Retry-After: 1, in the words gRPC's own retry policies read (gRFC A6).
             trailing.append((PUSHBACK_KEY, "1000"))
-        await context.abort(self.code, self.message, trailing_metadata=tuple(trailing))
+        used = trailer_size(details, ((ERROR_KEY, b""), *trailing))
+        # What is left for the envelope, as base64 (4 characters for each 3 bytes).
+        envelope = fit_envelope(self.envelope, (TRAILERS_MAX_BYTES - used) * 3 // 4)
+        return details, ((ERROR_KEY, envelope), *trailing)
+
+    async def end(self, context: grpc.aio.ServicerContext[Any, Any]) -> Never:
+        details, trailing = self.trailers()
+        await context.abort(self.code, details, trailing_metadata=trailing)
+
+
+def trailer_size(details: str, trailing: tuple[tuple[str, str | bytes], ...]) -> int:
+    """A refusal's trailers as a gRPC client counts them: name, value and 32 bytes an entry,
+    `grpc-message` percent-encoded, `-bin` values as base64 (the worst case), and the
+    transport's own entries."""
+    size = TRANSPORT_TRAILER_BYTES + len("grpc-message") + _percent_encoded_size(details)
+    for key, value in trailing:
+        length = len(base64.b64encode(value)) if isinstance(value, bytes) else len(value)
+        size += len(key) + length + ENTRY_OVERHEAD_BYTES
+    return size + ENTRY_OVERHEAD_BYTES
 
 
 def refusal_of(exc: Exception, where: str, request_id: str | None) -> Refusal:
@@ -203,6 +296,20 @@ def _body(fields: dict[str, Any], what: str = "body") -> bytes:
             return json.dumps(fields, separators=(",", ":")).encode()
     except RecursionError:
         raise InvalidRequest(f"{what} is nested more than {MAX_DEPTH} levels deep") from None
+    except ValueError:  # NaN or Infinity in a number field the checks above did not know
+        raise InvalidRequest(f"{what} has a number that is not finite") from None
+
+
+def parse(cls: type[M], raw: bytes) -> M:
+    """One request message from the call's bytes; bytes that are not one (or a string field
+    that is not UTF-8) are the caller's `InvalidRequest`, as a body that is not JSON is."""
+    try:
+        return cls.FromString(raw)
+    except DecodeError as exc:
+        reason = str(exc).rpartition(": ")[2] or "cannot be parsed"
+        raise InvalidRequest(
+            f"the request is not a valid {cls.DESCRIPTOR.full_name}: {reason}"
+        ) from None
 
 
 def _invoke_fields(request: pb.InvokeRequest) -> dict[str, Any]:
@@ -229,6 +336,10 @@ def _join_fields(request: pb.JoinRequest) -> dict[str, Any]:
     for name in ("heartbeat_interval", "max_message_bytes"):
         if request.HasField(name):
             fields[name] = getattr(request, name)
+    interval = fields.get("heartbeat_interval")
+    if interval is not None and not math.isfinite(interval):
+        # JSON has no NaN or Infinity: HTTP could not even be sent one.
+        raise InvalidRequest("heartbeat_interval is not a finite number")
     if request.operations:
         fields["operations"] = list(request.operations)
     if request.labels:
@@ -246,31 +357,28 @@ class ReachService:
         return grpc.method_handlers_generic_handler(
             SERVICE,
             {
+                # No request_deserializer: bytes in, parsed by the method (`parse`), so that a
+                # malformed message is refused with the envelope instead of inside grpcio.
                 "Invoke": grpc.unary_unary_rpc_method_handler(
-                    self.invoke,
-                    request_deserializer=pb.InvokeRequest.FromString,
-                    response_serializer=pb.InvokeResponse.SerializeToString,
+                    self.invoke, response_serializer=pb.InvokeResponse.SerializeToString
                 ),
                 "Join": grpc.unary_unary_rpc_method_handler(
-                    self.join,
-                    request_deserializer=pb.JoinRequest.FromString,
-                    response_serializer=pb.JoinAck.SerializeToString,
+                    self.join, response_serializer=pb.JoinAck.SerializeToString
                 ),
                 "Heartbeat": grpc.stream_stream_rpc_method_handler(
-                    self.heartbeat,
-                    request_deserializer=pb.HeartbeatRequest.FromString,
-                    response_serializer=pb.HeartbeatAck.SerializeToString,
+                    self.heartbeat, response_serializer=pb.HeartbeatAck.SerializeToString
                 ),
             },
         )
 
     # -- Invoke -------------------------------------------------------------------------------
 
-    async def invoke(self, request: pb.InvokeRequest, context: InvokeContext) -> pb.InvokeResponse:
+    async def invoke(self, raw: bytes, context: InvokeContext) -> pb.InvokeResponse:
         """POST /reach/invoke's steps, with the call's metadata for its headers."""
         gateway = self.gateway
         request_id: str | None = None
         try:
+            request = parse(pb.InvokeRequest, raw)
             headers = _metadata(context)
             caller = acceptance.caller_header(headers.get(CALLER_KEY)) or "anonymous"
             traceparent = acceptance.traceparent_header(headers.get(TRACEPARENT_KEY))
@@ -306,10 +414,10 @@ class ReachService:
 
     # -- Join and Heartbeat -------------------------------------------------------------------
 
-    async def join(self, request: pb.JoinRequest, context: JoinContext) -> pb.JoinAck:
+    async def join(self, raw: bytes, context: JoinContext) -> pb.JoinAck:
         try:
-            raw = _body(_join_fields(request))
-            body = acceptance.join_request(raw, self.gateway.limits)
+            request = parse(pb.JoinRequest, raw)
+            body = acceptance.join_request(_body(_join_fields(request)), self.gateway.limits)
             ack = await self.gateway.join(body)
         except Exception as exc:
             await refusal_of(exc, "Join", None).end(context)
@@ -323,16 +431,18 @@ class ReachService:
         )
 
     async def heartbeat(
-        self, requests: AsyncIterator[pb.HeartbeatRequest], context: HeartbeatContext
+        self, requests: AsyncIterator[bytes], context: HeartbeatContext
     ) -> AsyncIterator[pb.HeartbeatAck]:
-        """One ack per report; a refused report is acked with its error and the stream goes
-        on (`unknown_instance`: join again)."""
-        async for report in requests:
-            yield await self._beat(report)
+        """One ack per report; a refused report (a malformed one too) is acked with its error
+        and the stream goes on (`unknown_instance`: join again)."""
+        async for raw in requests:
+            yield await self._beat(raw)
 
-    async def _beat(self, report: pb.HeartbeatRequest) -> pb.HeartbeatAck:
-        instance_id = report.instance_id
+    async def _beat(self, raw: bytes) -> pb.HeartbeatAck:
+        instance_id = ""
         try:
+            report = parse(pb.HeartbeatRequest, raw)
+            instance_id = report.instance_id
             try:
                 _INSTANCE_ID.validate_python(instance_id)
             except ValidationError as exc:

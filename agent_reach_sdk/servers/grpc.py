@@ -7,18 +7,25 @@ as its headers) and the runtime's `wire.Answer` goes back as:
 
     200        InvokeReply(result = the body as sent)
     202        InvokeReply(accepted = true)
-    error      a status, its details the error's message (at most 1000 characters), trailing
-               metadata `x-reach-error-type` (the error's type) and, when the answer says
-               another attempt cannot help, `x-reach-retryable: false`
+    error      a status, its details the error's message (at most 1 KiB of UTF-8, cut between
+               characters and marked with "…"), trailing metadata `x-reach-status` (the
+               answer's HTTP-style status), `x-reach-error-type` (the error's type) and, when
+               the answer says another attempt cannot help, `x-reach-retryable: false`
 
     504 DEADLINE_EXCEEDED   404 UNIMPLEMENTED        413 RESOURCE_EXHAUSTED (never retryable)
     429 RESOURCE_EXHAUSTED  400, 422 INVALID_ARGUMENT  401 UNAUTHENTICATED
     403 PERMISSION_DENIED   409 ALREADY_EXISTS       503 UNAVAILABLE
     other 5xx INTERNAL      other 4xx FAILED_PRECONDITION
 
-These are the statuses `connectors.grpc` reads back to the same error types and retry flags as
-the HTTP table in `connectors._answers` (409 is ALREADY_EXISTS, not the retryable ABORTED, for
-that reason).
+`connectors.grpc` reads `x-reach-status` through the same table as HTTP, WebSocket and MQTT
+(`connectors._answers`), so a caller cannot tell which protocol carried an answer; the code is
+for generic gRPC clients, and reads back to the same error types and retry flags on its own (409
+is ALREADY_EXISTS, not the retryable ABORTED, for that reason).
+
+Why the byte budget: `grpc-message` travels percent-encoded (a non-ASCII byte is three
+characters), and gRPC clients refuse trailers past 8 KiB at random and past 16 KiB always
+(RESOURCE_EXHAUSTED "received metadata size exceeds"), which would turn an agent's final answer
+into a retryable transport failure. 1 KiB of UTF-8 is at most 3 KiB on the wire.
 
 gRPC's receive limit is fixed when the server starts (`max_body_bytes` then, plus the request's
 framing); `max_body_bytes` lowered after Join is enforced here, per request, with the 413 answer.
@@ -37,13 +44,17 @@ from google.protobuf.message import DecodeError
 from agent_reach_proto.agent_pb2 import InvokeReply, InvokeRequest
 from agent_reach_sdk.servers import AgentServer, split_hostport
 from agent_reach_sdk.wire import INTERNAL_ERROR, Answer, Dispatch, Inbound, error_answer
-from reach.errors import AGENT_TEXT_MAX
 
 log = logging.getLogger("agent_reach_sdk.server")
 
 SERVICE = "reach.agent.v1.Agent"
 ERROR_TYPE = "x-reach-error-type"
 RETRYABLE = "x-reach-retryable"
+STATUS = "x-reach-status"
+# The error's message in `grpc-message`, in UTF-8 bytes (at most three times that on the wire).
+DETAILS_MAX_BYTES = 1024
+# The error's type in `x-reach-error-type` (visible ASCII, so characters are bytes).
+ERROR_TYPE_MAX_BYTES = 64
 # InvokeRequest around its payload: the operation name (64 characters at most) and framing.
 REQUEST_OVERHEAD_BYTES = 1024
 
@@ -63,10 +74,22 @@ _CODES = {
 TrailingMetadata = tuple[tuple[str, str], ...]
 
 
+def clip_utf8(text: str, max_bytes: int) -> str:
+    """`text` in at most `max_bytes` of UTF-8, never half a character; a cut ends in "…".
+
+    A lone surrogate (no UTF-8 of its own) becomes "?", as grpc core could not send it."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= max_bytes:
+        return raw.decode("utf-8")
+    mark = "…" if max_bytes >= 3 else ""  # the mark is 3 bytes of UTF-8
+    # Cut bytes, then drop the partial character the cut may have left at the end.
+    return raw[: max_bytes - len(mark.encode())].decode("utf-8", "ignore") + mark
+
+
 def _header_value(value: object) -> str:
     """Visible ASCII only: anything else would make grpc core refuse the whole status."""
     text = "".join(c if " " <= c <= "~" else "?" for c in str(value))
-    return text[:64].strip() or "agent_error"
+    return text[:ERROR_TYPE_MAX_BYTES].strip() or "agent_error"
 
 
 def status_for(answer: Answer) -> tuple[grpc.StatusCode, str, TrailingMetadata]:
@@ -79,9 +102,11 @@ def status_for(answer: Answer) -> tuple[grpc.StatusCode, str, TrailingMetadata]:
             else grpc.StatusCode.FAILED_PRECONDITION
         )
     err = answer.error
-    message = str(err.get("message") or "")[:AGENT_TEXT_MAX]
-    details = message.encode("utf-8", "replace").decode("utf-8")
-    trailing: TrailingMetadata = ((ERROR_TYPE, _header_value(err.get("type") or "agent_error")),)
+    details = clip_utf8(str(err.get("message") or ""), DETAILS_MAX_BYTES)
+    trailing: TrailingMetadata = (
+        (STATUS, str(answer.status)),
+        (ERROR_TYPE, _header_value(err.get("type") or "agent_error")),
+    )
     if answer.status == 413 or err.get("retryable") is False:
         trailing += ((RETRYABLE, "false"),)
     return code, details, trailing

@@ -25,10 +25,21 @@ log = logging.getLogger("agent_reach_sdk.server")
 MAX_HEADER_BYTES = 64 * 1024
 READ_CHUNK = 64 * 1024
 PREFIX = "/reach/"
+# A kept-alive connection may wait this long for its next request: longer than Reach keeps an
+# idle connection (transport.idle_timeout_s, 60 s), so Reach, not the agent, closes it first
+# and never sends on a connection the agent is closing.
+IDLE_TIMEOUT_S = 300.0
+# Once a request has begun, its head must be complete, and every read of its body arrive,
+# within this (a client trickling bytes cannot hold a connection and a task for good).
+REQUEST_TIMEOUT_S = 30.0
 
 
 class _TooLarge(Exception):
     pass
+
+
+class _Ended(Exception):
+    """The client went quiet past a timeout, or away mid-request: close without answering."""
 
 
 class HttpAgentServer(AgentServer):
@@ -80,24 +91,25 @@ class HttpAgentServer(AgentServer):
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
         try:
             while not self._closing or task in self._busy:
-                event = await self._next(conn, reader)
+                event = await self._next(conn, reader, new_request=True)
                 if isinstance(event, h11.Request):
                     self._busy.add(task)
                     try:
-                        answer = await self._request(conn, reader, writer, event)
+                        answer, close = await self._request(conn, reader, writer, event)
                     finally:
                         self._busy.discard(task)
-                    if not await self._send(conn, writer, answer):
+                    if not await self._send(conn, writer, answer, close=close):
                         break
-                    if conn.our_state is h11.MUST_CLOSE or self._closing:
+                    if close or conn.our_state is h11.MUST_CLOSE or self._closing:
                         break
                     conn.start_next_cycle()
                 else:  # ConnectionClosed, or the peer's half of the cycle ended badly
                     break
         except h11.RemoteProtocolError as exc:
             status = exc.error_status_hint
-            await self._send(conn, writer, error_answer(status, "invalid_request", str(exc)))
-        except (ConnectionError, asyncio.IncompleteReadError):
+            answer = error_answer(status, "invalid_request", str(exc))
+            await self._send(conn, writer, answer, close=True)
+        except (_Ended, ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             self._conns.pop(task, None)
@@ -109,12 +121,34 @@ class HttpAgentServer(AgentServer):
             return None
         return path[len(PREFIX) :]
 
-    async def _next(self, conn: h11.Connection, reader: asyncio.StreamReader) -> object:
+    async def _next(
+        self, conn: h11.Connection, reader: asyncio.StreamReader, *, new_request: bool = False
+    ) -> object:
+        """The next h11 event. Waiting for a new request: up to IDLE_TIMEOUT_S for its first
+        bytes, then REQUEST_TIMEOUT_S for the whole head; within a body, REQUEST_TIMEOUT_S
+        for each read. Past them, `_Ended`."""
+        loop = asyncio.get_running_loop()
+        head_deadline: float | None = None
         while True:
             event = conn.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            conn.receive_data(await reader.read(READ_CHUNK))
+            if not new_request:
+                timeout = REQUEST_TIMEOUT_S
+            elif head_deadline is None and not conn.trailing_data[0]:
+                timeout = IDLE_TIMEOUT_S
+            else:
+                if head_deadline is None:
+                    head_deadline = loop.time() + REQUEST_TIMEOUT_S
+                timeout = head_deadline - loop.time()
+            try:
+                async with asyncio.timeout(max(timeout, 0)):
+                    data = await reader.read(READ_CHUNK)
+            except TimeoutError:
+                raise _Ended from None
+            if new_request and head_deadline is None and data:
+                head_deadline = loop.time() + REQUEST_TIMEOUT_S
+            conn.receive_data(data)
 
     async def _request(
         self,
@@ -122,27 +156,32 @@ class HttpAgentServer(AgentServer):
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         request: h11.Request,
-    ) -> Answer:
+    ) -> tuple[Answer, bool]:
+        """The answer, and whether the connection must close after it (the body was not read,
+        or the request was framed ambiguously)."""
         method = request.method.decode("ascii", "replace").upper()
         path = request.target.decode("latin-1").split("?", 1)[0]
         headers = {
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in request.headers
         }
+        if "content-length" in headers and "transfer-encoding" in headers:
+            # RFC 9112 6.1: a request framed both ways is how smuggling starts; answer and close.
+            message = "Content-Length and Transfer-Encoding together"
+            return error_answer(400, "invalid_request", message), True
         try:
             body = await self._body(conn, reader, writer, headers)
         except _TooLarge:
-            return error_answer(
-                413, "payload_too_large", f"the body passes the limit of {self.max_body_bytes}"
-            )
+            message = f"the body passes the limit of {self.max_body_bytes}"
+            return error_answer(413, "payload_too_large", message), True
         operation = self.route(method, path)
         if operation is None:
-            return error_answer(404, "invalid_request", f"no route {method} {path}")
+            return error_answer(404, "invalid_request", f"no route {method} {path}"), False
         try:
-            return await self.dispatch(Inbound(operation, headers, body))
+            return await self.dispatch(Inbound(operation, headers, body)), False
         except Exception:
             log.exception("operation handler crashed")
-            return INTERNAL_ERROR
+            return INTERNAL_ERROR, False
 
     async def _body(
         self,
@@ -168,10 +207,15 @@ class HttpAgentServer(AgentServer):
             elif isinstance(event, h11.EndOfMessage):
                 return b"".join(chunks)
             else:
-                raise ConnectionError("the client went away mid-body")
+                raise _Ended("the client went away mid-body")
 
     async def _send(
-        self, conn: h11.Connection, writer: asyncio.StreamWriter, answer: Answer
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        answer: Answer,
+        *,
+        close: bool = False,
     ) -> bool:
         """Write the whole response at once; False when the connection must end."""
         if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
@@ -186,7 +230,7 @@ class HttpAgentServer(AgentServer):
             ("Content-Type", "application/json"),
             ("Content-Length", str(len(payload))),
         ]
-        if self._closing or answer.status == 413:
+        if close or self._closing:
             headers.append(("Connection", "close"))
         try:
             data = conn.send(
@@ -194,7 +238,8 @@ class HttpAgentServer(AgentServer):
             )
             data = (data or b"") + (conn.send(h11.Data(data=payload)) or b"")
             data += conn.send(h11.EndOfMessage()) or b""
-        except h11.LocalProtocolError:
+        except h11.LocalProtocolError as exc:
+            log.error("cannot send HTTP %s (%s); closing the connection", answer.status, exc)
             return False
         writer.write(data)
         await writer.drain()

@@ -3,7 +3,8 @@ Topic (the wire contract is in `connectors.mqtt`).
 
 Here `listen` and `advertise` name the BROKER (`host:port` or `mqtt://host:port`), not a socket
 of the agent's own: the agent connects out to `listen`, and joins Reach with
-`mqtt://<advertise>/reach/agents/<instance_id>/requests`, the topic it subscribes to with QoS 1.
+`mqtt://<advertise>/reach/agents/<instance_id>/<8 hex, random per process>/requests`, the
+topic it subscribes to with QoS 1.
 Each request runs in a task of its own, so a slow operation never holds up the others; the
 runtime's `dispatch` does the rest (deduplication, deadlines, `ctx.defer()`).
 
@@ -48,8 +49,12 @@ BACKOFF_MAX_S = 2.0
 UNSUBSCRIBE_TIMEOUT_S = 2.0
 
 
-def request_topic(instance_id: str) -> str:
-    return f"reach/agents/{instance_id}/requests"
+def request_topic(instance_id: str, process: str = "") -> str:
+    """`reach/agents/<instance_id>/<process>/requests`: the process segment (random per server)
+    keeps two processes started with one instance_id off each other's requests — on a topic
+    both subscribed to, each request would run twice. Reach calls whichever joined last."""
+    middle = f"{instance_id}/{process}" if process else instance_id
+    return f"reach/agents/{middle}/requests"
 
 
 def _properties(packet_type: int) -> Properties:
@@ -103,7 +108,7 @@ class MqttAgentServer(AgentServer):
 
     def __init__(self, dispatch: Dispatch, **kwargs: Any) -> None:
         super().__init__(dispatch, **kwargs)
-        self.topic = request_topic(self.instance_id)
+        self.topic = request_topic(self.instance_id, secrets.token_hex(4))
         self.connections = 0  # subscriptions made: 1 after start, +1 after each reconnect
         self._host, self._port = split_hostport(self.listen, DEFAULT_PORT)
         self._client: aiomqtt.Client | None = None

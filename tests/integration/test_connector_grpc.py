@@ -20,11 +20,13 @@ from agent_reach_sdk.servers.grpc import GrpcAgentServer
 from agent_reach_sdk.wire import Answer, Dispatch, Inbound
 from connectors._pools import ConnectionStats
 from connectors.grpc import GrpcConnector
+from connectors.http import HttpConnector
 from gateway_api.devserver import free_port
 from reach.config import TransportSettings
-from reach.errors import AgentError, DeadlineExceeded, TransportError
+from reach.errors import AgentError, DeadlineExceeded, ReachError, TransportError
 from reach.invocation import Endpoint
-from reach.messages import Header, Message
+from reach.messages import Header, Message, dumps
+from tests.helpers import agent_server
 
 pytestmark = pytest.mark.integration
 
@@ -243,11 +245,69 @@ async def test_an_operation_error_is_an_agent_error_with_its_words_inside(
     async with serving(agent.runtime.dispatch) as server, GrpcConnector() as conn:
         with pytest.raises(AgentError) as err:
             await conn.invoke(endpoint(server.port), message("fail", payload), 5)
+        # What a generic gRPC client sees: the code, and the HTTP-style status beside it.
+        request = InvokeRequest(operation="fail", payload=dumps(payload)).SerializeToString()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+                "/reach.agent.v1.Agent/Invoke"
+            )
+            rid = "req-raw-" + uuid.uuid4().hex
+            with pytest.raises(grpc.aio.AioRpcError) as raw:
+                await invoke(request, metadata=(("x-reach-request-id", rid),))
+    assert raw.value.code() == code
+    assert raw.value.details() == "q must be a number"
+    trailing = dict(raw.value.trailing_metadata() or ())
+    assert trailing["x-reach-status"] == str(status)
+    assert trailing["x-reach-error-type"] == "bad_input"
     assert err.value.retryable is retryable
+    assert err.value.message == f"agent g1 answered {status}: q must be a number"
     assert err.value.fault is not None
     assert err.value.fault.type == "bad_input"
     assert err.value.fault.message == "q must be a number"
-    assert err.value.fault.status == code.value[0]
+    assert err.value.fault.status == status  # the same as over HTTP, WebSocket and MQTT
+
+
+@pytest.mark.parametrize("char", ["中", "😀"])
+async def test_a_long_non_ascii_message_is_still_the_agents_final_answer(
+    agent: Agent, char: str
+) -> None:
+    """1000 characters of 3 or 4 bytes, percent-encoded in grpc-message, would pass gRPC's
+    8 KiB/16 KiB trailer limits: the call would end RESOURCE_EXHAUSTED "received metadata size
+    exceeds", a retryable failure in place of the agent's final 422."""
+    payload = {"message": char * 1000, "type": "bad_input", "status": 422}
+    async with serving(agent.runtime.dispatch) as server, GrpcConnector() as conn:
+        for _ in range(20):
+            with pytest.raises(AgentError) as err:
+                await conn.invoke(endpoint(server.port), message("fail", payload), 5)
+            assert not err.value.retryable
+            fault = err.value.fault
+            assert fault is not None
+            assert (fault.type, fault.status) == ("bad_input", 422)
+            assert fault.message.startswith(char * 100)
+            assert fault.message.endswith("…")  # cut to the server's byte budget, and marked
+            assert len(fault.message.encode()) <= 1024
+            assert err.value.message == f"agent g1 answered 422: {fault.message}"
+
+
+async def test_a_chatty_agents_large_trailers_are_still_its_answer() -> None:
+    """A non-SDK agent may send more than gRPC's default 8 KiB of trailers (here ~30 KiB): its
+    answer, not a transport-level RESOURCE_EXHAUSTED."""
+
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "中" * 2500,  # 7.5 KB of UTF-8, 22.5 KB percent-encoded
+            trailing_metadata=(("x-reach-error-type", "chatty"), ("x-debug", "d" * 6000)),
+        )
+
+    async with raw_agent(handle) as port, GrpcConnector() as conn:
+        for _ in range(10):
+            with pytest.raises(AgentError) as err:
+                await conn.invoke(endpoint(port), message("op"), 5)
+            assert not err.value.retryable
+            assert err.value.fault is not None
+            assert err.value.fault.type == "chatty"
+            assert err.value.fault.message.startswith("中" * 900)
 
 
 async def test_an_unknown_operation_and_a_crash_are_told_apart(agent: Agent) -> None:
@@ -257,7 +317,7 @@ async def test_an_unknown_operation_and_a_crash_are_told_apart(agent: Agent) -> 
         with pytest.raises(AgentError) as crashed:
             await conn.invoke(endpoint(server.port), message("crash"), 5)
     assert not missing.value.retryable
-    assert "UNIMPLEMENTED" in missing.value.message
+    assert "operation not served" in missing.value.message
     assert crashed.value.retryable
     assert crashed.value.fault is not None
     assert crashed.value.fault.message == "RuntimeError: boom"
@@ -512,7 +572,7 @@ async def test_a_crashing_dispatch_is_an_internal_error_and_the_server_carries_o
             with pytest.raises(AgentError) as err:
                 await conn.invoke(endpoint(server.port), message("op"), 5)
             assert err.value.retryable
-            assert "INTERNAL" in err.value.message
+            assert "answered 500: internal error" in err.value.message
         assert (await conn.invoke(endpoint(server.port), message("op"), 5)).result == {"n": 3}
     crashed = [r for r in caplog.records if r.getMessage() == "operation handler crashed"]
     assert len(crashed) == 1
@@ -542,3 +602,67 @@ async def test_a_request_grpc_cannot_carry_is_not_retried() -> None:
             await conn.invoke(unparsable, message("op"), 5)
         assert not err.value.retryable
         assert (await conn.invoke(endpoint(port), message("op"), 5)).result == {}
+
+
+# -- one answer, two protocols: the caller cannot tell which carried it ----------------------------
+
+
+def _told(err: ReachError, instance_id: str) -> tuple[object, ...]:
+    """All a caller learns of a failure, the instance's name taken out of the message."""
+    assert err.message.startswith(f"agent {instance_id} ")
+    fault = getattr(err, "fault", None)
+    return (
+        err.type,
+        err.retryable,
+        err.message.removeprefix(f"agent {instance_id} "),
+        fault.model_dump() if fault is not None else None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("operation", "payload"),
+    [
+        *[
+            ("fail", {"message": "rebuilding the index", "type": "index_unavailable", "status": s})
+            for s in (400, 404, 413, 422, 429, 500, 503, 504)
+        ],
+        # The runtime's own final 500: a result past the negotiated size, retryable false.
+        ("big", {"n": 4 * AGENT_LIMIT}),
+    ],
+    ids=lambda v: str(v.get("status", "result_too_large")) if isinstance(v, dict) else v,
+)
+async def test_the_same_answer_reads_the_same_over_http_and_grpc(
+    agent: Agent, operation: str, payload: dict[str, Any]
+) -> None:
+    """One AgentRuntime behind the SDK's HTTP and gRPC servers: the same answer through each
+    connector gives the same error type, retry flag, message and agent fault."""
+    http_server = agent_server(agent.runtime.dispatch, max_body_bytes=AGENT_LIMIT)
+    await http_server.start()
+    try:
+        async with (
+            serving(agent.runtime.dispatch) as grpc_server,
+            GrpcConnector() as via_grpc,
+            HttpConnector() as via_http,
+        ):
+            told = []
+            for conn, port, protocol in (
+                (via_http, http_server.port, "http"),
+                (via_grpc, grpc_server.port, "grpc"),
+            ):
+                ep = endpoint(port, max_message_bytes=8 * AGENT_LIMIT, name=f"{protocol}-1")
+                ep = ep.model_copy(update={"protocol": protocol})
+                with pytest.raises(ReachError) as err:
+                    await conn.invoke(ep, message(operation, payload), 5)
+                told.append(_told(err.value, ep.instance_id))
+    finally:
+        await http_server.close()
+    assert told[0] == told[1]
+    kind, retryable, _, fault = told[0]
+    if payload.get("status") == 504:
+        assert kind == "timeout"
+    else:
+        assert kind == "agent_error"
+        assert isinstance(fault, dict)
+        assert fault["status"] == payload.get("status", 500)
+        expected = payload.get("status") in (429, 500, 503)
+        assert retryable is expected

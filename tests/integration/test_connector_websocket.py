@@ -172,7 +172,7 @@ async def test_results_metadata_and_the_status_table(agent: Agent) -> None:
         assert busy.value.retryable
         assert busy.value.fault is not None
         assert (busy.value.fault.type, busy.value.fault.status) == ("busy", 503)
-        assert "WebSocket 503" in busy.value.message
+        assert "answered 503" in busy.value.message
         with pytest.raises(AgentError) as refused:
             await conn.invoke(ep, message("refuse", request_id="req-5"), 2)
         assert not refused.value.retryable

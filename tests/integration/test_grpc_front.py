@@ -5,6 +5,7 @@ HTTP API answers to the same request: the two doors must say the same thing."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from agent_reach_proto import gateway_pb2 as pb
 from gateway_api.devserver import command, free_port, wait_port
+from gateway_api.grpc_front import TRAILERS_MAX_BYTES, Refusal, fit_envelope
 from tests.helpers import ROOT, CallbackReceiver, Gateway, Stack, start_agents, wait_until
 
 pytestmark = pytest.mark.integration
@@ -124,7 +126,10 @@ async def refused(call: Any) -> Refused:
     """The status a call ended with, and the HTTP envelope from its trailing metadata."""
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
-    err = info.value
+    return refusal(info.value)
+
+
+def refusal(err: grpc.aio.AioRpcError) -> Refused:
     trailing = dict(err.trailing_metadata() or ())
     raw = trailing.get(ERROR_KEY)
     assert isinstance(raw, bytes), (err.code(), err.details(), trailing)
@@ -316,6 +321,95 @@ async def test_an_agents_error_is_unknown_with_its_own_words_inside(
     assert got.details == error["message"]
 
 
+def wire_size(err: grpc.aio.AioRpcError) -> int:
+    """The trailers as a gRPC client counts them against its 8 KiB default: name, value and 32
+    bytes an entry, grpc-message percent-encoded, -bin values base64 (the worst case)."""
+    details = (err.details() or "").encode()
+    size = (
+        len("grpc-message") + 32 + sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in details)
+    )
+    for key, value in err.trailing_metadata() or ():
+        length = len(base64.b64encode(value)) if isinstance(value, bytes) else len(value)
+        size += len(key) + length + 32
+    return size
+
+
+@pytest.mark.parametrize("char", ["中", "😀"])
+async def test_an_agents_long_non_ascii_error_still_arrives_with_its_envelope(
+    front: Front, reach: Reach, http: httpx.AsyncClient, capability: str, char: str
+) -> None:
+    """Percent-encoded details plus the envelope would pass gRPC's trailer limits (8 KiB soft,
+    16 KiB hard): RESOURCE_EXHAUSTED "received metadata size exceeds", no verdict at all."""
+    await start_agents(front.gateway, capability, 1)
+    words = char * 1000
+    payload_json = json.dumps({"message": words, "status": 422})
+
+    async def one() -> tuple[str, Refused, int]:
+        rid = f"req-{uuid.uuid4().hex}"
+        request = pb.InvokeRequest(
+            request_id=rid, target=capability, operation="fail", payload_json=payload_json
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await reach.invoke(request)
+        return rid, refusal(info.value), wire_size(info.value)
+
+    for rid, got, size in await asyncio.gather(*(one() for _ in range(20))):
+        assert got.code == grpc.StatusCode.UNKNOWN, got.details  # 502 agent_error
+        assert size < 6 * 1024
+        assert len(got.details.encode()) <= 1024
+        assert got.details.endswith("…")
+        error = got.envelope["error"]
+        assert (got.envelope["request_id"], got.envelope["status"]) == (rid, "error")
+        assert (error["type"], error["retryable"]) == ("agent_error", False)
+        assert error["agent"]["type"] == "index_unavailable"
+        assert error["agent"]["message"].startswith(char * 50)
+    # The whole envelope is still there to read over HTTP.
+    full = (await http.get(f"{front.gateway.url}/reach/requests/{rid}")).json()
+    assert full["error"]["agent"]["message"] == words
+    assert full["error"]["message"].startswith(got.details.removesuffix("…"))
+
+
+def test_a_refusals_trailers_stay_within_what_grpc_clients_take() -> None:
+    """Every string long, in 4-byte characters: the envelope is cut to fit, fields kept."""
+    long = "😀" * 2000
+    envelope = {
+        "request_id": "req-1",
+        "status": "error",
+        "error": {
+            "type": "agent_error",
+            "message": long,
+            "retryable": False,
+            "agent": {"type": "x", "message": long, "status": 500},
+        },
+        "delivery": {"url": "http://h/" + "p" * 2000, "status": "failed", "attempts": 3},
+    }
+    details, trailing = Refusal(503, long, envelope).trailers()
+    entries = dict(trailing)
+    raw = entries["x-reach-error-bin"]
+    assert isinstance(raw, bytes)
+    size = len("grpc-message") + 32 + 3 * len(details.encode())
+    size += sum(
+        len(k) + len(base64.b64encode(v) if isinstance(v, bytes) else v) + 32 for k, v in trailing
+    )
+    assert size + 256 <= TRAILERS_MAX_BYTES
+    assert entries["x-reach-request-id"] == "req-1"
+    assert entries["grpc-retry-pushback-ms"] == "1000"
+    cut = json.loads(raw)
+    assert cut["error"]["message"].startswith("😀" * 10)
+    assert cut["error"]["message"].endswith("…")
+    assert cut["error"]["agent"]["status"] == 500
+    assert cut["delivery"]["attempts"] == 3
+    # An envelope that fits is sent untouched, and so are its details.
+    small = {"request_id": None, "status": "error", "error": {"type": "t", "message": "m"}}
+    details, trailing = Refusal(422, "m", small).trailers()
+    assert (details, json.loads(dict(trailing)["x-reach-error-bin"])) == ("m", small)
+    assert json.loads(fit_envelope({"s": "\ud800x"}, 100)) == {"s": "?x"}
+    # Many short strings: only what says what happened is kept.
+    crowded = {**small, "request_id": "req-2", "result": {"k": ["v" * 8] * 2000}}
+    kept = json.loads(fit_envelope(crowded, 2000))
+    assert kept == {k: v for k, v in crowded.items() if k != "result"}
+
+
 async def test_the_requests_own_timeout_is_deadline_exceeded_with_the_envelope(
     front: Front, reach: Reach, capability: str
 ) -> None:
@@ -448,6 +542,81 @@ async def test_invalid_join_is_invalid_argument_with_the_http_envelope(
     if fields.get("protocol") == "carrier-pigeon":
         assert "known: " in got.details
         assert "http" in got.details
+
+
+@pytest.mark.parametrize(
+    ("method", "data", "words"),
+    [
+        ("Invoke", b"\xff\xff\xff\xff", "not a valid reach.v1.InvokeRequest"),
+        ("Invoke", b"\x12\x03\xff\xfe\xfd\x1a\x05query", "UTF-8"),  # target: bad UTF-8
+        ("Join", b"\x0a\x02\xff\xfe", "UTF-8"),
+        ("Join", b"\x0a", "not a valid reach.v1.JoinRequest"),  # truncated
+    ],
+)
+async def test_bytes_that_are_not_the_message_are_invalid_argument_with_the_envelope(
+    front: Front, http: httpx.AsyncClient, method: str, data: bytes, words: str
+) -> None:
+    """As HTTP answers a body that is not JSON: 422 invalid_request, no request id."""
+    async with grpc.aio.insecure_channel(front.address) as channel:
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            f"/reach.v1.Reach/{method}"
+        )
+        got = await refused(call(data))
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in got.details
+    route = "/reach/invoke" if method == "Invoke" else "/reach/agents"
+    r = await http.post(f"{front.gateway.url}{route}", content=b"\xff{")
+    assert r.status_code == 422
+    assert set(got.envelope) == set(r.json())
+    assert got.envelope == {**r.json(), "error": {**r.json()["error"], "message": got.details}}
+
+
+@pytest.mark.parametrize("interval", [float("nan"), float("inf"), float("-inf")])
+async def test_a_join_with_a_non_finite_interval_is_refused_by_name(
+    reach: Reach, interval: float
+) -> None:
+    request = pb.JoinRequest(
+        capability="x",
+        instance_id="x-1",
+        service_address="127.0.0.1:1",
+        heartbeat_interval=interval,
+    )
+    got = await refused(reach.join(request))
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert got.details == "heartbeat_interval is not a finite number"
+    assert got.envelope["error"]["type"] == "invalid_request"
+
+
+async def test_a_malformed_heartbeat_report_is_acked_and_the_stream_goes_on(
+    front: Front, reach: Reach, capability: str
+) -> None:
+    instance = f"{capability}-hb-01"
+    await reach.join(
+        pb.JoinRequest(capability=capability, instance_id=instance, service_address="127.0.0.1:9")
+    )
+    async with grpc.aio.insecure_channel(front.address) as channel:
+        beats: grpc.aio.StreamStreamMultiCallable[bytes, bytes] = channel.stream_stream(
+            "/reach.v1.Reach/Heartbeat"
+        )
+        stream = beats()
+
+        async def report(raw: bytes) -> pb.HeartbeatAck:
+            await stream.write(raw)
+            answer = await stream.read()
+            assert isinstance(answer, bytes)
+            return pb.HeartbeatAck.FromString(answer)
+
+        good = pb.HeartbeatRequest(instance_id=instance).SerializeToString()
+        assert (await report(good)).status == "ok"
+        for bad in (b"\x0a\x02\xff\xfe", b"\xff\xff\xff\xff"):
+            refused_ack = await report(bad)
+            assert (refused_ack.instance_id, refused_ack.error_type) == ("", "invalid_request")
+            assert "reach.v1.HeartbeatRequest" in refused_ack.message
+        again = await report(good)
+        assert (again.instance_id, again.error_type, again.status) == (instance, "", "ok")
+        await stream.done_writing()
+        assert await stream.read() == grpc.aio.EOF
+        assert await stream.code() == grpc.StatusCode.OK
 
 
 # -- health and reflection -------------------------------------------------------------------

@@ -379,6 +379,60 @@ async def test_a_stopping_agent_finishes_what_it_started(
     assert "left Reach" in a.proc.output()
 
 
+STUCK_AGENT = """
+import logging, sys, time
+from agent_reach_sdk import AgentRuntime
+runtime = AgentRuntime(sys.argv[1], protocol=sys.argv[2])
+log = logging.getLogger("stuck")
+
+@runtime.operation("block")
+def block(payload):
+    log.info("blocking")  # a plain handler's records carry the RequestID too
+    time.sleep(600)
+
+runtime.run()
+"""
+
+
+async def test_sigterm_stops_an_agent_whose_plain_handler_never_returns(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "stuck_agent.py"
+    script.write_text(STUCK_AGENT)
+    proc = spawn(
+        [sys.executable, str(script), capability, "http"],
+        {"REACH_ADDRESS": gateway.url},
+        tmp_path / "stuck.log",
+    )
+
+    async def joined() -> bool:
+        r = await http.get(f"{gateway.url}/reach/capabilities/{capability}")
+        return r.status_code == 200 and len(r.json()["instances"]) == 1
+
+    await wait_until(joined, 20)
+    rid = f"stuck-{uuid.uuid4().hex[:8]}"
+    call = asyncio.create_task(
+        http.post(
+            f"{gateway.url}/reach/invoke",
+            json={
+                "request_id": rid,
+                "target": capability,
+                "operation": "block",
+                "timeout_ms": 20000,
+            },
+        )
+    )
+    await until(lambda: f"[{rid}] blocking" in proc.output(), 10)
+    proc.popen.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    code = await asyncio.to_thread(proc.popen.wait, 30)
+    # Gone after the 5 s grace, not after the handler's 600 s.
+    assert time.monotonic() - started < 15
+    assert code == 0, proc.output()
+    r = await call
+    assert r.status_code in (502, 504), r.text
+
+
 EXAMPLES = {
     "http": ("http_agent.py", "summarizer", "summarize", {"text": "Reach is durable. It retries."}),
     "grpc": ("grpc_agent.py", "intent-classifier", "classify", {"text": "can I get a refund?"}),

@@ -9,9 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
-from agent_reach_sdk import AgentRuntime, RequestContext
+from agent_reach_sdk import AgentRuntime, OperationError, RequestContext
 from agent_reach_sdk.wire import Answer, Inbound
 from connectors.http import HttpConnector
+from gateway_api.devserver import free_port
 from reach.errors import AgentError
 from reach.invocation import Endpoint
 from reach.limits import DEFAULT_MAX_MESSAGE_BYTES
@@ -210,3 +211,31 @@ async def test_a_late_answer_is_checked_and_sent_as_reach_measures_it(
     (sent,) = reach.late
     assert sent.operation == "/reach/requests/r-late/result"
     assert sent.body == dumps({"instance_id": "sdk-1", "status": "success", "result": result})
+
+
+async def test_a_refused_join_leaves_nothing_bound() -> None:
+    async def refuse(request: Inbound) -> Answer:
+        return Answer(422, {"error": {"type": "invalid_request", "message": "no"}})
+
+    stand_in = path_server(refuse)
+    await stand_in.start()
+    port = free_port()
+    try:
+        for _ in range(2):  # the second start finds the port free again
+            runtime = AgentRuntime(
+                "cap",
+                reach_address=f"127.0.0.1:{stand_in.port}",
+                service_address=f"127.0.0.1:{port}",
+            )
+            with pytest.raises(RuntimeError, match="refused the join"):
+                await runtime.astart()
+    finally:
+        await stand_in.close()
+
+
+def test_an_operation_error_status_says_retry_or_not() -> None:
+    """Only 400-599 mean the same on every protocol (a 204 'error' means nothing anywhere)."""
+    assert OperationError("x", status=503).status == 503
+    for status in (100, 204, 302, 600):
+        with pytest.raises(ValueError, match="400-599"):
+            OperationError("x", status=status)

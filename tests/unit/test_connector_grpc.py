@@ -12,7 +12,7 @@ from grpc._cython import cygrpc  # type: ignore[attr-defined]  # what grpc core 
 from agent_reach_proto.agent_pb2 import InvokeReply
 from agent_reach_sdk import wire
 from agent_reach_sdk.servers import server_class
-from agent_reach_sdk.servers.grpc import GrpcAgentServer, status_for
+from agent_reach_sdk.servers.grpc import GrpcAgentServer, clip_utf8, status_for
 from agent_reach_sdk.wire import error_answer
 from connectors import ConnectorSet, load
 from connectors._answers import reply_for_status
@@ -25,9 +25,9 @@ from connectors.grpc import (
     reply_of,
     wire_metadata,
 )
-from reach.errors import AgentError, InvalidRequest, ReachError
+from reach.errors import AgentError, AgentFault, InvalidRequest, ReachError
 from reach.invocation import Endpoint
-from reach.messages import Header, Message
+from reach.messages import Header, Message, dumps
 
 ENDPOINT = Endpoint(instance_id="g1", capability="cap", protocol="grpc", address="127.0.0.1:9")
 C = grpc.StatusCode
@@ -154,9 +154,9 @@ def test_the_agents_size_refusal_of_the_payload_is_final() -> None:
 # -- the SDK server's statuses read back as the HTTP table reads the same answer ------------------
 
 
-def _reading(err: ReachError) -> tuple[str, bool, str | None]:
-    fault = getattr(err, "fault", None)
-    return err.type, err.retryable, fault.type if fault is not None else None
+def _reading(err: ReachError) -> tuple[str, bool, str, AgentFault | None]:
+    """All a caller is told: type, retry flag, message and the agent's own account."""
+    return err.type, err.retryable, err.message, getattr(err, "fault", None)
 
 
 @pytest.mark.parametrize(
@@ -172,16 +172,74 @@ def test_the_caller_cannot_tell_grpc_from_http(status: int, retryable: bool | No
     assert _reading(via_grpc) == _reading(http.value)
 
 
-def test_the_servers_error_metadata_is_always_sendable() -> None:
-    answer = error_answer(500, "ünïcode\r\ntype" + "x" * 100, "é" * 5000)
+@pytest.mark.parametrize("char", ["é", "中", "😀", "x"])
+def test_the_servers_error_metadata_is_always_sendable(char: str) -> None:
+    """gRPC clients refuse trailers past 8 KiB at random (16 KiB always), and grpc-message is
+    percent-encoded: the details are cut in UTF-8 bytes, between characters, never by count."""
+    answer = error_answer(500, "ünïcode\r\ntype" + "x" * 100, char * 5000)
     code, details, trailing = status_for(answer)
     assert code is C.INTERNAL
-    assert len(details) == 1000
-    (name, value), *_ = trailing
-    assert name == "x-reach-error-type"
+    encoded = details.encode()
+    assert len(encoded) <= 1024
+    assert details == char * (len(details) - 1) + "…"  # whole characters, the cut marked
+    assert len(encoded) > 1024 - len(char.encode()) - len("…".encode())
+    metadata = dict(trailing)
+    assert metadata["x-reach-status"] == "500"
+    value = metadata["x-reach-error-type"]
     assert value.isascii()
     assert value.isprintable()
     assert len(value) <= 64
+
+
+def test_short_details_are_sent_whole() -> None:
+    text = "日本語 " * 50
+    assert status_for(error_answer(422, "t", text))[1] == text
+    assert clip_utf8("a😀", 4) == "a…"
+    assert clip_utf8("😀😀", 4) == "…"  # not even one emoji and the mark fit: only the mark
+    assert clip_utf8("😀😀", 2) == ""
+    assert clip_utf8("\ud800ok", 10) == "?ok"  # a lone surrogate cannot travel
+
+
+@pytest.mark.parametrize("budget", range(0, 20))
+def test_a_cut_never_splits_a_character(budget: int) -> None:
+    text = "aé中😀" * 5
+    cut = clip_utf8(text, budget)
+    assert len(cut.encode()) <= budget
+    assert text.startswith(cut.removesuffix("…"))
+
+
+@pytest.mark.parametrize(
+    "status", [400, 401, 403, 404, 409, 413, 422, 429, 500, 502, 503, 504, 418, 204, 301]
+)
+def test_the_agents_http_status_decides_through_the_shared_table(status: int) -> None:
+    """With `x-reach-status`, gRPC's code no longer decides: a non-SDK agent that sends it is
+    read as an HTTP agent with the same answer, whatever code it picked."""
+    body = {"error": {"type": "own", "message": "its words"}}
+    with pytest.raises(ReachError) as http:
+        reply_for_status(ENDPOINT, status, dumps(body), 1024)
+    said = {"x-reach-status": f" {status} ", "x-reach-error-type": "own"}
+    via_grpc = error_for_status(ENDPOINT, C.UNKNOWN, "its words", said)
+    assert _reading(via_grpc) == _reading(http.value)
+    if isinstance(via_grpc, AgentError):
+        assert via_grpc.fault is not None
+        assert via_grpc.fault.status == status
+
+
+@pytest.mark.parametrize("said", ["200", "202", "600", "099", "5xx", "", "1e2", "٥٠٣"])
+def test_a_status_that_is_no_failure_is_ignored(said: str) -> None:
+    err = error_for_status(ENDPOINT, C.INVALID_ARGUMENT, "no", {"x-reach-status": said})
+    assert (err.type, err.retryable) == ("agent_error", False)
+    assert "INVALID_ARGUMENT" in err.message
+    assert isinstance(err, AgentError)
+    assert err.fault is not None
+    assert err.fault.status == C.INVALID_ARGUMENT.value[0]
+
+
+def test_the_status_trailer_cannot_ask_for_a_retry_that_was_withheld() -> None:
+    said = {"x-reach-status": "503", "x-reach-retryable": "false"}
+    err = error_for_status(ENDPOINT, C.UNAVAILABLE, "down for good", said)
+    assert (err.type, err.retryable) == ("agent_error", False)
+    assert err.message == "agent g1 answered 503: down for good"
 
 
 def test_result_too_large_from_the_runtime_is_not_retryable() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import aiomqtt
@@ -113,10 +114,10 @@ async def _dispatch(request: Inbound) -> Answer:
 @pytest.mark.parametrize(
     ("advertise", "address"),
     [
-        ("127.0.0.1:1883", "mqtt://127.0.0.1:1883/reach/agents/a-1/requests"),
-        ("mqtt://broker.internal", "mqtt://broker.internal:1883/reach/agents/a-1/requests"),
-        ("mqtt://broker.internal:2883", "mqtt://broker.internal:2883/reach/agents/a-1/requests"),
-        ("[::1]:1884", "mqtt://[::1]:1884/reach/agents/a-1/requests"),
+        ("127.0.0.1:1883", "mqtt://127.0.0.1:1883/{topic}"),
+        ("mqtt://broker.internal", "mqtt://broker.internal:1883/{topic}"),
+        ("mqtt://broker.internal:2883", "mqtt://broker.internal:2883/{topic}"),
+        ("[::1]:1884", "mqtt://[::1]:1884/{topic}"),
     ],
 )
 def test_the_server_advertises_the_broker_and_its_request_topic(
@@ -125,9 +126,25 @@ def test_the_server_advertises_the_broker_and_its_request_topic(
     server = MqttAgentServer(
         _dispatch, listen=advertise, advertise=advertise, instance_id="a-1", max_body_bytes=1024
     )
-    assert server.topic == request_topic("a-1") == "reach/agents/a-1/requests"
-    assert server.service_address == address
-    assert MqttConnector.check_address(address) == address
+    assert re.fullmatch(r"reach/agents/a-1/[0-9a-f]{8}/requests", server.topic)
+    assert server.service_address == address.format(topic=server.topic)
+    assert MqttConnector.check_address(server.service_address) == server.service_address
+
+
+def test_two_processes_with_one_instance_id_never_share_a_request_topic() -> None:
+    """On a shared topic both would run every request (the broker fans out)."""
+    one, two = (
+        MqttAgentServer(
+            _dispatch,
+            listen="127.0.0.1:1883",
+            advertise="127.0.0.1:1883",
+            instance_id="a-1",
+            max_body_bytes=1024,
+        )
+        for _ in range(2)
+    )
+    assert one.topic != two.topic
+    assert request_topic("a-1") == "reach/agents/a-1/requests"
 
 
 # -- the request's properties ---------------------------------------------------------------------
@@ -239,7 +256,7 @@ def test_statuses_mean_what_the_shared_table_says() -> None:
     assert busy.value.retryable
     assert busy.value.fault is not None
     assert (busy.value.fault.type, busy.value.fault.status) == ("busy", 503)
-    assert "answered MQTT 503" in busy.value.message
+    assert "answered 503" in busy.value.message
     with pytest.raises(AgentError) as missing:
         answer_of(ENDPOINT, _reply("404"), 4096)
     assert not missing.value.retryable
@@ -269,7 +286,7 @@ def test_a_result_that_is_not_standard_json_is_not_retried(body: bytes) -> None:
     with pytest.raises(AgentError) as err:
         answer_of(ENDPOINT, _reply("200", body), 4096)
     assert not err.value.retryable
-    assert "MQTT 200" in err.value.message
+    assert "answered 200" in err.value.message
 
 
 # -- exceptions -----------------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def test_error_statuses_follow_the_shared_table(status: int, body: Any, retryabl
     assert err.value.retryable is retryable
     assert err.value.fault is not None
     assert err.value.fault.status == status
-    assert f"WebSocket {status}" in err.value.message
+    assert f"answered {status}" in err.value.message
 
 
 @pytest.mark.parametrize("status", ["200", True, 99, 600, None, 200.0, [200]])
