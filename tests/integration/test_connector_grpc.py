@@ -328,7 +328,7 @@ async def test_a_slow_agent_is_a_timeout_at_the_deadline(agent: Agent) -> None:
         start = time.monotonic()
         with pytest.raises(DeadlineExceeded):
             await conn.invoke(endpoint(server.port), message("slow"), 0.3)
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 5  # at its deadline, not the agent's 30 s
         # The agent says it ran out of time itself (504): also Reach's timeout.
         short = message("slow", {"s": 5}, deadline_ms=int(time.time() * 1000) + 200)
         with pytest.raises(DeadlineExceeded, match="passed the request's deadline"):
@@ -449,8 +449,8 @@ async def test_nothing_listening_is_a_fast_retryable_transport_error() -> None:
     async with GrpcConnector() as conn:
         start = time.monotonic()
         with pytest.raises(TransportError) as err:
-            await conn.invoke(endpoint(free_port()), message("echo"), 5)
-        assert time.monotonic() - start < 1.0
+            await conn.invoke(endpoint(free_port()), message("echo"), 30)
+        assert time.monotonic() - start < 5  # refused at once, far from the deadline
     assert err.value.retryable
     assert counts(conn)["failed"] == 1
 

@@ -424,8 +424,10 @@ async def test_an_idle_address_is_reclaimed() -> None:
 
 
 async def test_a_client_with_a_request_in_flight_is_never_closed() -> None:
+    release = asyncio.Event()
+
     async def slow(path: str, body: bytes, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(1.0)
+        await release.wait()  # busy for as long as the test needs, however slow the machine
         await ok_json(path, body, writer)
 
     settings = TransportSettings(max_pools=1, idle_timeout_s=0.2)
@@ -440,6 +442,7 @@ async def test_a_client_with_a_request_in_flight_is_never_closed() -> None:
             await conn.invoke(other.endpoint(), message("op"), 5)
             await asyncio.sleep(0.2)
         assert busy.open == 1
+        release.set()
         assert (await long_call).result == {"ok": True}
         await wait_for(lambda: busy.open == 0 and other.open == 0, timeout_s=3)
 
@@ -501,7 +504,7 @@ async def test_a_reply_trickling_past_the_deadline_is_a_timeout() -> None:
         start = time.monotonic()
         with pytest.raises(DeadlineExceeded):
             await conn.invoke(raw.endpoint(LIMIT), message("op"), 1.0)
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 10  # at the deadline, not after the 300 s trickle
 
 
 async def test_a_thousand_calls_to_one_instance_all_meet_their_deadline() -> None:

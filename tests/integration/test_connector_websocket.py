@@ -239,8 +239,8 @@ async def test_a_deadline_ends_the_call_and_leaves_nothing_waiting(agent: Agent)
         ep = agent.endpoint()
         start = time.monotonic()
         with pytest.raises(DeadlineExceeded):
-            await conn.invoke(ep, message("echo", {"sleep": 3}, request_id="slow"), 0.3)
-        assert 0.25 < time.monotonic() - start < 1.0
+            await conn.invoke(ep, message("echo", {"sleep": 30}, request_id="slow"), 0.3)
+        assert 0.25 < time.monotonic() - start < 5.0  # at its deadline, not the agent's 30 s
         assert conn.waiting() == 0
         # The late reply is dropped when it comes; the connection serves on.
         reply = await conn.invoke(ep, message("echo", request_id="after"), 2)
@@ -381,10 +381,10 @@ async def test_a_refused_connect_backs_off_instead_of_hammering_the_agent() -> N
         assert refused.value.retryable
         assert "cannot reach agent" in refused.value.message
         with pytest.raises(TransportError) as waiting:
-            await conn.invoke(ep, message("echo"), 5)
+            await conn.invoke(ep, message("echo"), 30)
         assert waiting.value.retryable
         assert "next connect attempt in" in waiting.value.message
-        assert time.monotonic() - start < 0.5
+        assert time.monotonic() - start < 5  # failed fast, far from the 30 s deadline
         assert counters(conn)["failed"] == 1  # the second call did not knock
         async with Agent(listen=f"127.0.0.1:{port}"):  # the agent comes up; the backoff ends
             await asyncio.sleep(0.15)
@@ -497,7 +497,7 @@ async def test_a_killed_agent_fails_requests_in_flight_at_once_and_a_restart_rec
         assert (await conn.invoke(ep, message("echo", request_id="warm"), 5)).status == "ok"
         in_flight = [
             asyncio.create_task(
-                conn.invoke(ep, message("echo", {"sleep": 30}, request_id=f"r-{i}"), 10)
+                conn.invoke(ep, message("echo", {"sleep": 120}, request_id=f"r-{i}"), 60)
             )
             for i in range(5)
         ]
@@ -505,7 +505,7 @@ async def test_a_killed_agent_fails_requests_in_flight_at_once_and_a_restart_rec
         killed_at = time.monotonic()
         proc.kill()
         results = await asyncio.gather(*in_flight, return_exceptions=True)
-        assert time.monotonic() - killed_at < 1.0  # not at their 10 s deadline
+        assert time.monotonic() - killed_at < 5  # not at their 60 s deadline
         for result in results:
             assert isinstance(result, TransportError), result
             assert result.retryable
