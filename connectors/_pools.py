@@ -106,10 +106,6 @@ class Pools(Generic[T]):
     def held_keys(self) -> list[str]:
         return list(self._entries)
 
-    def capabilities(self) -> dict[str, str]:
-        """key -> capability of every entry held."""
-        return {key: entry.capability for key, entry in self._entries.items()}
-
     def instances(self) -> dict[str, str]:
         """instance_id -> capability of every entry held for one instance."""
         return {
