@@ -469,6 +469,7 @@ class _Link:
         self.failures = 0
         self.retry_at = 0.0
         self.last_failure = ""
+        self.last_retryable = True
         self.closed = False
 
     def waiting(self) -> int:
@@ -487,9 +488,11 @@ class _Link:
         if self.opening is None:
             wait = self.retry_at - time.monotonic()
             if wait > 0:
+                # As retryable as the failure it repeats (a 404 handshake stays final).
                 raise TransportError(
                     f"cannot reach agent at {self.address} ({self.last_failure}); "
-                    f"next connect attempt in {wait:.1f}s"
+                    f"next connect attempt in {wait:.1f}s",
+                    retryable=self.last_retryable,
                 )
             self.opening = asyncio.get_running_loop().create_task(self._open(capability, max_size))
             self.opening.add_done_callback(_retrieve)
@@ -520,6 +523,7 @@ class _Link:
             self.failures += 1
             self.retry_at = time.monotonic() + backoff_s(self.failures)
             self.last_failure = exc.message
+            self.last_retryable = exc.retryable
             self.stats.count(capability, self.protocol, "failed")
             raise
         finally:

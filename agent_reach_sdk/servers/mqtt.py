@@ -46,6 +46,9 @@ KEEPALIVE_S = 30
 CONNECT_TIMEOUT_S = 5.0
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 2.0
+# Requests running at once; past it, a retryable 503 at once, so a flood of requests cannot
+# pile up operations without bound (as on the WebSocket server).
+MAX_HANDLERS = 1024
 UNSUBSCRIBE_TIMEOUT_S = 2.0
 
 
@@ -253,6 +256,8 @@ class MqttAgentServer(AgentServer):
     async def _answer(self, headers: dict[str, str], body: bytes) -> Answer:
         if self._closing:
             return error_answer(503, "unavailable", "the agent is shutting down", retryable=True)
+        if len(self._handlers) > MAX_HANDLERS:  # this request's own task is counted too
+            return error_answer(503, "overloaded", f"{MAX_HANDLERS} requests already run here")
         if len(body) > self.max_body_bytes:
             return error_answer(
                 413, "payload_too_large", f"the body passes the limit of {self.max_body_bytes}"

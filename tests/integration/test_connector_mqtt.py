@@ -24,6 +24,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from agent_reach_sdk import AgentRuntime, OperationError, RequestContext
+from agent_reach_sdk.servers import mqtt as mqtt_server
 from agent_reach_sdk.servers.mqtt import MqttAgentServer
 from agent_reach_sdk.wire import Answer, Inbound
 from connectors.mqtt import BrokerLink, MqttConnector, new_properties
@@ -722,3 +723,21 @@ async def test_after_a_broker_restart_requests_fail_fast_until_the_agent_is_back
         counts = conn.stats.of("cap")["mqtt"]
         assert (counts["opened"], counts["reconnected"]) == (1, 1)
         assert counts["failed"] >= 2 + len(failures)  # the break, and each refused request
+
+
+async def test_past_its_handler_cap_the_agent_answers_a_retryable_503(
+    broker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mqtt_server, "MAX_HANDLERS", 2)
+    async with SdkAgent(broker) as agent, MqttConnector() as conn:
+        calls = [
+            conn.invoke(agent.endpoint, message("slow", {"s": 1}, request_id=f"r-{i}"), 30)
+            for i in range(4)
+        ]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    done = [o for o in outcomes if isinstance(o, Reply)]
+    refused = [o for o in outcomes if isinstance(o, AgentError)]
+    assert len(done) == 2
+    assert len(refused) == 2
+    assert all(o.retryable and "already run here" in o.message for o in refused)
+    assert agent.runtime.executed == 2

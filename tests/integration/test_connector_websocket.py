@@ -291,8 +291,13 @@ async def test_a_path_without_a_websocket_endpoint_is_refused_at_the_handshake(
     async with WebSocketConnector() as conn:
         with pytest.raises(TransportError) as err:
             await conn.invoke(wrong, message("echo"), 2)
+        # Asked again during the backoff: the same final refusal, not a retryable one.
+        with pytest.raises(TransportError) as again:
+            await conn.invoke(wrong, message("echo"), 2)
     assert not err.value.retryable
     assert "HTTP 404" in err.value.message
+    assert not again.value.retryable
+    assert "next connect attempt in" in again.value.message
     assert agent.server.accepted == 0
 
 
