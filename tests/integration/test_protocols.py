@@ -497,6 +497,32 @@ async def test_each_protocols_example_runs_with_one_command_and_leaves_on_sigter
     assert r.json()["instances"] == []
 
 
+async def test_the_readmes_smallest_agent_runs_as_written(
+    gateway: Gateway, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Write an agent", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 8  # the bar: MCP's MCPServer takes about 5
+    script = tmp_path / "smallest.py"
+    script.write_text(code)
+    proc = spawn([sys.executable, str(script)], {"REACH_ADDRESS": gateway.url}, tmp_path / "s.log")
+
+    async def joined() -> bool:
+        r = await http.get(f"{gateway.url}/reach/capabilities/echo")
+        return r.status_code == 200 and len(r.json()["instances"]) == 1
+
+    await wait_until(joined, 20)
+    r = await http.post(
+        f"{gateway.url}/reach/invoke",
+        json={"target": "echo", "operation": "echo", "payload": {"hello": "reach"}},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["result"] == {"hello": "reach"}
+    proc.popen.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.popen.wait, 10) == 0, proc.output()
+
+
 class Broker:
     """A Mosquitto of this test's own, on a free port (the machine's broker is left alone)."""
 
