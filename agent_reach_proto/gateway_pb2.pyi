@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -41,7 +41,7 @@ class InvokeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., duration_ms: _Optional[int] = ..., result_json: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("capability", "instance_id", "protocol", "service_address", "heartbeat_interval", "operations", "max_message_bytes", "async_callback", "labels")
+    __slots__ = ("capability", "instance_id", "protocol", "service_address", "heartbeat_interval", "operations", "max_message_bytes", "async_callback", "labels", "declared_operations")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class JoinRequest(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ASYNC_CALLBACK_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_OPERATIONS_FIELD_NUMBER: _ClassVar[int]
     capability: str
     instance_id: str
     protocol: str
@@ -67,7 +68,18 @@ class JoinRequest(_message.Message):
     max_message_bytes: int
     async_callback: bool
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, capability: _Optional[str] = ..., instance_id: _Optional[str] = ..., protocol: _Optional[str] = ..., service_address: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., operations: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., async_callback: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    declared_operations: _containers.RepeatedCompositeFieldContainer[OperationDeclaration]
+    def __init__(self, capability: _Optional[str] = ..., instance_id: _Optional[str] = ..., protocol: _Optional[str] = ..., service_address: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., operations: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., async_callback: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., declared_operations: _Optional[_Iterable[_Union[OperationDeclaration, _Mapping]]] = ...) -> None: ...
+
+class OperationDeclaration(_message.Message):
+    __slots__ = ("name", "idempotent", "timeout_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    idempotent: bool
+    timeout_ms: int
+    def __init__(self, name: _Optional[str] = ..., idempotent: _Optional[bool] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class JoinAck(_message.Message):
     __slots__ = ("instance_id", "capability", "heartbeat_interval", "heartbeat_timeout", "max_message_bytes", "async_callback")

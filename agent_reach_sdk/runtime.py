@@ -6,10 +6,15 @@ The smallest complete agent (any protocol: "http", "grpc", "websocket", "mqtt"):
 
     runtime = AgentRuntime("knowledge-retriever", protocol="grpc")
 
-    @runtime.operation("query")
+    @runtime.operation("query", idempotent=True, timeout_ms=3000)
     async def query(payload: dict) -> dict: ...
 
     runtime.run()          # blocks until Ctrl-C or SIGTERM, then leaves cleanly
+
+What an operation declares (`idempotent`, `timeout_ms`) is sent at Join: Reach retries one
+declared idempotent on a retryable failure and holds it to that deadline, unless Reach's own
+configuration for it says otherwise (that wins). One that neither declares nor is configured
+idempotent is retried only for a caller that gave an idempotency key.
 
 `runtime.start()` runs it in a background thread instead (plain scripts), and
 `async with runtime:` on the current loop (asyncio code). The gateway is `reach_address`
@@ -61,7 +66,7 @@ from agent_reach_sdk.context import (
 from agent_reach_sdk.servers import AgentServer, server_class
 from agent_reach_sdk.wire import Answer, Inbound, error_answer
 from reach.limits import DEFAULT_MAX_MESSAGE_BYTES
-from reach.messages import dumps
+from reach.messages import MAX_TIMEOUT_MS, dumps
 
 log = logging.getLogger("agent_reach_sdk")
 
@@ -135,6 +140,7 @@ class AgentRuntime:
         self.ack: dict[str, Any] | None = None
         self._listen = listen or self.service_address
         self._operations: dict[str, OperationFunc] = {}
+        self._declared: dict[str, dict[str, Any]] = {}  # only operations that declare something
         self._remember = remember
         self._remember_bytes = remember_bytes
         self._recent: OrderedDict[str, Answer] = OrderedDict()
@@ -150,11 +156,38 @@ class AgentRuntime:
 
     # -- operations ---------------------------------------------------------------------------
 
-    def operation(self, name: str) -> Callable[[OperationFunc], OperationFunc]:
-        """Register `func(payload)` or `func(payload, ctx)`, sync or async, as operation `name`."""
+    def operation(
+        self, name: str, *, idempotent: bool | None = None, timeout_ms: int | None = None
+    ) -> Callable[[OperationFunc], OperationFunc]:
+        """Register `func(payload)` or `func(payload, ctx)`, sync or async, as operation `name`.
+
+        `idempotent=True` declares that running it twice is safe, so Reach may retry it on a
+        retryable failure (`False`: never without the caller's idempotency key); `timeout_ms`
+        is its own deadline (1 ms to 24 h). Both are sent at Join; Reach's configuration for
+        the operation, where it has one, wins."""
+        if idempotent is not None and not isinstance(idempotent, bool):
+            raise TypeError(f"idempotent must be a bool or None, not {idempotent!r}")
+        if timeout_ms is not None and (
+            isinstance(timeout_ms, bool)
+            or not isinstance(timeout_ms, int)
+            or not 1 <= timeout_ms <= MAX_TIMEOUT_MS
+        ):
+            raise ValueError(
+                f"timeout_ms must be an integer from 1 to {MAX_TIMEOUT_MS} (24 h), not "
+                f"{timeout_ms!r}"
+            )
+        declared: dict[str, Any] = {}
+        if idempotent is not None:
+            declared["idempotent"] = idempotent
+        if timeout_ms is not None:
+            declared["timeout_ms"] = timeout_ms
 
         def register(func: OperationFunc) -> OperationFunc:
             self._operations[name] = func
+            if declared:
+                self._declared[name] = declared
+            else:
+                self._declared.pop(name, None)
             return func
 
         return register
@@ -162,6 +195,13 @@ class AgentRuntime:
     @property
     def operations(self) -> list[str]:
         return sorted(self._operations)
+
+    def _join_operations(self) -> list[str | dict[str, Any]]:
+        """The Join body's `operations`: a plain name, or an object with what it declares."""
+        return [
+            {"name": name, **self._declared[name]} if name in self._declared else name
+            for name in self.operations
+        ]
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -305,7 +345,7 @@ class AgentRuntime:
             "protocol": self.protocol,
             "service_address": self.service_address,
             "heartbeat_interval": self.heartbeat_interval,
-            "operations": self.operations,
+            "operations": self._join_operations(),
             "max_message_bytes": self.max_message_bytes,
             "async_callback": self.async_callback,
         }

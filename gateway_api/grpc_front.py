@@ -13,7 +13,8 @@ and handed to `reach.acceptance`, so the rules and their messages are the HTTP A
 JSON-in-a-string fields are parsed first under the same rules, and refusals name them
 (`payload_json`, `checks_json`). An empty proto3 string reads as an absent field: an empty
 `target` is "Field required", an empty Join `protocol` is the default `http`, an empty
-heartbeat `status` is `ok`.
+heartbeat `status` is `ok`. Join's `declared_operations` are the object entries of the HTTP
+body's `operations`, after its plain names (so a refusal names one as `operations.N`).
 
 **Metadata** `x-reach-caller`, `traceparent` and `idempotency-key` mean what the HTTP headers
 of the same names mean, and are checked by the same rules.
@@ -340,8 +341,15 @@ def _join_fields(request: pb.JoinRequest) -> dict[str, Any]:
     if interval is not None and not math.isfinite(interval):
         # JSON has no NaN or Infinity: HTTP could not even be sent one.
         raise InvalidRequest("heartbeat_interval is not a finite number")
-    if request.operations:
-        fields["operations"] = list(request.operations)
+    operations: list[str | dict[str, Any]] = list(request.operations)
+    for declared in request.declared_operations:
+        entry: dict[str, Any] = {"name": declared.name} if declared.name else {}
+        for name in ("idempotent", "timeout_ms"):
+            if declared.HasField(name):
+                entry[name] = getattr(declared, name)
+        operations.append(entry)
+    if operations:
+        fields["operations"] = operations
     if request.labels:
         fields["labels"] = dict(request.labels)
     return fields

@@ -512,6 +512,68 @@ async def test_join_then_a_heartbeat_stream(
     assert await stream.code() == grpc.StatusCode.OK
 
 
+async def test_join_declares_operations_as_the_http_api_does(
+    front: Front, reach: Reach, http: httpx.AsyncClient, capability: str
+) -> None:
+    """`declared_operations` are the HTTP body's object entries, after the plain names."""
+    instance = f"{capability}-grpc-02"
+    await reach.join(
+        pb.JoinRequest(
+            capability=capability,
+            instance_id=instance,
+            service_address="127.0.0.1:9",
+            operations=["stats"],
+            declared_operations=[
+                pb.OperationDeclaration(name="query", idempotent=True, timeout_ms=3000),
+                pb.OperationDeclaration(name="index", idempotent=False),
+                pb.OperationDeclaration(name="warm"),
+            ],
+        )
+    )
+    listed = (await http.get(f"{front.gateway.url}/reach/capabilities/{capability}")).json()
+    assert [(i["operations"], i["declared"]) for i in listed["instances"]] == [
+        (
+            ["stats", "query", "index", "warm"],
+            {
+                "query": {"name": "query", "idempotent": True, "timeout_ms": 3000},
+                "index": {"name": "index", "idempotent": False, "timeout_ms": None},
+            },
+        )
+    ]
+    # A name in both lists is refused as HTTP refuses it, with the same envelope.
+    twice = pb.JoinRequest(
+        capability=capability,
+        instance_id=instance,
+        service_address="127.0.0.1:9",
+        operations=["query"],
+        declared_operations=[pb.OperationDeclaration(name="query", timeout_ms=3000)],
+    )
+    got = await refused(reach.join(twice))
+    r = await http.post(
+        f"{front.gateway.url}/reach/agents",
+        json={
+            "capability": capability,
+            "instance_id": instance,
+            "service_address": "127.0.0.1:9",
+            "operations": ["query", {"name": "query", "timeout_ms": 3000}],
+        },
+    )
+    assert r.status_code == 422, r.text
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert got.details == "operations: Value error, operation 'query' is listed more than once"
+    assert got.envelope == r.json()
+    unnamed = pb.JoinRequest(
+        capability=capability,
+        instance_id=instance,
+        service_address="127.0.0.1:9",
+        operations=["query"],
+        declared_operations=[pb.OperationDeclaration(timeout_ms=5)],
+    )
+    got = await refused(reach.join(unnamed))
+    assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert got.details == "operations.1.name: Field required"
+
+
 @pytest.mark.parametrize(
     "fields",
     [

@@ -59,6 +59,52 @@ async def test_join_with_unknown_protocol_is_422(gateway: Gateway, http: httpx.A
     assert "http" in r.json()["error"]["message"]
 
 
+async def test_join_declares_operations_by_name_or_object(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    body = {
+        "capability": capability,
+        "instance_id": f"{capability}-01",
+        "service_address": "127.0.0.1:1",
+        "operations": [
+            "stats",
+            {"name": "query", "idempotent": True, "timeout_ms": 3000},
+            {"name": "index", "idempotent": False},
+            {"name": "warm"},
+        ],
+    }
+    r = await http.post(f"{gateway.url}/reach/agents", json=body)
+    assert r.status_code == 200, r.text
+    listed = (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).json()
+    [instance] = listed["instances"]
+    assert instance["operations"] == ["stats", "query", "index", "warm"]
+    assert instance["declared"] == {
+        "query": {"name": "query", "idempotent": True, "timeout_ms": 3000},
+        "index": {"name": "index", "idempotent": False, "timeout_ms": None},
+    }
+    for operations, message in [
+        (
+            [{"name": "query", "idempotnt": True}],
+            "operations.0.idempotnt: Extra inputs are not permitted",
+        ),
+        (
+            ["query", {"name": "query", "timeout_ms": 10}],
+            "operations: Value error, operation 'query' is listed more than once",
+        ),
+        (
+            ["stats", {"name": "query", "timeout_ms": 86_400_001}],
+            "operations.1.timeout_ms: Input should be less than or equal to 86400000",
+        ),
+    ]:
+        r = await http.post(f"{gateway.url}/reach/agents", json={**body, "operations": operations})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["type"] == "invalid_request"
+        assert r.json()["error"]["message"] == message
+    # The refused joins changed nothing.
+    again = (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).json()
+    assert again["instances"][0]["declared"] == instance["declared"]
+
+
 async def test_silent_instance_is_evicted_within_timeout_plus_interval(
     gateway: Gateway, http: httpx.AsyncClient, capability: str
 ) -> None:
