@@ -39,6 +39,8 @@ from activities import ReachActivities
 from connectors import ConnectorSet
 from reach.config import ConfigError, ReachSettings, load_settings
 from reach.errors import ReachError
+from reach.policy.engine import PolicyEngine
+from reach.policy.state import create_policy_state
 from reach.registry import Registry
 from reach.routing import create_router
 from reach.store import Store, create_store
@@ -157,7 +159,8 @@ def build_services(settings: ReachSettings) -> Services:
 
     connectors = ConnectorSet(settings.transport, live_instances=live_instances)
     router = create_router("round_robin", store, settings.registry.capability_retention_s)
-    activities = ReachActivities(registry, router, connectors)
+    policy = PolicyEngine(settings.policy, create_policy_state(store))
+    activities = ReachActivities(registry, router, connectors, policy)
     return Services(settings, store, registry, connectors, activities)
 
 
@@ -169,6 +172,7 @@ def build_workers(
     capabilities: Sequence[str] = (),
 ) -> list[Worker]:
     acts = services.activities
+    acts.client = client
     workers: list[Worker] = []
     if invoke:
         sandbox = services.settings.temporal.workflow_sandbox
@@ -177,7 +181,15 @@ def build_workers(
                 client,
                 task_queue=services.settings.temporal.task_queue,
                 workflows=[InvokeWorkflow, DeliverCallbackWorkflow],
-                activities=[acts.resolve, acts.call, acts.deliver_callback],
+                activities=[
+                    acts.resolve,
+                    acts.call,
+                    acts.deliver_callback,
+                    acts.claim_key,
+                    acts.release_key,
+                    acts.follow,
+                    acts.take_token,
+                ],
                 workflow_runner=SandboxedWorkflowRunner()
                 if sandbox
                 else UnsandboxedWorkflowRunner(),

@@ -8,42 +8,61 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Coroutine
 from typing import Any
 
 import httpx
 from temporalio import activity
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
 from connectors import ConnectorSet
 from reach.errors import (
     AgentError,
+    CircuitOpen,
+    DeadlineExceeded,
     InternalError,
     NoInstance,
     PayloadTooLarge,
     ReachError,
+    TransportError,
     UnknownCapability,
 )
 from reach.invocation import (
     ACTIVITY_CALL,
+    ACTIVITY_CLAIM_KEY,
     ACTIVITY_DELIVER_CALLBACK,
+    ACTIVITY_FOLLOW,
+    ACTIVITY_RELEASE_KEY,
     ACTIVITY_RESOLVE,
+    ACTIVITY_TAKE_TOKEN,
     CallbackInput,
     CallInput,
+    ClaimInput,
+    ClaimOutcome,
     Endpoint,
+    FollowInput,
     ResolveInput,
+    TakeInput,
 )
-from reach.messages import Reply
-from reach.registry import Registry
+from reach.messages import InvokeResponse, Reply
+from reach.policy.engine import PolicyEngine
+from reach.registry import InstanceRecord, Registry, declared_policy
 from reach.routing import Router
 
 log = logging.getLogger("reach.activities")
 
 HEARTBEAT_EVERY_S = 2.0
+# How long past a request's deadline its per-attempt pin is kept.
+PIN_MARGIN_S = 60.0
 
 
 def to_application_error(err: ReachError) -> ApplicationError:
     details: dict[str, Any] = {"retryable": err.retryable}
+    if err.retry_after_s is not None:
+        details["retry_after_s"] = err.retry_after_s
     if isinstance(err, AgentError) and err.fault is not None:
         details["agent"] = err.fault.model_dump(exclude_none=True)
     return ApplicationError(err.message, details, type=err.type, non_retryable=True)
@@ -61,11 +80,14 @@ class ReachActivities:
         registry: Registry,
         router: Router,
         connectors: ConnectorSet,
+        policy: PolicyEngine,
         http: httpx.AsyncClient | None = None,
     ) -> None:
         self.registry = registry
         self.router = router
         self.connectors = connectors
+        self.policy = policy
+        self.client: Client | None = None  # set by the worker: following another request
         self._http = http or httpx.AsyncClient(trust_env=False)
 
     async def aclose(self) -> None:
@@ -101,15 +123,35 @@ class ReachActivities:
                 f"takes at most {smallest.max_message_bytes} (max_message_bytes negotiated by "
                 f"instance {smallest.instance_id})"
             )
-        # A retry goes elsewhere when it can; with one instance left, that one is still tried.
+        # R14: an open breaker refuses before any agent is contacted.
+        admission = await self.policy.admit(inp.capability)
+        if not admission.allowed:
+            wait = max(1, math.ceil(admission.retry_after_s))
+            raise CircuitOpen(
+                f"the circuit breaker of capability {inp.capability!r} is {admission.status} "
+                f"after repeated failures; no agent was called (retry in {wait}s)",
+                retry_after_s=wait,
+            )
+        view = await self.policy.view(inp.capability)
+        ejected = self.policy.ejected(inp.capability, view)
+        # A retry goes elsewhere when it can, and an ejected instance only when nothing else
+        # is left: with one instance left, that one is still tried.
         fresh = [i for i in routable if i.instance_id not in inp.exclude] or routable
-        chosen = await self.router.pick(inp.capability, fresh, inp.routing_key)
+        healthy = [i for i in fresh if i.instance_id not in ejected] or fresh
+        chosen = await self.router.pick(inp.capability, healthy, inp.routing_key)
+        if inp.attempt:
+            chosen = await self._pinned(inp, chosen, {i.instance_id: i for i in routable})
+        declared = declared_policy(routable, inp.operation) if inp.operation else None
         log.info(
-            "routed request=%s capability=%s instance=%s of %d",
+            "routed request=%s capability=%s instance=%s of %d (breaker %s%s)",
             inp.request_id,
             inp.capability,
             chosen.instance_id,
-            len(fresh),
+            len(healthy),
+            admission.status,
+            f", skipped ejected {sorted(ejected & {i.instance_id for i in fresh})}"
+            if ejected
+            else "",
         )
         return Endpoint(
             instance_id=chosen.instance_id,
@@ -117,7 +159,73 @@ class ReachActivities:
             protocol=chosen.protocol,
             address=chosen.address,
             max_message_bytes=chosen.max_message_bytes,
+            breaker=admission.status,
+            probe=admission.probe,
+            declared_idempotent=declared.idempotent if declared else None,
+            declared_timeout_ms=declared.timeout_ms if declared else None,
+            skipped=sorted(ejected & {i.instance_id for i in fresh}),
         )
+
+    async def _pinned(
+        self, inp: ResolveInput, chosen: InstanceRecord, live: dict[str, InstanceRecord]
+    ) -> InstanceRecord:
+        """A re-run of the same attempt (a crashed gateway's workflow task, run again) goes
+        back to the instance that got it first while it is alive: that instance answers a
+        re-delivered RequestID from its memory instead of running it a second time."""
+        ttl_s = max(1.0, (inp.deadline_ms - time.time() * 1000) / 1000) + PIN_MARGIN_S
+        key = f"pin:{inp.request_id}:{inp.attempt}"
+        owner = await self.policy.state.claim(key, chosen.instance_id, ttl_s)
+        if owner != chosen.instance_id and owner in live:
+            log.info(
+                "request=%s attempt=%d goes back to %s, which got it first",
+                inp.request_id,
+                inp.attempt,
+                owner,
+            )
+            return live[owner]
+        return chosen
+
+    @activity.defn(name=ACTIVITY_CLAIM_KEY)
+    async def claim_key(self, inp: ClaimInput) -> ClaimOutcome:
+        """Make this request the owner of its idempotency key, or name the one that is."""
+        try:
+            mine = f"{inp.request_id} {inp.fingerprint}"
+            held = await self.policy.state.claim(inp.key, mine, inp.ttl_s)
+        except ReachError as err:
+            raise to_application_error(err) from err
+        owner, _, fingerprint = held.partition(" ")
+        return ClaimOutcome(owner=owner, same_request=fingerprint == inp.fingerprint)
+
+    @activity.defn(name=ACTIVITY_RELEASE_KEY)
+    async def release_key(self, inp: ClaimInput) -> bool:
+        """Free a key whose request ended before any agent was called, so the caller can retry
+        with it (nothing was executed, so there is no result to keep)."""
+        try:
+            return await self.policy.state.release(inp.key, f"{inp.request_id} {inp.fingerprint}")
+        except ReachError as err:
+            raise to_application_error(err) from err
+
+    @activity.defn(name=ACTIVITY_FOLLOW)
+    async def follow(self, inp: FollowInput) -> InvokeResponse:
+        """The result of the request that owns the idempotency key (waits while it runs)."""
+        if self.client is None:
+            raise to_application_error(InternalError("no Temporal client to follow a request"))
+        handle = self.client.get_workflow_handle(inp.request_id, result_type=InvokeResponse)
+        try:
+            first: InvokeResponse = await handle.result()
+            return first
+        except WorkflowFailureError as exc:
+            raise to_application_error(
+                InternalError(f"request {inp.request_id} ended without a result: {exc.cause}")
+            ) from exc
+
+    @activity.defn(name=ACTIVITY_TAKE_TOKEN)
+    async def take_token(self, inp: TakeInput) -> float:
+        """0 when a token was taken from every bucket, else the seconds until one could be."""
+        try:
+            return await self.policy.take(inp.buckets)
+        except ReachError as err:
+            raise to_application_error(err) from err
 
     @activity.defn(name=ACTIVITY_CALL)
     async def call(self, inp: CallInput) -> Reply:
@@ -125,12 +233,19 @@ class ReachActivities:
             connector = self.connectors.get(inp.endpoint.protocol)
             work = connector.invoke(inp.endpoint, inp.message, inp.timeout_ms / 1000)
             if activity.info().is_local:
-                return await work
-            return await _heartbeating(work)
+                reply = await work
+            else:
+                reply = await _heartbeating(work)
         except ReachError as err:
+            await self._record(inp.endpoint, ok=not counts_as_failure(err))
             raise to_application_error(err) from err
         except Exception as exc:
             raise _internal(f"call to {inp.endpoint.instance_id}", exc) from exc
+        await self._record(inp.endpoint, ok=True)
+        return reply
+
+    async def _record(self, endpoint: Endpoint, ok: bool) -> None:
+        await self.policy.record(endpoint.capability, endpoint.instance_id, ok, endpoint.probe)
 
     @activity.defn(name=ACTIVITY_DELIVER_CALLBACK)
     async def deliver_callback(self, inp: CallbackInput) -> int:
@@ -168,6 +283,15 @@ class ReachActivities:
             type="callback_rejected" if permanent else "callback_failed",
             non_retryable=permanent,
         )
+
+
+def counts_as_failure(err: ReachError) -> bool:
+    """What breakers and outlier ejection count against an agent: it could not be reached,
+    did not answer in time, or failed on its side (5xx, UNAVAILABLE). A 4xx is the request's
+    fault, not the agent's."""
+    if isinstance(err, TransportError | DeadlineExceeded):
+        return True
+    return isinstance(err, AgentError) and err.retryable
 
 
 async def _heartbeating(work: Coroutine[Any, Any, Reply]) -> Reply:

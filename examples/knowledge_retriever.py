@@ -4,13 +4,19 @@
     python examples/knowledge_retriever.py --protocol grpc   # or websocket, or mqtt
 
 Operations: `query` ({"text", "top_k"} -> ranked passages), `get_metadata`, `create` (a
-non-idempotent write: {"note"} -> a new note id), and `fail` (answers the agent's own error
+non-idempotent write: {"note"} -> a new note id), `generate` ({"prompt"} -> text, slow with
+--delay-ms), and `fail` (answers the agent's own error
 `index_unavailable`, with {"status"} as its HTTP-style status). Flags make it misbehave on
 purpose for demos and tests: --delay-ms (slow), --defer (answer 202, POST the result later),
 --late-error TYPE (with --defer: answer late with an error of the agent's own TYPE),
 --reply-bytes N (pad every result with N bytes), --max-message-bytes N (proposed at Join),
 --health-file (read ok/degraded/unhealthy from a file at every heartbeat), --ledger (append every
-executed RequestID to a file, to check nothing runs twice).
+executed RequestID to a file, to check nothing runs twice), --fail-first N (the first N `query`,
+`create` and `generate` calls fail with --fail-status, 503 by default; with --fail-shared, the
+first N calls of all the instances sharing the --ledger).
+
+`query` and `get_metadata` are declared idempotent at Join, so Reach retries them on retryable
+failures; `create` is not, so it is retried only for requests that carry an idempotency_key.
 """
 
 from __future__ import annotations
@@ -84,12 +90,21 @@ def build(args: argparse.Namespace) -> AgentRuntime:
             await runtime.send_result(request_id, result)
         log.info("late answer sent for %s", request_id)
 
+    failures_left = [args.fail_first]
+
     def record(request_id: str) -> None:
         if ledger:
             with ledger.open("a") as f:
                 f.write(f"{request_id} {args.instance_id}\n")
+        if args.fail_shared and ledger:
+            # Counted over every instance writing this ledger: the first N calls of them all.
+            if len(ledger.read_text().splitlines()) <= args.fail_first:
+                raise OperationError("failing on purpose (--fail-first)", status=args.fail_status)
+        elif failures_left[0] > 0:
+            failures_left[0] -= 1
+            raise OperationError("failing on purpose (--fail-first)", status=args.fail_status)
 
-    @runtime.operation("query")
+    @runtime.operation("query", idempotent=True)
     async def query(payload: dict[str, Any], ctx: RequestContext) -> Any:
         log.info("query from %s (attempt %d)", ctx.caller, ctx.attempt)
         record(ctx.request_id)
@@ -117,7 +132,19 @@ def build(args: argparse.Namespace) -> AgentRuntime:
             "create from %s (attempt %d, key %s)", ctx.caller, ctx.attempt, ctx.idempotency_key
         )
         record(ctx.request_id)
+        if args.delay_ms:
+            await asyncio.sleep(args.delay_ms / 1000)
         return {"instance_id": args.instance_id, "note_id": f"note-{ctx.request_id}"}
+
+    @runtime.operation("generate")
+    async def generate(payload: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        # A slow content-generator-style operation (R23: its own, longer timeout).
+        record(ctx.request_id)
+        if args.delay_ms:
+            await asyncio.sleep(args.delay_ms / 1000)
+        prompt = str(payload.get("prompt", ""))
+        words = rank(prompt, 1)[0]["text"].split()[:8]
+        return {"instance_id": args.instance_id, "text": " ".join(words)}
 
     @runtime.operation("fail")
     def fail(payload: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +155,7 @@ def build(args: argparse.Namespace) -> AgentRuntime:
             status=int(payload.get("status", 422)),
         )
 
-    @runtime.operation("get_metadata")
+    @runtime.operation("get_metadata", idempotent=True)
     def get_metadata(payload: dict[str, Any]) -> dict[str, Any]:
         return {"instance_id": args.instance_id, "documents": len(CORPUS)}
 
@@ -165,6 +192,13 @@ def main() -> None:
     )
     p.add_argument("--health-file")
     p.add_argument("--ledger")
+    p.add_argument("--fail-first", type=int, default=0, help="fail the first N query/create calls")
+    p.add_argument("--fail-status", type=int, default=503)
+    p.add_argument(
+        "--fail-shared",
+        action="store_true",
+        help="with --ledger: --fail-first counts the calls of every instance sharing the ledger",
+    )
     args = p.parse_args()
     install_request_id_logging()
     logging.basicConfig(

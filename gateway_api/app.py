@@ -59,7 +59,9 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
             else []
         )
         workers = build_workers(client, services, invoke=run_worker, capabilities=queue_caps)
-        app.state.gateway = gateway = Gateway(settings, client, services.registry)
+        app.state.gateway = gateway = Gateway(
+            settings, client, services.registry, services.activities.policy
+        )
         app.state.connectors = services.connectors
         sweeper = asyncio.create_task(
             _sweep(services.registry, min(1.0, settings.registry.heartbeat_interval))

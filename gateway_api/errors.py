@@ -45,7 +45,11 @@ _TRANSIENT = {
 
 
 def envelope_response(response: InvokeResponse, status_code: int) -> JSONResponse:
-    headers = {"X-Reach-Request-Id": response.request_id} if response.request_id else None
+    headers = {"X-Reach-Request-Id": response.request_id} if response.request_id else {}
+    if response.error is not None and response.error.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, response.error.retry_after_s))
+    if response.replayed_from:
+        headers["Idempotent-Replayed"] = "true"
     return JSONResponse(
         response.model_dump(mode="json", exclude_none=True),
         status_code=status_code,
@@ -66,9 +70,14 @@ def error_body(
 
 
 def error_response(request_id: str | None, err: ReachError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if err.http_status in (429, 503) else None
+    headers = None
+    if err.http_status in (429, 503):
+        headers = {"Retry-After": str(max(1, err.retry_after_s or 1))}
+    body = error_body(request_id, err.type, err.message, err.retryable)
+    if err.retry_after_s:
+        body["error"]["retry_after_s"] = err.retry_after_s
     return JSONResponse(
-        error_body(request_id, err.type, err.message, err.retryable),
+        body,
         status_code=err.http_status,
         headers=headers,
     )

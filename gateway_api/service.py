@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,6 +42,7 @@ import connectors
 from reach.config import ReachSettings
 from reach.errors import (
     InvalidRequest,
+    RateLimited,
     RequestClosed,
     RequestConflict,
     Unavailable,
@@ -49,9 +51,11 @@ from reach.errors import (
 )
 from reach.invocation import (
     CallbackPlan,
+    CallPlan,
     DeliveryOutcome,
     InvokeInput,
     LateAnswer,
+    QueuePlan,
     answer_key,
     delivery_workflow_id,
     same_request,
@@ -65,6 +69,8 @@ from reach.messages import (
     new_request_id,
 )
 from reach.policy import plan_call
+from reach.policy.engine import PolicyEngine, limit_buckets
+from reach.policy.state import create_policy_state
 from reach.registry import Ack, JoinRequest, Registry
 from workflows.invoke import (
     SA_CALLER,
@@ -90,12 +96,22 @@ class Gateway:
     settings: ReachSettings
     client: Client
     registry: Registry
+    policy: PolicyEngine | None = None
     limits: Limits = field(init=False)
     rpc_timeout: timedelta = field(init=False)
 
     def __post_init__(self) -> None:
         self.limits = Limits(max_message_bytes=self.settings.transport.max_message_bytes)
         self.rpc_timeout = timedelta(seconds=self.settings.temporal.rpc_timeout_s)
+        if self.policy is None:
+            self.policy = PolicyEngine(
+                self.settings.policy, create_policy_state(self.registry.store)
+            )
+
+    @property
+    def engine(self) -> PolicyEngine:
+        assert self.policy is not None
+        return self.policy
 
     # -- agents and readiness (shared by the HTTP routes and the gRPC front) ------------------
 
@@ -122,6 +138,24 @@ class Gateway:
         checks["registry"] = await self.registry.store.ping()
         return checks
 
+    async def policy_detail(self, capability: str) -> dict[str, Any]:
+        """Breaker, ejections and limiter as the shared store holds them now."""
+        view = await self.engine.view(capability, fresh=True)
+        limits = self.settings.policy.rate_limit_for(capability)
+        limiter: dict[str, float] = {}
+        if limits is not None and limits.per_capability is not None:
+            key = limit_buckets(limits, capability, "")[-1].key
+            limiter = await self.engine.state.buckets([key])
+        return {
+            "breaker": {
+                "status": view.breaker.status,
+                "failures": view.breaker.failures,
+                "retry_after_s": round(view.breaker.retry_after_s, 3),
+            },
+            "ejected": {i: round(left, 3) for i, left in view.ejected.items()},
+            "limiter": limiter,
+        }
+
     # -- invoke -------------------------------------------------------------------------------
 
     async def invoke(
@@ -147,7 +181,9 @@ class Gateway:
             idempotency_key=req.idempotency_key,
             mode=self.settings.capability_mode(req.target),
         )
+        plan.idempotency_ttl_s = self.settings.policy.idempotency_retention_s
         now_ms = int(time.time() * 1000)
+        await self._rate_limit(req, caller, plan, now_ms)
         inp = InvokeInput(
             request_id=request_id,
             caller=caller,
@@ -189,6 +225,28 @@ class Gateway:
                     retryable=True,
                 ),
             )
+
+    async def _rate_limit(
+        self, req: InvokeRequest, caller: str, plan: CallPlan, now_ms: int
+    ) -> None:
+        """R15 at the door: take a token, or refuse (429), or plan a durable wait (queue)."""
+        limits = self.settings.policy.rate_limit_for(req.target)
+        if limits is None:
+            return
+        buckets = limit_buckets(limits, req.target, caller)
+        wait_s = await self.engine.take(buckets)
+        if wait_s <= 0:
+            return
+        if limits.on_limit == "reject":
+            raise RateLimited(
+                f"rate limit of capability {req.target!r} for caller {caller!r} reached; "
+                f"a token frees in {wait_s:.1f}s",
+                retry_after_s=max(1, math.ceil(wait_s)),
+            )
+        # Queue: the request waits for a token inside its workflow, on durable timers; a
+        # synchronous one until its deadline, one with a callback up to max_queue_wait_ms.
+        until = now_ms + (limits.max_queue_wait_ms if req.callback else plan.timeout_ms)
+        plan.queue = QueuePlan(buckets=buckets, wait_until_ms=until)
 
     async def _start(self, inp: InvokeInput) -> tuple[InvokeHandle, bool]:
         """The handle, and whether this call started the workflow (False: it attached)."""

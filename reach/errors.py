@@ -87,10 +87,17 @@ class ReachError(Exception):
     http_status: ClassVar[int]
     default_retryable: ClassVar[bool] = False
 
-    def __init__(self, message: str, *, retryable: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.retryable = self.default_retryable if retryable is None else retryable
+        self.retry_after_s = retry_after_s  # 429/503: Retry-After, when Reach knows better than 1
 
 
 class InvalidRequest(ReachError):

@@ -21,6 +21,10 @@ CapabilityMode = Literal["inline", "queue"]
 ACTIVITY_RESOLVE = "reach.resolve"
 ACTIVITY_CALL = "reach.call"
 ACTIVITY_DELIVER_CALLBACK = "reach.deliver_callback"
+ACTIVITY_CLAIM_KEY = "reach.claim_key"
+ACTIVITY_FOLLOW = "reach.follow"
+ACTIVITY_TAKE_TOKEN = "reach.take_token"
+ACTIVITY_RELEASE_KEY = "reach.release_key"
 # Late answers arrive as an update (validated, refused without a trace once the result is final);
 # the signal stays registered for requests accepted before the update existed.
 UPDATE_LATE_ANSWER = "submit_late_answer"
@@ -34,14 +38,44 @@ def delivery_workflow_id(request_id: str) -> str:
     return f"{request_id}/callback"
 
 
+class BucketPlan(BaseModel):
+    key: str
+    per_minute: float
+    capacity: int
+
+
+class QueuePlan(BaseModel):
+    """A rate-limited request that waits for a token on durable timers (`on_limit: queue`)."""
+
+    buckets: list[BucketPlan]
+    wait_until_ms: int  # epoch ms: past this, the request ends with rate_limited
+
+
 class CallPlan(BaseModel):
-    """What policy decided for this request when it was accepted."""
+    """What policy decided for this request when it was accepted.
+
+    Fields added after the first release default to what earlier requests meant, so a history
+    recorded before them replays exactly (e.g. `idempotent_configured=True`: nothing learnt
+    from the agents' declarations may change an old plan).
+    """
 
     timeout_ms: int
     idempotent: bool
     max_retries: int
     backoff_s: list[float] = Field(default_factory=lambda: [1.0, 2.0, 4.0])
     mode: CapabilityMode = "inline"
+    # Exponential backoff (R13); None: the `backoff_s` list of plans made before it existed.
+    backoff_base_ms: int | None = None
+    backoff_multiplier: float = 2.0
+    backoff_cap_ms: int = 30_000
+    jitter: float = 0.0
+    # Whether configuration settled these, or the agents' declarations (read at resolve) may.
+    idempotent_configured: bool = True
+    timeout_configured: bool = True
+    retries_if_idempotent: int = 0
+    caller_timeout_ms: int | None = None
+    queue: QueuePlan | None = None
+    idempotency_ttl_s: float = 86_400.0
 
 
 class CallbackPlan(BaseModel):
@@ -78,6 +112,12 @@ class Endpoint(BaseModel):
     max_message_bytes: int | None = Field(
         default=None, description="Negotiated at Join; the agent's reply may not exceed it."
     )
+    # What resolve met and learnt, for the workflow's plan and the request's record.
+    breaker: str = "closed"
+    probe: bool = False
+    declared_idempotent: bool | None = None
+    declared_timeout_ms: int | None = None
+    skipped: list[str] = Field(default_factory=list, description="ejected instances passed over")
 
 
 class ResolveInput(BaseModel):
@@ -88,6 +128,29 @@ class ResolveInput(BaseModel):
     payload_bytes: int = Field(
         default=0, description="The payload as sent; refused if an instance could not take it."
     )
+    operation: str = ""
+    attempt: int = Field(default=0, description="> 0: pin this attempt to the instance chosen")
+    deadline_ms: int = 0
+
+
+class ClaimInput(BaseModel):
+    key: str
+    request_id: str
+    fingerprint: str
+    ttl_s: float
+
+
+class ClaimOutcome(BaseModel):
+    owner: str  # the request that owns the key (this one, when it won)
+    same_request: bool  # whether the owner asked the same thing (else: 409)
+
+
+class FollowInput(BaseModel):
+    request_id: str
+
+
+class TakeInput(BaseModel):
+    buckets: list[BucketPlan]
 
 
 class CallInput(BaseModel):
@@ -122,6 +185,18 @@ def same_request(first: InvokeInput, repeat: InvokeInput) -> bool:
         and first.idempotency_key == repeat.idempotency_key
         and first.routing_key == repeat.routing_key
     )
+
+
+def idempotency_scope(inp: InvokeInput) -> str:
+    """The store key of an idempotency key: one per (caller, target, operation, key)."""
+    parts = [inp.caller, inp.target, inp.operation, inp.idempotency_key or ""]
+    return "idem:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:40]
+
+
+def payload_fingerprint(inp: InvokeInput) -> str:
+    """What must match for a reused idempotency key to be the same request: the payload."""
+    canonical = json.dumps(inp.payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:40]
 
 
 def answer_key(answer: LateAnswer) -> str:

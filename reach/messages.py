@@ -141,6 +141,14 @@ class ErrorInfo(BaseModel):
     agent: AgentFault | None = Field(
         default=None, description="For agent_error: the agent's own error type and message."
     )
+    retry_after_s: int | None = Field(
+        default=None, description="For circuit_open and rate_limited: when to try again."
+    )
+    outcome_unknown: bool | None = Field(
+        default=None,
+        description="The request reached an agent and its answer never came: the agent may "
+        "have run it. Repeat it with an idempotency_key to be safe.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -198,6 +206,19 @@ class InvokeRequest(BaseModel):
     routing_key: RoutingKey | None = None
 
 
+class AttemptInfo(BaseModel):
+    """One attempt as policy saw it: where it went, how it ended, what came after."""
+
+    attempt: int
+    instance_id: str | None = None
+    outcome: str  # "success", "accepted", or the error type
+    duration_ms: int = 0
+    breaker: str | None = Field(
+        default=None, description="The capability's circuit breaker when it was admitted."
+    )
+    backoff_ms: int | None = Field(default=None, description="The wait before the next one.")
+
+
 class InvokeResponse(BaseModel):
     """The one envelope for results, errors, callbacks and status look-ups (R10)."""
 
@@ -208,6 +229,17 @@ class InvokeResponse(BaseModel):
     error: ErrorInfo | None = None
     instance_id: str | None = None
     delivery: DeliveryState | None = None
+    attempts: list[AttemptInfo] | None = Field(
+        default=None, description="Every attempt, with its backoff (policy decisions)."
+    )
+    waited_ms: int | None = Field(
+        default=None, description="Time spent waiting for a rate-limit token (on_limit: queue)."
+    )
+    replayed_from: str | None = Field(
+        default=None,
+        description="With an idempotency_key used before: the request whose result this is "
+        "(no agent was called for this one).",
+    )
 
 
 class ErrorResponse(InvokeResponse):

@@ -40,20 +40,32 @@ with workflow.unsafe.imports_passed_through():
     from reach.errors import ERROR_TYPES, AgentFault
     from reach.invocation import (
         ACTIVITY_CALL,
+        ACTIVITY_CLAIM_KEY,
+        ACTIVITY_FOLLOW,
+        ACTIVITY_RELEASE_KEY,
         ACTIVITY_RESOLVE,
+        ACTIVITY_TAKE_TOKEN,
         SIGNAL_LATE_ANSWER,
         UPDATE_LATE_ANSWER,
         WORKFLOW_INVOKE,
         CallbackInput,
         CallInput,
+        CallPlan,
+        ClaimInput,
+        ClaimOutcome,
         Endpoint,
+        FollowInput,
         InvokeInput,
         LateAnswer,
         ResolveInput,
+        TakeInput,
         answer_key,
         delivery_workflow_id,
+        idempotency_scope,
+        payload_fingerprint,
     )
     from reach.messages import (
+        AttemptInfo,
         ErrorInfo,
         Header,
         InvokeResponse,
@@ -62,7 +74,7 @@ with workflow.unsafe.imports_passed_through():
         Reply,
         RequestStatus,
     )
-    from reach.policy import GiveUp, next_step
+    from reach.policy import GiveUp, next_step, refine_plan
     from workflows.callback import DeliverCallbackWorkflow, deliver
 
 
@@ -76,6 +88,14 @@ SEARCH_ATTRIBUTES = (SA_CALLER, SA_CAPABILITY, SA_OPERATION, SA_STATUS, SA_INSTA
 ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 # Requests accepted before callbacks had a workflow of their own deliver inline (replay only).
 PATCH_DELIVERY_WORKFLOW = "callback-delivery-workflow"
+# Requests accepted before idempotency keys were claimed in the store skip the claim (replay).
+PATCH_IDEMPOTENCY_CLAIM = "idempotency-key-claim"
+# Errors that end a request before any agent was sent it: its idempotency key is freed.
+NOTHING_SENT = frozenset(
+    {"no_instance", "circuit_open", "rate_limited", "payload_too_large", "unknown_capability"}
+)
+# Store steps (claims, tokens) are quick; this bounds one that is not.
+STORE_STEP = timedelta(seconds=10)
 # How long a callback delivery may outlive its retry window (the final attempt's own timeout).
 DELIVERY_GRACE = timedelta(minutes=5)
 
@@ -110,6 +130,7 @@ def _error_of(exc: FailureError, instance_id: str | None) -> _Failed:
             message=cause.message if known else f"{cause.type}: {cause.message}",
             retryable=bool(details.get("retryable")),
             agent=AgentFault.model_validate(details["agent"]) if details.get("agent") else None,
+            retry_after_s=details.get("retry_after_s"),
         )
     else:
         info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
@@ -121,6 +142,11 @@ class InvokeWorkflow:
     def __init__(self) -> None:
         self._late: LateAnswer | None = None
         self._final: InvokeResponse | None = None
+        self._attempts: list[AttemptInfo] = []
+        self._waited_ms: int | None = None
+        self._deadline_ms = 0
+        self._sent = False  # whether any attempt got as far as calling an agent
+        self._plan = CallPlan(timeout_ms=1, idempotent=False, max_retries=0)  # set by _invoke
 
     @workflow.update(name=UPDATE_LATE_ANSWER)
     def submit_late_answer(self, answer: LateAnswer) -> str:
@@ -219,27 +245,143 @@ class InvokeWorkflow:
             result=result,
             error=error,
             instance_id=instance_id,
+            attempts=list(self._attempts) or None,
+            waited_ms=self._waited_ms,
         )
 
     def _timeout(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:
+        message = f"no answer within timeout_ms={self._plan.timeout_ms}"
+        unknown = None
+        if instance_id is not None and not self._plan.idempotent and not inp.idempotency_key:
+            # It was sent and never answered: nobody knows whether the agent ran it.
+            unknown = True
+            message += (
+                f"; agent {instance_id} may have run it: repeat it with an idempotency_key "
+                "so that it runs at most once"
+            )
         return self._envelope(
             inp,
             "timeout",
             error=ErrorInfo(
-                type="timeout",
-                message=f"no answer within timeout_ms={inp.plan.timeout_ms}",
-                retryable=False,
+                type="timeout", message=message, retryable=False, outcome_unknown=unknown
             ),
             instance_id=instance_id,
         )
 
     async def _invoke(self, inp: InvokeInput) -> InvokeResponse:
+        self._plan = inp.plan
+        self._deadline_ms = inp.deadline_ms
+        claim: ClaimInput | None = None
+        if inp.idempotency_key and workflow.patched(PATCH_IDEMPOTENCY_CLAIM):
+            claim = ClaimInput(
+                key=idempotency_scope(inp),
+                request_id=inp.request_id,
+                fingerprint=payload_fingerprint(inp),
+                ttl_s=inp.plan.idempotency_ttl_s,
+            )
+            try:
+                owner = await self._store_step(inp, ACTIVITY_CLAIM_KEY, claim, ClaimOutcome)
+            except _Failed as failed:
+                return self._envelope(inp, "error", error=failed.error)
+            if owner.owner != inp.request_id:
+                return await self._follow(inp, owner)
+        response = await self._attempts_until_done(inp)
+        error = response.error
+        if (
+            claim is not None
+            and not self._sent
+            and error is not None
+            and error.type in NOTHING_SENT
+        ):
+            try:
+                await self._store_step(inp, ACTIVITY_RELEASE_KEY, claim, bool)
+            except _Failed:
+                workflow.logger.warning("could not free the idempotency key; it will expire")
+        return response
+
+    async def _follow(self, inp: InvokeInput, owner: ClaimOutcome) -> InvokeResponse:
+        """This key was first used by another request: its result is this one's (no call)."""
+        if not owner.same_request:
+            return self._envelope(
+                inp,
+                "error",
+                error=ErrorInfo(
+                    type="idempotency_conflict",
+                    message=f"idempotency_key {inp.idempotency_key!r} was first used by "
+                    f"request {owner.owner} with a different payload; use a new key for a "
+                    "new request",
+                ),
+            )
+        try:
+            first: InvokeResponse = await self._run(
+                inp, ACTIVITY_FOLLOW, FollowInput(request_id=owner.owner), InvokeResponse, None
+            )
+        except _Failed as failed:
+            if failed.error.type == "timeout":
+                failed.error.message = (
+                    f"request {owner.owner}, which holds idempotency_key "
+                    f"{inp.idempotency_key!r}, had no result by this request's deadline; "
+                    f"GET /reach/requests/{owner.owner} reads it"
+                )
+            status: RequestStatus = "timeout" if failed.error.type == "timeout" else "error"
+            return self._envelope(inp, status, error=failed.error)
+        return first.model_copy(
+            update={
+                "request_id": inp.request_id,
+                "duration_ms": max(0, self._now_ms() - inp.accepted_at_ms),
+                "replayed_from": owner.owner,
+                "delivery": None,
+            }
+        )
+
+    async def _wait_for_token(self, inp: InvokeInput) -> InvokeResponse | None:
+        """`on_limit: queue`: wait on durable timers until every bucket gives a token."""
+        queue = inp.plan.queue
+        assert queue is not None
+        started = self._now_ms()
+        while True:
+            try:
+                wait_s: float = await self._store_step(
+                    inp, ACTIVITY_TAKE_TOKEN, TakeInput(buckets=queue.buckets), float
+                )
+            except _Failed as failed:
+                return self._envelope(inp, "error", error=failed.error)
+            if wait_s <= 0:
+                break
+            if self._now_ms() + wait_s * 1000 >= queue.wait_until_ms:
+                self._waited_ms = self._now_ms() - started
+                return self._envelope(
+                    inp,
+                    "error",
+                    error=ErrorInfo(
+                        type="rate_limited",
+                        message=f"rate limit of {inp.target!r} for caller {inp.caller!r}: no "
+                        f"token freed within the {self._waited_ms} ms this request could wait",
+                        retryable=True,
+                        retry_after_s=max(1, int(wait_s + 0.999)),
+                    ),
+                )
+            # Waiters wake spread out, not all at once for the one token that frees.
+            await workflow.sleep(wait_s * workflow.random().uniform(1.0, 1.5))
+        self._waited_ms = self._now_ms() - started
+        if inp.callback:
+            # An asynchronous request's deadline runs from when it may go.
+            self._deadline_ms = max(self._deadline_ms, self._now_ms() + self._plan.timeout_ms)
+        return None
+
+    async def _attempts_until_done(self, inp: InvokeInput) -> InvokeResponse:
+        if inp.plan.queue is not None:
+            refused = await self._wait_for_token(inp)
+            if refused is not None:
+                return refused
         attempt = 1
         tried: list[str] = []
         while True:
             instance_id: str | None = None
             if self._late is not None:  # answered before (or between) attempts: nothing to call
                 return self._answered_late(inp, tried[-1] if tried else None)
+            started = self._now_ms()
+            breaker: str | None = None
             try:
                 endpoint = await self._run(
                     inp,
@@ -250,11 +392,22 @@ class InvokeWorkflow:
                         routing_key=inp.routing_key,
                         request_id=inp.request_id,
                         payload_bytes=inp.payload_bytes,
+                        operation=inp.operation,
+                        attempt=attempt,
+                        deadline_ms=self._deadline_ms,
                     ),
                     Endpoint,
                     None,
                 )
                 instance_id = endpoint.instance_id
+                breaker = endpoint.breaker
+                self._plan, self._deadline_ms = refine_plan(
+                    self._plan,
+                    declared_idempotent=endpoint.declared_idempotent,
+                    declared_timeout_ms=endpoint.declared_timeout_ms,
+                    accepted_at_ms=inp.accepted_at_ms,
+                    deadline_ms=self._deadline_ms,
+                )
                 message = Message(
                     header=Header(
                         request_id=inp.request_id,
@@ -262,14 +415,15 @@ class InvokeWorkflow:
                         target=inp.target,
                         operation=inp.operation,
                         attempt=attempt,
-                        deadline_ms=inp.deadline_ms,
+                        deadline_ms=self._deadline_ms,
                         idempotency_key=inp.idempotency_key,
                         traceparent=inp.traceparent,
                     ),
                     payload=inp.payload,
                     metadata=Metadata(size_bytes=inp.payload_bytes),
                 )
-                remaining = inp.deadline_ms - self._now_ms()
+                remaining = self._deadline_ms - self._now_ms()
+                self._sent = True
                 reply = await self._run(
                     inp,
                     ACTIVITY_CALL,
@@ -277,6 +431,8 @@ class InvokeWorkflow:
                     Reply,
                     instance_id,
                 )
+                outcome = "success" if reply.status == "ok" else "accepted"
+                self._note(attempt, instance_id, outcome, started, breaker)
                 if self._late is not None:
                     # Acknowledged while the call was still out: that answer came first.
                     return self._answered_late(inp, instance_id)
@@ -286,17 +442,19 @@ class InvokeWorkflow:
                     )
                 return await self._await_late_answer(inp, instance_id)
             except _Failed as failed:
+                self._note(attempt, failed.instance_id, failed.error.type, started, breaker)
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)
                 if failed.error.type == "timeout":
                     return self._timeout(inp, failed.instance_id)
                 step = next_step(
-                    inp.plan,
+                    self._plan,
                     attempt=attempt,
-                    retryable=failed.error.retryable,
+                    retryable=failed.error.retryable and failed.error.type != "circuit_open",
                     failed_instance=failed.instance_id,
                     now_ms=self._now_ms(),
-                    deadline_ms=inp.deadline_ms,
+                    deadline_ms=self._deadline_ms,
+                    rand=workflow.random().random() if self._plan.jitter else 0.0,
                 )
                 if isinstance(step, GiveUp):
                     workflow.logger.info("giving up after attempt %d: %s", attempt, step.reason)
@@ -309,10 +467,48 @@ class InvokeWorkflow:
                     failed.error.type,
                     step.delay_s,
                 )
+                self._attempts[-1].backoff_ms = int(step.delay_s * 1000)
                 if step.avoid_instance:
                     tried.append(step.avoid_instance)
                 await workflow.sleep(step.delay_s)
                 attempt += 1
+
+    def _note(
+        self,
+        attempt: int,
+        instance_id: str | None,
+        outcome: str,
+        started_ms: int,
+        breaker: str | None,
+    ) -> None:
+        self._attempts.append(
+            AttemptInfo(
+                attempt=attempt,
+                instance_id=instance_id,
+                outcome=outcome,
+                duration_ms=max(0, self._now_ms() - started_ms),
+                breaker=breaker,
+            )
+        )
+
+    async def _store_step(
+        self, inp: InvokeInput, name: str, arg: Any, result_type: type[Any]
+    ) -> Any:
+        """A quick store step (claim, token): always a local activity, bounded on its own."""
+        try:
+            return await workflow.execute_local_activity(
+                name,
+                arg,
+                result_type=result_type,
+                schedule_to_close_timeout=STORE_STEP,
+                retry_policy=ONE_ATTEMPT,
+            )
+        except (ActivityError, ApplicationError, TimeoutError) as exc:
+            failed = _error_of(exc, None)
+            if failed.error.type == "timeout":
+                failed.error.type = "unavailable"
+                failed.error.message = f"the policy store did not answer ({name})"
+            raise failed from exc
 
     async def _run(
         self,
@@ -322,7 +518,7 @@ class InvokeWorkflow:
         result_type: type[Any],
         instance_id: str | None,
     ) -> Any:
-        remaining = inp.deadline_ms - self._now_ms()
+        remaining = self._deadline_ms - self._now_ms()
         if remaining <= 0:
             raise _Failed(
                 ErrorInfo(type="timeout", message="deadline reached", retryable=False), instance_id
@@ -350,7 +546,7 @@ class InvokeWorkflow:
             raise _error_of(exc, instance_id) from exc
 
     async def _await_late_answer(self, inp: InvokeInput, instance_id: str) -> InvokeResponse:
-        remaining = inp.deadline_ms - self._now_ms()
+        remaining = self._deadline_ms - self._now_ms()
         try:
             await workflow.wait_condition(
                 lambda: self._late is not None, timeout=timedelta(milliseconds=max(1, remaining))

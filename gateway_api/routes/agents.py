@@ -31,9 +31,28 @@ class CapabilityList(BaseModel):
     capabilities: list[CapabilitySummary]
 
 
+class BreakerDetail(BaseModel):
+    status: str
+    failures: int
+    retry_after_s: float
+
+
+class PolicyDetail(BaseModel):
+    """The policy state every gateway and worker shares for this capability (R14, R15)."""
+
+    breaker: BreakerDetail
+    ejected: dict[str, float] = Field(
+        default_factory=dict, description="Instances out of routing, with seconds left."
+    )
+    limiter: dict[str, float] = Field(
+        default_factory=dict, description="Tokens now in each rate-limit bucket in use."
+    )
+
+
 class CapabilityDetail(BaseModel):
     name: str
     instances: list[InstanceRecord]
+    policy: PolicyDetail | None = None
     connections: dict[str, dict[str, int]] = Field(
         default_factory=dict,
         description="This gateway process's connections to the capability's instances, per "
@@ -131,5 +150,6 @@ async def get_capability(
     return CapabilityDetail(
         name=name,
         instances=await gateway.registry.instances(name),
+        policy=await gateway.policy_detail(name),
         connections=connections.stats_of(name) if connections is not None else {},
     )

@@ -1,8 +1,11 @@
-"""Policy engine: what a request may do, decided in one place (R6, R13, R23).
+"""Policy engine: what a request may do, decided in one place (R6, R13, R14, R15, R23).
 
 `plan_call` runs once at acceptance and its result travels in the workflow input, so a replay
-decides exactly as the original run did. `next_step` is the one question the workflow asks after
-a failed attempt. Both are pure functions: no I/O, no clock, safe inside workflow code.
+decides exactly as the original run did. `refine_plan` folds in what the agents declared at
+Join (learnt at resolve, recorded in history), wherever configuration left a field open.
+`next_step` is the one question the workflow asks after a failed attempt. All three are pure:
+no I/O, no clock, safe inside workflow code. The shared state (breakers, ejections, buckets)
+is `reach.policy.state`; `reach.policy.engine` puts the two together for the activities.
 """
 
 from __future__ import annotations
@@ -22,20 +25,86 @@ def plan_call(
     idempotency_key: str | None,
     mode: CapabilityMode = "inline",
 ) -> CallPlan:
+    """The plan from configuration: operation settings over capability settings over defaults.
+
+    The deadline is the shorter of the caller's `timeout_ms` and the operation's timeout (R23);
+    `default_timeout_ms` applies only when the caller gives none.
+    """
     op = policy.operations.get(f"{capability}:{operation}")
-    declared = op.idempotent if op and op.idempotent is not None else None
-    idempotent = declared if declared is not None else operation in policy.idempotent_operations
-    if timeout_ms is None:
-        timeout_ms = op.timeout_ms if op and op.timeout_ms else policy.default_timeout_ms
-    # Non-idempotent operations are retried only when the caller gave a key to dedupe on (R13).
-    retries = policy.default_retry if (idempotent or idempotency_key) else 0
+    cap = policy.capabilities.get(capability)
+    idempotent: bool | None = None
+    op_timeout: int | None = None
+    for layer in (op, cap):
+        if layer is None:
+            continue
+        if idempotent is None:
+            idempotent = layer.idempotent
+        if op_timeout is None:
+            op_timeout = layer.timeout_ms
+    if idempotent is None and operation in policy.idempotent_operations:
+        idempotent = True
+    retry = policy.retry_for(capability, operation)
+    configured_timeout = op_timeout is not None
+    if op_timeout is not None:
+        chosen = min(timeout_ms, op_timeout) if timeout_ms is not None else op_timeout
+    else:  # the default is for callers who do not say; it caps nobody
+        chosen = timeout_ms if timeout_ms is not None else policy.default_timeout_ms
+    safe = bool(idempotent) or idempotency_key is not None
     return CallPlan(
-        timeout_ms=timeout_ms,
-        idempotent=idempotent,
-        max_retries=retries,
-        backoff_s=list(policy.backoff_s),
+        timeout_ms=chosen,
+        idempotent=bool(idempotent),
+        # Non-idempotent operations are retried only when the caller gave a key (R13).
+        max_retries=retry.max_retries if safe else 0,
         mode=mode,
+        backoff_base_ms=retry.backoff_base_ms,
+        backoff_multiplier=retry.backoff_multiplier,
+        backoff_cap_ms=retry.backoff_cap_ms,
+        jitter=retry.jitter,
+        idempotent_configured=idempotent is not None,
+        timeout_configured=configured_timeout,
+        retries_if_idempotent=retry.max_retries,
+        caller_timeout_ms=timeout_ms,
     )
+
+
+def refine_plan(
+    plan: CallPlan,
+    *,
+    declared_idempotent: bool | None,
+    declared_timeout_ms: int | None,
+    accepted_at_ms: int,
+    deadline_ms: int,
+) -> tuple[CallPlan, int]:
+    """Fold the agents' declarations into the plan where configuration was silent.
+
+    Returns the plan and the deadline (never later than the one fixed at acceptance).
+    """
+    if not plan.idempotent_configured and declared_idempotent is not None:
+        keyed_retries = plan.max_retries  # > 0 only when the caller gave a key
+        plan = plan.model_copy(
+            update={
+                "idempotent": declared_idempotent,
+                "max_retries": plan.retries_if_idempotent if declared_idempotent else keyed_retries,
+                "idempotent_configured": True,
+            }
+        )
+    if not plan.timeout_configured and declared_timeout_ms is not None:
+        limit = declared_timeout_ms
+        if plan.caller_timeout_ms is not None:
+            limit = min(limit, plan.caller_timeout_ms)
+        deadline_ms = min(deadline_ms, accepted_at_ms + limit)
+        plan = plan.model_copy(update={"timeout_ms": min(plan.timeout_ms, limit)})
+    return plan, deadline_ms
+
+
+def backoff_s(plan: CallPlan, attempt: int, rand: float = 0.0) -> float:
+    """The wait after failed attempt `attempt` (1-based); `rand` in [0, 1) draws the jitter."""
+    if plan.backoff_base_ms is None:  # a plan from before exponential settings
+        listed = plan.backoff_s or [1.0]
+        return listed[min(attempt - 1, len(listed) - 1)]
+    grown = plan.backoff_base_ms * plan.backoff_multiplier ** min(attempt - 1, 64)
+    delay_ms = min(float(plan.backoff_cap_ms), grown)
+    return delay_ms * (1.0 - plan.jitter * rand) / 1000
 
 
 @dataclass(frozen=True)
@@ -57,14 +126,16 @@ def next_step(
     failed_instance: str | None,
     now_ms: int,
     deadline_ms: int,
+    rand: float = 0.0,
 ) -> Retry | GiveUp:
     """After attempt number `attempt` (1-based) failed: try again, or give up and report."""
     if not retryable:
         return GiveUp("the error is not retryable")
     if attempt > plan.max_retries:
+        if plan.max_retries == 0 and not plan.idempotent:
+            return GiveUp("the operation is not idempotent and the request has no idempotency_key")
         return GiveUp(f"{plan.max_retries} retries used")
-    backoff = plan.backoff_s or [1.0]
-    delay = backoff[min(attempt - 1, len(backoff) - 1)]
+    delay = backoff_s(plan, attempt, rand)
     if now_ms + delay * 1000 >= deadline_ms:
         return GiveUp("no time left before the deadline for another attempt")
     return Retry(delay_s=delay, avoid_instance=failed_instance)

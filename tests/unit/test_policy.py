@@ -1,22 +1,39 @@
 from __future__ import annotations
 
-from reach.config import OperationSettings, PolicySettings
-from reach.policy import GiveUp, Retry, next_step, plan_call
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reach.config import (
+    CapabilityPolicySettings,
+    ConfigError,
+    OperationSettings,
+    PolicySettings,
+    RetrySettings,
+    load_settings,
+)
+from reach.invocation import CallPlan
+from reach.policy import GiveUp, Retry, backoff_s, next_step, plan_call, refine_plan
+
+POLICY = PolicySettings(
+    operations={
+        "knowledge-retriever:query": OperationSettings(timeout_ms=3000, idempotent=True),
+        "content-generator:generate": OperationSettings(timeout_ms=30000),
+        "indexer:rebuild": OperationSettings(idempotent=True),
+    },
+    capabilities={
+        "indexer": CapabilityPolicySettings(
+            timeout_ms=9000, retry=RetrySettings(max_retries=4, backoff_base_ms=100)
+        )
+    },
+)
 
 
-def plan(operation: str, key: str | None = None, timeout_ms: int | None = None) -> object:
-    policy = PolicySettings(
-        operations={
-            "knowledge-retriever:query": OperationSettings(timeout_ms=3000),
-            "content-generator:generate": OperationSettings(timeout_ms=30000),
-            "indexer:rebuild": OperationSettings(idempotent=True),
-        }
-    )
-    capability = {"query": "knowledge-retriever", "generate": "content-generator"}.get(
-        operation, "indexer"
-    )
+def plan(
+    capability: str, operation: str, key: str | None = None, timeout_ms: int | None = None
+) -> CallPlan:
     return plan_call(
-        policy,
+        POLICY,
         capability=capability,
         operation=operation,
         timeout_ms=timeout_ms,
@@ -24,36 +41,40 @@ def plan(operation: str, key: str | None = None, timeout_ms: int | None = None) 
     )
 
 
-def test_idempotent_operations_retry_twice_others_never() -> None:
-    q = plan_call(
-        PolicySettings(), capability="c", operation="query", timeout_ms=None, idempotency_key=None
-    )
+def test_only_declared_idempotent_operations_retry_without_a_key() -> None:
+    q = plan("knowledge-retriever", "query")
     assert (q.idempotent, q.max_retries) == (True, 2)
-    w = plan_call(
-        PolicySettings(), capability="c", operation="create", timeout_ms=None, idempotency_key=None
-    )
-    assert (w.idempotent, w.max_retries) == (False, 0)
-    keyed = plan_call(
-        PolicySettings(), capability="c", operation="create", timeout_ms=None, idempotency_key="k"
-    )
-    assert keyed.max_retries == 2
+    # Nobody declared `query` idempotent for this capability: not retried.
+    other = plan("c", "query")
+    assert (other.idempotent, other.max_retries, other.idempotent_configured) == (False, 0, False)
+    keyed = plan("c", "create", key="k")
+    assert (keyed.idempotent, keyed.max_retries) == (False, 2)
 
 
-def test_per_operation_timeouts_and_declared_idempotency() -> None:
-    assert plan("query").timeout_ms == 3000  # type: ignore[attr-defined]
-    assert plan("generate").timeout_ms == 30000  # type: ignore[attr-defined]
-    assert plan("other").timeout_ms == 5000  # type: ignore[attr-defined]
-    assert plan("query", timeout_ms=1).timeout_ms == 1  # type: ignore[attr-defined]
-    assert plan("rebuild").idempotent is True  # type: ignore[attr-defined]
+def test_deadline_is_the_shorter_of_caller_and_operation() -> None:
+    assert plan("knowledge-retriever", "query").timeout_ms == 3000
+    assert plan("content-generator", "generate").timeout_ms == 30000
+    assert plan("c", "other").timeout_ms == 5000
+    assert plan("knowledge-retriever", "query", timeout_ms=1).timeout_ms == 1
+    # A caller cannot stretch an operation past its configured timeout (R23).
+    assert plan("knowledge-retriever", "query", timeout_ms=60_000).timeout_ms == 3000
+    # Without an operation timeout, the caller's own stands, longer than the default too.
+    assert plan("c", "other", timeout_ms=60_000).timeout_ms == 60_000
+
+
+def test_operation_settings_over_capability_settings_over_defaults() -> None:
+    rebuild = plan("indexer", "rebuild")
+    assert (rebuild.idempotent, rebuild.timeout_ms, rebuild.max_retries) == (True, 9000, 4)
+    assert rebuild.backoff_base_ms == 100
 
 
 def test_backoff_is_1_2_4_seconds_then_gives_up() -> None:
     p = plan_call(
         PolicySettings(default_retry=3),
-        capability="c",
+        capability="knowledge-retriever",
         operation="query",
         timeout_ms=60_000,
-        idempotency_key=None,
+        idempotency_key="k",
     )
     delays = []
     for attempt in (1, 2, 3):
@@ -70,10 +91,37 @@ def test_backoff_is_1_2_4_seconds_then_gives_up() -> None:
     assert isinstance(last, GiveUp)
 
 
-def test_no_retry_for_permanent_errors_or_without_time() -> None:
-    p = plan_call(
-        PolicySettings(), capability="c", operation="query", timeout_ms=5000, idempotency_key=None
+def test_backoff_is_capped_and_jitter_only_shortens() -> None:
+    p = CallPlan(
+        timeout_ms=1,
+        idempotent=True,
+        max_retries=9,
+        backoff_base_ms=1000,
+        backoff_multiplier=3.0,
+        backoff_cap_ms=5000,
+        jitter=0.5,
     )
+    assert [backoff_s(p, a) for a in (1, 2, 3, 4)] == [1.0, 3.0, 5.0, 5.0]
+    assert backoff_s(p, 2, rand=0.999) == pytest.approx(1.5015)
+
+
+def test_plans_recorded_before_exponential_backoff_keep_their_list() -> None:
+    old = CallPlan.model_validate(
+        {"timeout_ms": 5000, "idempotent": True, "max_retries": 2, "backoff_s": [1, 5]}
+    )
+    assert [backoff_s(old, a) for a in (1, 2, 3)] == [1.0, 5.0, 5.0]
+    # Nothing learnt from agents may change an old plan.
+    assert refine_plan(
+        old,
+        declared_idempotent=False,
+        declared_timeout_ms=10,
+        accepted_at_ms=0,
+        deadline_ms=5000,
+    ) == (old, 5000)
+
+
+def test_no_retry_for_permanent_errors_or_without_time() -> None:
+    p = plan("knowledge-retriever", "query", timeout_ms=5000)
     assert isinstance(
         next_step(p, attempt=1, retryable=False, failed_instance=None, now_ms=0, deadline_ms=5000),
         GiveUp,
@@ -83,3 +131,123 @@ def test_no_retry_for_permanent_errors_or_without_time() -> None:
     )
     assert isinstance(late, GiveUp)
     assert "deadline" in late.reason
+    unsafe = next_step(
+        plan("c", "create"),
+        attempt=1,
+        retryable=True,
+        failed_instance=None,
+        now_ms=0,
+        deadline_ms=5000,
+    )
+    assert isinstance(unsafe, GiveUp)
+    assert "idempotency_key" in unsafe.reason
+
+
+def test_declarations_fill_what_configuration_left_open() -> None:
+    open_plan = plan("c", "query", timeout_ms=60_000)
+    refined, deadline = refine_plan(
+        open_plan,
+        declared_idempotent=True,
+        declared_timeout_ms=3000,
+        accepted_at_ms=1000,
+        deadline_ms=61_000,
+    )
+    assert (refined.idempotent, refined.max_retries, refined.timeout_ms) == (True, 2, 3000)
+    assert deadline == 4000
+    # Configuration wins over a declaration.
+    configured = plan("knowledge-retriever", "query")
+    again, deadline = refine_plan(
+        configured,
+        declared_idempotent=False,
+        declared_timeout_ms=100,
+        accepted_at_ms=0,
+        deadline_ms=3000,
+    )
+    assert (again.idempotent, again.max_retries, deadline) == (True, 2, 3000)
+
+
+def test_a_wrong_policy_field_is_a_start_up_error_naming_it(tmp_path: object) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "reach.yaml"
+    path.write_text("reach:\n  policy:\n    circuit_breaker:\n      error_treshold: 3\n")
+    with pytest.raises(ConfigError, match=r"policy\.circuit_breaker\.error_treshold"):
+        load_settings(path)
+    path.write_text("reach:\n  policy:\n    operations:\n      query: {timeout_ms: 5}\n")
+    with pytest.raises(ConfigError, match="capability:operation"):
+        load_settings(path)
+    path.write_text(
+        "reach:\n  policy:\n    capabilities:\n      c:\n        rate_limit:\n"
+        "          on_limit: wait\n"
+    )
+    with pytest.raises(ConfigError, match=r"policy\.capabilities\.c\.rate_limit\.on_limit"):
+        load_settings(path)
+
+
+# -- properties ---------------------------------------------------------------------------------
+
+plans = st.builds(
+    CallPlan,
+    timeout_ms=st.integers(1, 10**7),
+    idempotent=st.booleans(),
+    max_retries=st.integers(0, 10),
+    backoff_base_ms=st.integers(1, 60_000),
+    backoff_multiplier=st.floats(1.0, 10.0),
+    backoff_cap_ms=st.integers(1, 600_000),
+    jitter=st.floats(0.0, 1.0),
+)
+
+
+@given(
+    policy_retry=st.integers(0, 10),
+    configured=st.sampled_from([None, True, False]),
+    declared=st.sampled_from([None, True, False]),
+    attempt=st.integers(1, 12),
+)
+def test_no_plan_ever_retries_a_non_idempotent_keyless_request(
+    policy_retry: int, configured: bool | None, declared: bool | None, attempt: int
+) -> None:
+    policy = PolicySettings(
+        default_retry=policy_retry,
+        operations={"c:op": OperationSettings(idempotent=configured)},
+    )
+    p = plan_call(policy, capability="c", operation="op", timeout_ms=None, idempotency_key=None)
+    p, deadline = refine_plan(
+        p,
+        declared_idempotent=declared,
+        declared_timeout_ms=None,
+        accepted_at_ms=0,
+        deadline_ms=10**9,
+    )
+    step = next_step(
+        p, attempt=attempt, retryable=True, failed_instance=None, now_ms=0, deadline_ms=deadline
+    )
+    if not p.idempotent:
+        assert isinstance(step, GiveUp)
+    # Idempotent means configured so, or (configuration silent) declared so.
+    assert p.idempotent == (configured if configured is not None else bool(declared))
+
+
+@given(
+    p=plans,
+    attempt=st.integers(1, 12),
+    now_ms=st.integers(0, 10**9),
+    left_ms=st.integers(-1000, 10**8),
+    rand=st.floats(0.0, 0.999999),
+)
+def test_a_retry_never_waits_past_the_deadline(
+    p: CallPlan, attempt: int, now_ms: int, left_ms: int, rand: float
+) -> None:
+    step = next_step(
+        p,
+        attempt=attempt,
+        retryable=True,
+        failed_instance="i",
+        now_ms=now_ms,
+        deadline_ms=now_ms + left_ms,
+        rand=rand,
+    )
+    if isinstance(step, Retry):
+        assert attempt <= p.max_retries
+        assert 0 < step.delay_s * 1000 <= p.backoff_cap_ms
+        assert now_ms + step.delay_s * 1000 < now_ms + left_ms

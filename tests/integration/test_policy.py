@@ -1,0 +1,483 @@
+"""The policy engine, counted the way Dapr's resiliency suite counts: agent calls in a ledger.
+
+Real gateways and agent processes over real sockets; the agents (examples/knowledge_retriever.py)
+append `<request_id> <instance_id>` to a ledger for every execution, failed ones included, so
+every assertion below is an exact number of downstream calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import new_stack
+from tests.helpers import (
+    Agent,
+    CallbackReceiver,
+    Gateway,
+    Stack,
+    Worker,
+    start_agents,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+# Short backoffs keep the suite quick; the arithmetic (1 + retries) is what is tested.
+FAST = {"REACH_POLICY__RETRY__BACKOFF_BASE_MS": "200"}
+
+
+def calls(ledger: Path, request_id: str | None = None) -> list[str]:
+    """The instances that executed `request_id` (or anything), in order."""
+    if not ledger.exists():
+        return []
+    rows = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
+    return [inst for rid, inst in rows if request_id is None or rid == request_id]
+
+
+async def invoke(
+    http: httpx.AsyncClient, gateway: Gateway, capability: str, operation: str, **body: Any
+) -> httpx.Response:
+    headers = {"X-Reach-Caller": body.pop("caller")} if "caller" in body else {}
+    return await http.post(
+        f"{gateway.url}/reach/invoke",
+        json={"target": capability, "operation": operation, "payload": {}, **body},
+        headers=headers,
+    )
+
+
+def rid() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+async def fast_gateway(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    stack = new_stack(temporal_server, tmp_path_factory.mktemp("policy"), extra=dict(FAST))
+    gw = Gateway(stack)
+    try:
+        yield await gw.ready()
+    finally:
+        gw.proc.stop()
+
+
+async def test_idempotent_op_failing_twice_then_succeeding_takes_exactly_three_calls(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    # The agents fail the first two calls (counted over all three), then succeed.
+    await start_agents(
+        fast_gateway, capability, 3, "--ledger", str(ledger), "--fail-first", "2", "--fail-shared"
+    )
+    request_id = rid()
+    r = await invoke(http, fast_gateway, capability, "query", request_id=request_id)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "success"
+    assert len(calls(ledger, request_id)) == 3
+    assert len(set(calls(ledger, request_id))) == 3  # every attempt on another instance
+    attempts = body["attempts"]
+    assert [a["outcome"] for a in attempts] == ["agent_error", "agent_error", "success"]
+    assert [a.get("backoff_ms") for a in attempts] == [200, 400, None]
+    assert [a["instance_id"] for a in attempts] == calls(ledger, request_id)
+
+
+async def test_always_failing_takes_one_plus_default_retry_calls_then_the_last_error(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    await start_agents(fast_gateway, capability, 1, "--ledger", str(ledger), "--fail-first", "99")
+    request_id = rid()
+    r = await invoke(http, fast_gateway, capability, "query", request_id=request_id)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["type"] == "agent_error"
+    assert len(calls(ledger, request_id)) == 1 + 2
+
+
+async def test_non_idempotent_failing_is_called_once_and_retried_only_with_a_key(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    # Two instances, each failing its first call.
+    await start_agents(fast_gateway, capability, 2, "--ledger", str(ledger), "--fail-first", "1")
+    bare = rid()
+    r = await invoke(http, fast_gateway, capability, "create", request_id=bare)
+    assert r.status_code == 502, r.text
+    assert len(calls(ledger, bare)) == 1
+    keyed = rid()
+    r = await invoke(
+        http, fast_gateway, capability, "create", request_id=keyed, idempotency_key="order-1"
+    )
+    assert r.status_code == 200, r.text
+    # Round robin sends it to the other instance, whose first call fails; the retry goes to
+    # the instance that already failed once and is past it.
+    made = calls(ledger, keyed)
+    assert len(made) == 2
+    assert len(set(made)) == 2
+    assert [a["outcome"] for a in r.json()["attempts"]] == ["agent_error", "success"]
+
+
+async def test_an_agent_4xx_is_called_exactly_once(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    await start_agents(
+        fast_gateway,
+        capability,
+        2,
+        "--ledger",
+        str(ledger),
+        "--fail-first",
+        "9",
+        "--fail-status",
+        "422",
+    )
+    request_id = rid()
+    r = await invoke(http, fast_gateway, capability, "query", request_id=request_id)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["agent"]["status"] == 422
+    assert len(calls(ledger, request_id)) == 1
+
+
+async def test_same_key_other_payload_is_409_with_no_call(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    await start_agents(fast_gateway, capability, 1, "--ledger", str(ledger))
+    key = f"k-{uuid.uuid4().hex}"
+    first = await invoke(
+        http, fast_gateway, capability, "create", payload={"note": "a"}, idempotency_key=key
+    )
+    assert first.status_code == 200, first.text
+    other = rid()
+    r = await invoke(
+        http,
+        fast_gateway,
+        capability,
+        "create",
+        request_id=other,
+        payload={"note": "b"},
+        idempotency_key=key,
+    )
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["type"] == "idempotency_conflict"
+    assert calls(ledger, other) == []
+    assert len(calls(ledger)) == 1
+    # Another caller's same key is another key.
+    r = await invoke(
+        http,
+        fast_gateway,
+        capability,
+        "create",
+        payload={"note": "b"},
+        idempotency_key=key,
+        caller="someone-else",
+    )
+    assert r.status_code == 200, r.text
+    assert len(calls(ledger)) == 2
+
+
+async def test_a_key_freed_when_nothing_was_sent(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    """A keyed request that reached no agent keeps no result: the same key runs later."""
+    ledger = tmp_path / "ledger.txt"
+    [agent] = await start_agents(fast_gateway, capability, 1, "--ledger", str(ledger))
+    agent.proc.stop()  # leaves: the capability stays known, with no instance
+    await asyncio.sleep(0.5)
+    key = f"k-{uuid.uuid4().hex}"
+    r = await invoke(http, fast_gateway, capability, "create", idempotency_key=key)
+    assert r.status_code == 503, r.text
+    await start_agents(fast_gateway, capability, 1, "--ledger", str(ledger))
+    r = await invoke(http, fast_gateway, capability, "create", idempotency_key=key)
+    assert r.status_code == 200, r.text
+    assert "replayed_from" not in r.json()
+
+
+async def test_per_operation_timeouts_differ_against_the_same_slow_agent(
+    temporal_server: str, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    # reach.yaml: knowledge-retriever:query 3 s, content-generator:generate 30 s.
+    gw = await Gateway(new_stack(temporal_server, tmp_path)).ready()
+    for cap in ("knowledge-retriever", "content-generator"):
+        await Agent(gw, f"{cap}-slow", cap, "--delay-ms", "4500").ready()
+    # The caller asks for a minute; the operation's 3 s is the deadline.
+    r = await invoke(http, gw, "knowledge-retriever", "query", timeout_ms=60_000)
+    assert r.status_code == 504, r.text
+    assert "timeout_ms=3000" in r.json()["error"]["message"]
+    assert 2500 <= r.json()["duration_ms"] < 30_000  # 3 s, not the minute asked for
+    r = await invoke(http, gw, "content-generator", "generate", payload={"prompt": "durable"})
+    assert r.status_code == 200, r.text
+    assert r.json()["duration_ms"] >= 4500
+
+
+async def test_an_unknown_outcome_says_so(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(fast_gateway, capability, 1, "--delay-ms", "3000")
+    r = await invoke(http, fast_gateway, capability, "create", timeout_ms=800)
+    assert r.status_code == 504, r.text
+    error = r.json()["error"]
+    assert error["outcome_unknown"] is True
+    assert "idempotency_key" in error["message"]
+    # An idempotent one can simply be asked again: no such warning.
+    r = await invoke(http, fast_gateway, capability, "query", timeout_ms=800)
+    assert r.status_code == 504, r.text
+    assert "outcome_unknown" not in r.json()["error"]
+
+
+# -- shared through Redis: two gateways, one deployment --------------------------------------
+
+
+def redis_stack(temporal: str, tmp: Path, prefix: str, **extra: str) -> Stack:
+    return new_stack(
+        temporal,
+        tmp,
+        registry="redis",
+        key_prefix=prefix,
+        heartbeat_timeout=30.0,
+        extra={**FAST, **extra},
+    )
+
+
+async def test_one_key_two_gateways_one_execution_same_result(
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    stack = redis_stack(temporal_server, tmp_path, redis_prefix)
+    a, b = await asyncio.gather(Gateway(stack, "a").ready(), Gateway(stack, "b").ready())
+    ledger = tmp_path / "ledger.txt"
+    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    await start_agents(a, cap, 2, "--ledger", str(ledger), "--delay-ms", "500")
+    key = f"k-{uuid.uuid4().hex}"
+    first, second = rid(), rid()
+    r1, r2 = await asyncio.gather(
+        invoke(http, a, cap, "create", request_id=first, payload={"n": 1}, idempotency_key=key),
+        invoke(http, b, cap, "create", request_id=second, payload={"n": 1}, idempotency_key=key),
+    )
+    assert r1.status_code == r2.status_code == 200, (r1.text, r2.text)
+    assert len(calls(ledger)) == 1
+    assert r1.json()["result"] == r2.json()["result"]
+    replayed = [r.json() for r in (r1, r2) if "replayed_from" in r.json()]
+    assert len(replayed) == 1
+    assert r2.headers.get("Idempotent-Replayed") == "true" or r1.headers.get(
+        "Idempotent-Replayed"
+    ) == ("true")
+    # Later, under a third request_id, through either gateway: still the first result.
+    r3 = await invoke(
+        http, b, cap, "create", request_id=rid(), payload={"n": 1}, idempotency_key=key
+    )
+    assert r3.json()["result"] == r1.json()["result"]
+    assert len(calls(ledger)) == 1
+
+
+async def test_sigkilled_gateway_mid_write_executes_once_across_three_instances(
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    stack = redis_stack(temporal_server, tmp_path, redis_prefix)
+    doomed = Gateway(stack, "doomed")  # eager start: the call runs in this process
+    api = Gateway(stack, "api", worker=False)
+    survivor = Worker(stack)
+    await asyncio.gather(doomed.ready(), api.ready(), survivor.ready())
+    ledger = tmp_path / "ledger.txt"
+    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    await start_agents(api, cap, 3, "--ledger", str(ledger), "--delay-ms", "2000")
+    async with CallbackReceiver() as receiver:
+        request_id = rid()
+        r = await invoke(
+            http,
+            doomed,
+            cap,
+            "create",
+            request_id=request_id,
+            timeout_ms=60_000,
+            callback=receiver.url,
+        )
+        assert r.status_code == 202, r.text
+
+        async def started() -> bool:
+            return bool(calls(ledger, request_id))
+
+        await wait_until(started, 10, every_s=0.02)
+        doomed.proc.kill()
+        await receiver.wait(1, timeout_s=45)
+        assert len(receiver.received) == 1, survivor.proc.output()
+        envelope = receiver.received[0][1]
+        assert envelope["status"] == "success", envelope
+    # Re-run by the survivor, the same attempt went back to the same instance, which answered
+    # from its memory: one execution, not one per instance.
+    assert calls(ledger, request_id) == [envelope["result"]["instance_id"]]
+
+
+async def test_breaker_opens_after_three_is_shared_and_a_probe_closes_it(
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    stack = redis_stack(
+        temporal_server,
+        tmp_path,
+        redis_prefix,
+        REACH_POLICY__RETRY__MAX_RETRIES="0",
+        REACH_POLICY__CIRCUIT_BREAKER__OPEN_DURATION_MS="2000",
+    )
+    a, b = await asyncio.gather(Gateway(stack, "a").ready(), Gateway(stack, "b").ready())
+    ledger = tmp_path / "ledger.txt"
+    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    await start_agents(a, cap, 1, "--ledger", str(ledger), "--fail-first", "3")
+    for _ in range(3):
+        r = await invoke(http, a, cap, "query")
+        assert r.status_code == 502, r.text
+    assert len(calls(ledger)) == 3
+    # Open: fast 503s with Retry-After, through either gateway, and no call reaches the agent.
+    for gw in (a, b, a, b):
+        started = time.monotonic()
+        r = await invoke(http, gw, cap, "query")
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "circuit_open"
+        assert int(r.headers["Retry-After"]) >= 1
+        assert time.monotonic() - started < 1.0
+    assert len(calls(ledger)) == 3
+    detail = (await http.get(f"{b.url}/reach/capabilities/{cap}")).json()
+    assert detail["policy"]["breaker"]["status"] == "open"
+    await asyncio.sleep(2.2)
+    # Half-open: one probe reaches the (now healthy) agent; its success closes the breaker.
+    r = await invoke(http, b, cap, "query")
+    assert r.status_code == 200, r.text
+    assert r.json()["attempts"][0]["breaker"] == "half_open"
+    assert len(calls(ledger)) == 4
+    for gw in (a, b):
+        r = await invoke(http, gw, cap, "query")
+        assert r.status_code == 200, r.text
+    assert len(calls(ledger)) == 6
+    detail = (await http.get(f"{a.url}/reach/capabilities/{cap}")).json()
+    assert detail["policy"]["breaker"]["status"] == "closed"
+
+
+async def test_a_dead_but_registered_instance_is_ejected_then_costs_nothing(
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    stack = redis_stack(
+        temporal_server,
+        tmp_path,
+        redis_prefix,
+        REACH_POLICY__OUTLIER__BASE_EJECTION_MS="4000",
+    )
+    gw = await Gateway(stack).ready()
+    ledger = tmp_path / "ledger.txt"
+    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    agents = await start_agents(gw, cap, 3, "--ledger", str(ledger))
+    dead = agents[0]
+    dead.proc.kill()  # still registered until its heartbeat expires (30 s here)
+    # Until it is ejected (3 failures in a row), a request routed there pays one failed attempt.
+    paid = 0
+    for _ in range(12):
+        r = await invoke(http, gw, cap, "query")
+        assert r.status_code == 200, r.text
+        paid += len(r.json()["attempts"]) - 1
+    assert paid == 3
+    detail = (await http.get(f"{gw.url}/reach/capabilities/{cap}")).json()
+    assert dead.instance_id in detail["policy"]["ejected"]
+    before = len(calls(ledger))
+    for _ in range(9):
+        r = await invoke(http, gw, cap, "query")
+        assert r.status_code == 200, r.text
+        # One attempt each: no failed call, no backoff paid for the dead instance.
+        assert len(r.json()["attempts"]) == 1
+        assert r.json()["instance_id"] != dead.instance_id
+    assert len(calls(ledger)) == before + 9
+    # It comes back by itself: restarted, it gets traffic once the ejection ends.
+    await Agent(gw, dead.instance_id, cap, "--ledger", str(ledger)).ready()
+    await asyncio.sleep(4.0)
+
+    async def served_again() -> bool:
+        r = await invoke(http, gw, cap, "query")
+        return bool(r.json().get("instance_id") == dead.instance_id)
+
+    await wait_until(served_again, 15, every_s=0.05)
+
+
+async def test_rate_limit_60_a_minute_per_caller_across_two_gateways(
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    stack = redis_stack(
+        temporal_server,
+        tmp_path,
+        redis_prefix,
+        REACH_POLICY__RATE_LIMIT__PER_CALLER__PER_MINUTE="60",
+    )
+    a, b = await asyncio.gather(Gateway(stack, "a").ready(), Gateway(stack, "b").ready())
+    ledger = tmp_path / "ledger.txt"
+    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    await start_agents(a, cap, 1, "--ledger", str(ledger))
+    # Sequentially until the first refusal: 60 tokens to start with, one more a second, so a
+    # slow box may have earned a few while it sent them.
+    served = 0
+    started = time.monotonic()
+    while True:
+        r = await invoke(http, (a, b)[served % 2], cap, "query", caller="orchestrator")
+        if r.status_code != 200:
+            break
+        served += 1
+    elapsed = time.monotonic() - started
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["type"] == "rate_limited"
+    assert int(r.headers["Retry-After"]) >= 1
+    assert 60 <= served <= 60 + int(elapsed) + 1
+    # Nothing refused reached the agent; another caller has a bucket of its own.
+    assert len(calls(ledger)) == served
+    r = await invoke(http, b, cap, "query", caller="someone-else")
+    assert r.status_code == 200, r.text
+    assert len(calls(ledger)) == served + 1
+
+
+async def test_queued_requests_wait_for_a_token_and_survive_a_gateway_sigkill(
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    stack = redis_stack(
+        temporal_server,
+        tmp_path,
+        redis_prefix,
+        REACH_POLICY__RATE_LIMIT__PER_CALLER__PER_MINUTE="10",  # one token every 6 s
+        REACH_POLICY__RATE_LIMIT__PER_CALLER__BURST="1",
+        REACH_POLICY__RATE_LIMIT__ON_LIMIT="queue",
+    )
+    doomed = Gateway(stack, "doomed")
+    api = Gateway(stack, "api", worker=False)
+    survivor = Worker(stack)
+    await asyncio.gather(doomed.ready(), api.ready(), survivor.ready())
+    ledger = tmp_path / "ledger.txt"
+    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    await start_agents(api, cap, 1, "--ledger", str(ledger))
+    r = await invoke(http, doomed, cap, "query", caller="orchestrator")
+    assert r.status_code == 200, r.text  # the one token
+    # A synchronous request queues until its deadline, then 429.
+    r = await invoke(http, doomed, cap, "query", caller="orchestrator", timeout_ms=1000)
+    assert r.status_code == 429, r.text
+    assert r.json()["waited_ms"] >= 0
+    async with CallbackReceiver() as receiver:
+        queued = rid()
+        r = await invoke(
+            http,
+            doomed,
+            cap,
+            "query",
+            caller="orchestrator",
+            request_id=queued,
+            callback=receiver.url,
+            timeout_ms=5000,
+        )
+        assert r.status_code == 202, r.text
+        await asyncio.sleep(1.0)
+        assert calls(ledger, queued) == []  # still waiting for its token
+        doomed.proc.kill()
+        await receiver.wait(1, timeout_s=45)
+        assert len(receiver.received) == 1, survivor.proc.output()
+        envelope = receiver.received[0][1]
+        assert envelope["status"] == "success", envelope
+        assert envelope["waited_ms"] >= 2000
+        await asyncio.sleep(1.0)
+        assert len(receiver.received) == 1
+    assert len(calls(ledger, queued)) == 1
