@@ -20,6 +20,8 @@ from temporalio.client import (
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
@@ -62,6 +64,7 @@ from reach.invocation import (
 )
 from reach.limits import Limits
 from reach.messages import (
+    AttemptInfo,
     DeliveryState,
     ErrorInfo,
     InvokeRequest,
@@ -85,6 +88,8 @@ log = logging.getLogger("reach.gateway")
 
 # How long past its deadline a synchronous caller waits for the workflow's own verdict.
 SYNC_GRACE_S = 5.0
+# How long a status look-up waits for a running request's worker to list its attempts.
+QUERY_WAIT = timedelta(seconds=1)
 # How long a readiness probe waits for Temporal before calling it down.
 READY_CHECK_S = 2.0
 
@@ -326,6 +331,7 @@ class Gateway:
                 request_id=request_id,
                 status="running",
                 instance_id=desc.typed_search_attributes.get(SA_INSTANCE),
+                attempts=await self._attempts_so_far(handle),
             )
         else:
             response = await self._outcome(handle, self.rpc_timeout)
@@ -333,6 +339,15 @@ class Gateway:
         if original is not None and original.callback:
             response.delivery = await self._delivery(request_id, original.callback, response.status)
         return response
+
+    async def _attempts_so_far(self, handle: InvokeHandle) -> list[AttemptInfo] | None:
+        """A running request's attempts, asked of its worker; none when no worker answers soon
+        (a query needs one), which must not hold up the status itself."""
+        try:
+            attempts = await handle.query(InvokeWorkflow.attempts_so_far, rpc_timeout=QUERY_WAIT)
+        except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError):
+            return None
+        return attempts or None
 
     async def _delivery(self, request_id: str, url: str, status: str) -> DeliveryState:
         """The callback delivery's state, from its own workflow."""

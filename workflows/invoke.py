@@ -88,6 +88,7 @@ SEARCH_ATTRIBUTES = (SA_CALLER, SA_CAPABILITY, SA_OPERATION, SA_STATUS, SA_INSTA
 ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 # Requests accepted before callbacks had a workflow of their own deliver inline (replay only).
 PATCH_DELIVERY_WORKFLOW = "callback-delivery-workflow"
+QUERY_ATTEMPTS = "attempts"
 # Requests accepted before idempotency keys were claimed in the store skip the claim (replay).
 PATCH_IDEMPOTENCY_CLAIM = "idempotency-key-claim"
 # Errors that end a request before any agent was sent it: its idempotency key is freed.
@@ -167,6 +168,11 @@ class InvokeWorkflow:
                 f"the request already ended ({self._final.status}); its result is final",
                 type="request_closed",
             )
+
+    @workflow.query(name=QUERY_ATTEMPTS)
+    def attempts_so_far(self) -> list[AttemptInfo]:
+        """What a running request has tried so far (GET /reach/requests/{id} while running)."""
+        return list(self._attempts)
 
     @workflow.signal(name=SIGNAL_LATE_ANSWER)
     def late_answer(self, answer: LateAnswer) -> None:

@@ -30,7 +30,7 @@ from tests.helpers import (
 pytestmark = pytest.mark.integration
 
 # Short backoffs keep the suite quick; the arithmetic (1 + retries) is what is tested.
-FAST = {"REACH_POLICY__RETRY__BACKOFF_BASE_MS": "200"}
+FAST = {"REACH_POLICY__RETRY__BACKOFF_BASE_MS": "300"}
 
 
 def calls(ledger: Path, request_id: str | None = None) -> list[str]:
@@ -83,7 +83,7 @@ async def test_idempotent_op_failing_twice_then_succeeding_takes_exactly_three_c
     assert len(set(calls(ledger, request_id))) == 3  # every attempt on another instance
     attempts = body["attempts"]
     assert [a["outcome"] for a in attempts] == ["agent_error", "agent_error", "success"]
-    assert [a.get("backoff_ms") for a in attempts] == [200, 400, None]
+    assert [a.get("backoff_ms") for a in attempts] == [300, 600, None]
     assert [a["instance_id"] for a in attempts] == calls(ledger, request_id)
 
 
@@ -97,6 +97,28 @@ async def test_always_failing_takes_one_plus_default_retry_calls_then_the_last_e
     assert r.status_code == 502, r.text
     assert r.json()["error"]["type"] == "agent_error"
     assert len(calls(ledger, request_id)) == 1 + 2
+
+
+async def test_a_running_request_shows_its_attempts_so_far(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    await start_agents(fast_gateway, capability, 1, "--fail-first", "99")
+    async with CallbackReceiver() as receiver:
+        request_id = rid()
+        r = await invoke(
+            http, fast_gateway, capability, "query", request_id=request_id, callback=receiver.url
+        )
+        assert r.status_code == 202, r.text
+        seen: list[int] = []  # attempts listed while it was still running (in its backoffs)
+        while True:
+            body = (await http.get(f"{fast_gateway.url}/reach/requests/{request_id}")).json()
+            if body["status"] != "running":
+                break
+            seen.append(len(body.get("attempts", [])))
+            await asyncio.sleep(0.02)
+        assert body["status"] == "error"
+        assert len(body["attempts"]) == 3
+        assert set(seen) & {1, 2}, seen
 
 
 async def test_non_idempotent_failing_is_called_once_and_retried_only_with_a_key(

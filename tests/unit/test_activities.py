@@ -8,8 +8,10 @@ from temporalio.testing import ActivityEnvironment
 
 from activities import ReachActivities
 from connectors import ConnectorSet
-from reach.config import RegistrySettings
+from reach.config import CircuitBreakerSettings, OutlierSettings, PolicySettings, RegistrySettings
 from reach.invocation import ResolveInput
+from reach.policy.engine import PolicyEngine
+from reach.policy.state import MemoryPolicyState
 from reach.registry import HealthReport, JoinRequest, Registry
 from reach.routing import RoundRobin
 from reach.store import MemoryStore
@@ -23,7 +25,15 @@ async def acts() -> ReachActivities:
         await registry.join(
             JoinRequest(capability="cap", instance_id=name, service_address=f"{name}:1")
         )
-    return ReachActivities(registry, RoundRobin(store), ConnectorSet())
+    policy = PolicyEngine(
+        PolicySettings(
+            circuit_breaker=CircuitBreakerSettings(error_threshold=3, open_duration_ms=60_000),
+            outlier=OutlierSettings(consecutive_failures=2),
+        ),
+        MemoryPolicyState(),
+        refresh_s=0,
+    )
+    return ReachActivities(registry, RoundRobin(store), ConnectorSet(), policy)
 
 
 async def resolve(acts: ReachActivities, **kw: object) -> str:
@@ -58,3 +68,45 @@ async def test_unknown_capability_is_not_retryable(acts: ReachActivities) -> Non
         await resolve(acts, capability="nobody")
     assert err.value.type == "unknown_capability"
     assert err.value.details[0] == {"retryable": False}
+
+
+async def test_an_ejected_instance_is_skipped_but_never_the_last(acts: ReachActivities) -> None:
+    for _ in range(2):
+        await acts.policy.record("cap", "a", ok=False, probe=False)
+    assert {await resolve(acts, capability="cap") for _ in range(4)} == {"b"}
+    # With the only other instance excluded (a retry), the ejected one is still tried.
+    assert await resolve(acts, capability="cap", exclude=["b"]) == "a"
+    await acts.registry.heartbeat("b", HealthReport(status="unhealthy"))
+    assert await resolve(acts, capability="cap") == "a"
+
+
+async def test_an_open_breaker_refuses_before_routing(acts: ReachActivities) -> None:
+    for instance in ("a", "b", "a"):
+        await acts.policy.record("cap", instance, ok=False, probe=False)
+    with pytest.raises(ApplicationError) as err:
+        await resolve(acts, capability="cap")
+    assert err.value.type == "circuit_open"
+    assert err.value.details[0]["retry_after_s"] == 60
+    assert "no agent was called" in err.value.message
+
+
+async def test_a_re_run_attempt_goes_back_to_the_instance_it_was_pinned_to(
+    acts: ReachActivities,
+) -> None:
+    first = await resolve(acts, capability="cap", request_id="r1", attempt=1, deadline_ms=2**42)
+    # Round robin alone would alternate; the same attempt of the same request does not.
+    again = [
+        await resolve(acts, capability="cap", request_id="r1", attempt=1, deadline_ms=2**42)
+        for _ in range(3)
+    ]
+    assert again == [first] * 3
+    second = await resolve(
+        acts, capability="cap", request_id="r1", attempt=2, deadline_ms=2**42, exclude=[first]
+    )
+    assert {first, second} == {"a", "b"}
+    # A pinned instance that is gone is not waited for.
+    await acts.registry.heartbeat(first, HealthReport(status="unhealthy"))
+    assert (
+        await resolve(acts, capability="cap", request_id="r1", attempt=1, deadline_ms=2**42)
+        != first
+    )
