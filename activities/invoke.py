@@ -17,6 +17,7 @@ import httpx
 from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from connectors import ConnectorSet
 from reach.errors import (
@@ -63,6 +64,8 @@ def to_application_error(err: ReachError) -> ApplicationError:
     details: dict[str, Any] = {"retryable": err.retryable}
     if err.retry_after_s is not None:
         details["retry_after_s"] = err.retry_after_s
+    if err.outcome_unknown:
+        details["outcome_unknown"] = True
     if isinstance(err, AgentError) and err.fault is not None:
         details["agent"] = err.fault.model_dump(exclude_none=True)
     return ApplicationError(err.message, details, type=err.type, non_retryable=True)
@@ -88,6 +91,7 @@ class ReachActivities:
         self.connectors = connectors
         self.policy = policy
         self.client: Client | None = None  # set by the worker: following another request
+        self._recording: set[asyncio.Task[None]] = set()
         self._http = http or httpx.AsyncClient(trust_env=False)
 
     async def aclose(self) -> None:
@@ -175,7 +179,9 @@ class ReachActivities:
         ttl_s = max(1.0, (inp.deadline_ms - time.time() * 1000) / 1000) + PIN_MARGIN_S
         key = f"pin:{inp.request_id}:{inp.attempt}"
         owner = await self.policy.state.claim(key, chosen.instance_id, ttl_s)
-        if owner != chosen.instance_id and owner in live:
+        if owner == chosen.instance_id:
+            return chosen
+        if owner in live:
             log.info(
                 "request=%s attempt=%d goes back to %s, which got it first",
                 inp.request_id,
@@ -183,7 +189,17 @@ class ReachActivities:
                 owner,
             )
             return live[owner]
-        return chosen
+        if inp.movable:
+            return chosen
+        # Not idempotent, no key, and the instance that got it is gone: sending it elsewhere
+        # could run it twice. Say what is known instead.
+        raise TransportError(
+            f"instance {owner}, which was sent this request before a Reach process stopped, "
+            "is gone; it may have run it. The operation is not idempotent, so it is not sent "
+            "elsewhere: repeat it with an idempotency_key to be safe",
+            retryable=False,
+            outcome_unknown=True,
+        )
 
     @activity.defn(name=ACTIVITY_CLAIM_KEY)
     async def claim_key(self, inp: ClaimInput) -> ClaimOutcome:
@@ -218,6 +234,16 @@ class ReachActivities:
             raise to_application_error(
                 InternalError(f"request {inp.request_id} ended without a result: {exc.cause}")
             ) from exc
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            # Kept shorter by Temporal than the key by Reach (idempotency_retention_s).
+            raise to_application_error(
+                InternalError(
+                    f"request {inp.request_id}, which first used this idempotency_key, is no "
+                    "longer kept by Temporal; keep idempotency_retention_s within its retention"
+                )
+            ) from exc
 
     @activity.defn(name=ACTIVITY_TAKE_TOKEN)
     async def take_token(self, inp: TakeInput) -> float:
@@ -245,7 +271,13 @@ class ReachActivities:
         return reply
 
     async def _record(self, endpoint: Endpoint, ok: bool) -> None:
-        await self.policy.record(endpoint.capability, endpoint.instance_id, ok, endpoint.probe)
+        """Count the outcome without holding up the answer: a slow store must not turn a
+        success into a timeout (the task is kept until it ends)."""
+        task = asyncio.create_task(
+            self.policy.record(endpoint.capability, endpoint.instance_id, ok, endpoint.probe)
+        )
+        self._recording.add(task)
+        task.add_done_callback(self._recording.discard)
 
     @activity.defn(name=ACTIVITY_DELIVER_CALLBACK)
     async def deliver_callback(self, inp: CallbackInput) -> int:

@@ -60,6 +60,8 @@ from reach.invocation import (
     QueuePlan,
     answer_key,
     delivery_workflow_id,
+    idempotency_scope,
+    payload_fingerprint,
     same_request,
 )
 from reach.limits import Limits
@@ -240,7 +242,7 @@ class Gateway:
             return
         buckets = limit_buckets(limits, req.target, caller)
         wait_s = await self.engine.take(buckets)
-        if wait_s <= 0:
+        if wait_s <= 0 or await self._calls_no_agent(req, caller):
             return
         if limits.on_limit == "reject":
             raise RateLimited(
@@ -252,6 +254,28 @@ class Gateway:
         # synchronous one until its deadline, one with a callback up to max_queue_wait_ms.
         until = now_ms + (limits.max_queue_wait_ms if req.callback else plan.timeout_ms)
         plan.queue = QueuePlan(buckets=buckets, wait_until_ms=until)
+
+    async def _calls_no_agent(self, req: InvokeRequest, caller: str) -> bool:
+        """Whether a request the limiter would refuse is a repeat that calls no agent: its
+        request_id exists (it attaches), or its idempotency_key holds another request's result
+        for the same payload (it is replayed). Asked only when the limit is reached."""
+        if req.request_id and await self._exists(req.request_id):
+            return True
+        if not req.idempotency_key:
+            return False
+        probe = InvokeInput(
+            request_id="",
+            caller=caller,
+            target=req.target,
+            operation=req.operation,
+            payload=req.payload,
+            accepted_at_ms=0,
+            deadline_ms=0,
+            idempotency_key=req.idempotency_key,
+            plan=CallPlan(timeout_ms=1, idempotent=False, max_retries=0),
+        )
+        held = await self.engine.state.peek(idempotency_scope(probe))
+        return held is not None and held.partition(" ")[2] == payload_fingerprint(probe)
 
     async def _start(self, inp: InvokeInput) -> tuple[InvokeHandle, bool]:
         """The handle, and whether this call started the workflow (False: it attached)."""

@@ -29,8 +29,10 @@ from reach.limits import (
     TEMPORAL_PAYLOAD_LIMIT_BYTES,
     max_message_ceiling,
 )
+from reach.messages import MAX_TIMEOUT_MS
 
 DEFAULT_CONFIG_FILE = "reach.yaml"
+DAY_MS = 86_400_000
 CONFIG_ENV_VAR = "REACH_CONFIG"
 
 
@@ -92,9 +94,9 @@ class RetrySettings(_Section):
     """How a retryable failure is tried again (R13): exponential backoff on durable timers."""
 
     max_retries: int = Field(default=2, ge=0, le=10)
-    backoff_base_ms: int = Field(default=1000, ge=1, description="the first backoff")
+    backoff_base_ms: int = Field(default=1000, ge=1, le=DAY_MS, description="the first backoff")
     backoff_multiplier: float = Field(default=2.0, ge=1.0, le=10.0)
-    backoff_cap_ms: int = Field(default=30_000, ge=1, description="no backoff is longer")
+    backoff_cap_ms: int = Field(default=30_000, ge=1, le=DAY_MS, description="no backoff is longer")
     jitter: float = Field(
         default=0.0,
         ge=0.0,
@@ -117,7 +119,7 @@ class CircuitBreakerSettings(_Section):
         description="0: `error_threshold` consecutive failures open it; N: that many failures "
         "among the last N outcomes do",
     )
-    open_duration_ms: int = Field(default=10_000, ge=1)
+    open_duration_ms: int = Field(default=10_000, ge=1, le=DAY_MS)
     half_open_probes: int = Field(
         default=1, ge=1, le=100, description="requests let through after open_duration_ms"
     )
@@ -133,18 +135,20 @@ class OutlierSettings(_Section):
     """Per-instance ejection from routing after consecutive failures."""
 
     enabled: bool = True
-    consecutive_failures: int = Field(default=3, ge=1)
+    consecutive_failures: int = Field(default=3, ge=1, le=1000)
     base_ejection_ms: int = Field(
-        default=30_000, ge=1, description="first ejection; doubles with each repeat"
+        default=30_000, ge=1, le=DAY_MS, description="first ejection; doubles with each repeat"
     )
-    max_ejection_ms: int = Field(default=300_000, ge=1)
+    max_ejection_ms: int = Field(default=300_000, ge=1, le=DAY_MS)
 
 
 class LimitSettings(_Section):
     """A token bucket: `per_minute` tokens a minute, at most `burst` saved up."""
 
-    per_minute: float = Field(gt=0, le=6_000_000)
-    burst: int | None = Field(default=None, ge=1, description="defaults to per_minute")
+    per_minute: float = Field(gt=0, le=6_000_000, allow_inf_nan=False)
+    burst: int | None = Field(
+        default=None, ge=1, le=1_000_000_000, description="defaults to per_minute"
+    )
 
     @property
     def capacity(self) -> int:
@@ -160,6 +164,7 @@ class RateLimitSettings(_Section):
     max_queue_wait_ms: int = Field(
         default=3_600_000,
         ge=0,
+        le=7 * DAY_MS,
         description="how long a request with a callback may wait for a token (queue); a "
         "synchronous one waits at most until its deadline",
     )
@@ -168,7 +173,7 @@ class RateLimitSettings(_Section):
 class OperationSettings(_Section):
     """Per 'capability:operation' (R23); what is written here overrides what agents declare."""
 
-    timeout_ms: int | None = Field(default=None, ge=1)
+    timeout_ms: int | None = Field(default=None, ge=1, le=MAX_TIMEOUT_MS)
     idempotent: bool | None = None
     retry: RetrySettings | None = None
 
@@ -185,7 +190,7 @@ class PolicySettings(_Section):
     default_retry: int = Field(
         default=2, ge=0, le=10, description="retry.max_retries, where `retry` does not say"
     )
-    default_timeout_ms: int = Field(default=5000, ge=1)
+    default_timeout_ms: int = Field(default=5000, ge=1, le=MAX_TIMEOUT_MS)
     retry: RetrySettings | None = None
     idempotent_operations: list[str] = Field(
         default_factory=list,
@@ -196,6 +201,8 @@ class PolicySettings(_Section):
     idempotency_retention_s: float = Field(
         default=86_400.0,
         gt=0,
+        le=30 * 86_400,
+        allow_inf_nan=False,
         description="How long an idempotency_key keeps its first request's result.",
     )
     capabilities: dict[str, CapabilityPolicySettings] = Field(default_factory=dict)

@@ -93,11 +93,13 @@ class ReachError(Exception):
         *,
         retryable: bool | None = None,
         retry_after_s: int | None = None,
+        outcome_unknown: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.retryable = self.default_retryable if retryable is None else retryable
         self.retry_after_s = retry_after_s  # 429/503: Retry-After, when Reach knows better than 1
+        self.outcome_unknown = outcome_unknown  # sent, never answered: the agent may have run it
 
 
 class InvalidRequest(ReachError):

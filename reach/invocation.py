@@ -131,6 +131,11 @@ class ResolveInput(BaseModel):
     operation: str = ""
     attempt: int = Field(default=0, description="> 0: pin this attempt to the instance chosen")
     deadline_ms: int = 0
+    movable: bool = Field(
+        default=True,
+        description="Whether a re-run of this attempt may go to another instance when the one "
+        "that got it is gone (idempotent, or keyed); if not, its outcome is unknown.",
+    )
 
 
 class ClaimInput(BaseModel):
@@ -193,9 +198,22 @@ def idempotency_scope(inp: InvokeInput) -> str:
     return "idem:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:40]
 
 
+def _same_numbers(value: Any) -> Any:
+    """JSON has one number type: 1 and 1.0 are the same payload."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _same_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_same_numbers(v) for v in value]
+    return value
+
+
 def payload_fingerprint(inp: InvokeInput) -> str:
     """What must match for a reused idempotency key to be the same request: the payload."""
-    canonical = json.dumps(inp.payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = json.dumps(
+        _same_numbers(inp.payload), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()[:40]
 
 

@@ -95,8 +95,13 @@ PATCH_IDEMPOTENCY_CLAIM = "idempotency-key-claim"
 NOTHING_SENT = frozenset(
     {"no_instance", "circuit_open", "rate_limited", "payload_too_large", "unknown_capability"}
 )
-# Store steps (claims, tokens) are quick; this bounds one that is not.
+# Store steps (claims, tokens) are quick; this bounds one that is not. One that fails because
+# the store is away is tried again after 0.5 s, 1 s, 2 s... (at most 10 s apart).
 STORE_STEP = timedelta(seconds=10)
+STORE_RETRY_FIRST_S = 0.5
+STORE_RETRY_MAX_S = 10.0
+# How long freeing an idempotency key keeps trying (it expires on its own anyway).
+RELEASE_WINDOW_MS = 60_000
 # How long a callback delivery may outlive its retry window (the final attempt's own timeout).
 DELIVERY_GRACE = timedelta(minutes=5)
 
@@ -132,6 +137,7 @@ def _error_of(exc: FailureError, instance_id: str | None) -> _Failed:
             retryable=bool(details.get("retryable")),
             agent=AgentFault.model_validate(details["agent"]) if details.get("agent") else None,
             retry_after_s=details.get("retry_after_s"),
+            outcome_unknown=details.get("outcome_unknown"),
         )
     else:
         info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
@@ -147,6 +153,8 @@ class InvokeWorkflow:
         self._waited_ms: int | None = None
         self._deadline_ms = 0
         self._sent = False  # whether any attempt got as far as calling an agent
+        self._in_flight = False  # whether the current attempt was sent
+        self._start_ms = 0  # when the request may go: acceptance, or its token (queue)
         self._plan = CallPlan(timeout_ms=1, idempotent=False, max_retries=0)  # set by _invoke
 
     @workflow.update(name=UPDATE_LATE_ANSWER)
@@ -258,7 +266,7 @@ class InvokeWorkflow:
     def _timeout(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:
         message = f"no answer within timeout_ms={self._plan.timeout_ms}"
         unknown = None
-        if instance_id is not None and not self._plan.idempotent and not inp.idempotency_key:
+        if self._in_flight and not self._plan.idempotent and not inp.idempotency_key:
             # It was sent and never answered: nobody knows whether the agent ran it.
             unknown = True
             message += (
@@ -277,6 +285,7 @@ class InvokeWorkflow:
     async def _invoke(self, inp: InvokeInput) -> InvokeResponse:
         self._plan = inp.plan
         self._deadline_ms = inp.deadline_ms
+        self._start_ms = inp.accepted_at_ms
         claim: ClaimInput | None = None
         if inp.idempotency_key and workflow.patched(PATCH_IDEMPOTENCY_CLAIM):
             claim = ClaimInput(
@@ -286,24 +295,36 @@ class InvokeWorkflow:
                 ttl_s=inp.plan.idempotency_ttl_s,
             )
             try:
-                owner = await self._store_step(inp, ACTIVITY_CLAIM_KEY, claim, ClaimOutcome)
+                owner = await self._store_step(
+                    inp, ACTIVITY_CLAIM_KEY, claim, ClaimOutcome, self._deadline_ms
+                )
             except _Failed as failed:
                 return self._envelope(inp, "error", error=failed.error)
             if owner.owner != inp.request_id:
                 return await self._follow(inp, owner)
         response = await self._attempts_until_done(inp)
-        error = response.error
-        if (
-            claim is not None
-            and not self._sent
-            and error is not None
-            and error.type in NOTHING_SENT
-        ):
+        if claim is not None and self._frees_key(response):
             try:
-                await self._store_step(inp, ACTIVITY_RELEASE_KEY, claim, bool)
+                await self._store_step(
+                    inp, ACTIVITY_RELEASE_KEY, claim, bool, self._now_ms() + RELEASE_WINDOW_MS
+                )
             except _Failed:
                 workflow.logger.warning("could not free the idempotency key; it will expire")
         return response
+
+    def _frees_key(self, response: InvokeResponse) -> bool:
+        """Whether a repeat of this key should run again rather than get this result.
+
+        A key keeps what a repeat would get anyway — a success, the agent's definitive refusal
+        — and a timeout, whose outcome nobody knows (running it again could run it twice). It
+        frees a retryable failure (the agent failed, or could not be reached: trying again is
+        the point of the key; the agent sees the same Idempotency-Key) and anything that ended
+        before an agent was sent it.
+        """
+        error = response.error
+        if response.status != "error" or error is None:
+            return False
+        return error.retryable or (error.type in NOTHING_SENT and not self._sent)
 
     async def _follow(self, inp: InvokeInput, owner: ClaimOutcome) -> InvokeResponse:
         """This key was first used by another request: its result is this one's (no call)."""
@@ -337,6 +358,8 @@ class InvokeWorkflow:
                 "duration_ms": max(0, self._now_ms() - inp.accepted_at_ms),
                 "replayed_from": owner.owner,
                 "delivery": None,
+                "attempts": None,  # the first request's own; GET it for them
+                "waited_ms": None,
             }
         )
 
@@ -348,7 +371,11 @@ class InvokeWorkflow:
         while True:
             try:
                 wait_s: float = await self._store_step(
-                    inp, ACTIVITY_TAKE_TOKEN, TakeInput(buckets=queue.buckets), float
+                    inp,
+                    ACTIVITY_TAKE_TOKEN,
+                    TakeInput(buckets=queue.buckets),
+                    float,
+                    queue.wait_until_ms,
                 )
             except _Failed as failed:
                 return self._envelope(inp, "error", error=failed.error)
@@ -372,7 +399,8 @@ class InvokeWorkflow:
         self._waited_ms = self._now_ms() - started
         if inp.callback:
             # An asynchronous request's deadline runs from when it may go.
-            self._deadline_ms = max(self._deadline_ms, self._now_ms() + self._plan.timeout_ms)
+            self._start_ms = self._now_ms()
+            self._deadline_ms = max(self._deadline_ms, self._start_ms + self._plan.timeout_ms)
         return None
 
     async def _attempts_until_done(self, inp: InvokeInput) -> InvokeResponse:
@@ -388,6 +416,7 @@ class InvokeWorkflow:
                 return self._answered_late(inp, tried[-1] if tried else None)
             started = self._now_ms()
             breaker: str | None = None
+            self._in_flight = False
             try:
                 endpoint = await self._run(
                     inp,
@@ -401,6 +430,7 @@ class InvokeWorkflow:
                         operation=inp.operation,
                         attempt=attempt,
                         deadline_ms=self._deadline_ms,
+                        movable=self._plan.idempotent or bool(inp.idempotency_key),
                     ),
                     Endpoint,
                     None,
@@ -411,7 +441,7 @@ class InvokeWorkflow:
                     self._plan,
                     declared_idempotent=endpoint.declared_idempotent,
                     declared_timeout_ms=endpoint.declared_timeout_ms,
-                    accepted_at_ms=inp.accepted_at_ms,
+                    accepted_at_ms=self._start_ms,
                     deadline_ms=self._deadline_ms,
                 )
                 message = Message(
@@ -429,7 +459,6 @@ class InvokeWorkflow:
                     metadata=Metadata(size_bytes=inp.payload_bytes),
                 )
                 remaining = self._deadline_ms - self._now_ms()
-                self._sent = True
                 reply = await self._run(
                     inp,
                     ACTIVITY_CALL,
@@ -498,23 +527,36 @@ class InvokeWorkflow:
         )
 
     async def _store_step(
-        self, inp: InvokeInput, name: str, arg: Any, result_type: type[Any]
+        self, inp: InvokeInput, name: str, arg: Any, result_type: type[Any], until_ms: int
     ) -> Any:
-        """A quick store step (claim, token): always a local activity, bounded on its own."""
-        try:
-            return await workflow.execute_local_activity(
-                name,
-                arg,
-                result_type=result_type,
-                schedule_to_close_timeout=STORE_STEP,
-                retry_policy=ONE_ATTEMPT,
-            )
-        except (ActivityError, ApplicationError, TimeoutError) as exc:
-            failed = _error_of(exc, None)
-            if failed.error.type == "timeout":
-                failed.error.type = "unavailable"
-                failed.error.message = f"the policy store did not answer ({name})"
-            raise failed from exc
+        """A quick store step (claim, token, release): a local activity, tried again on durable
+        timers while the store is away, until `until_ms` — an accepted request outlives a
+        Redis restart."""
+        delay_s = STORE_RETRY_FIRST_S
+        while True:
+            try:
+                return await workflow.execute_local_activity(
+                    name,
+                    arg,
+                    result_type=result_type,
+                    schedule_to_close_timeout=STORE_STEP,
+                    retry_policy=ONE_ATTEMPT,
+                )
+            except (ActivityError, ApplicationError, TimeoutError) as exc:
+                failed = _error_of(exc, None)
+                if failed.error.type == "timeout":
+                    failed.error = ErrorInfo(
+                        type="unavailable",
+                        message=f"the policy store did not answer ({name})",
+                        retryable=True,
+                    )
+                if not failed.error.retryable or self._now_ms() + delay_s * 1000 >= until_ms:
+                    raise failed from exc
+                workflow.logger.warning(
+                    "%s failed (%s); trying again in %.1fs", name, failed.error.message, delay_s
+                )
+            await workflow.sleep(delay_s)
+            delay_s = min(STORE_RETRY_MAX_S, delay_s * 2)
 
     async def _run(
         self,
@@ -530,6 +572,8 @@ class InvokeWorkflow:
                 ErrorInfo(type="timeout", message="deadline reached", retryable=False), instance_id
             )
         budget = timedelta(milliseconds=remaining)
+        if name == ACTIVITY_CALL:
+            self._sent = self._in_flight = True
         try:
             if inp.plan.mode == "queue":
                 return await workflow.execute_activity(

@@ -182,8 +182,8 @@ if ARGV[10] == '1' then
     if forget_at <= now then run, ej, ejected_until, forget_at = 0, 0, 0, 0 end
   end
   if ok then
-    if ejected_until > now then
-      redis.call('HSET', out, instance, '0 0 ' .. ejected_until .. ' ' .. forget_at)
+    if ej > 0 or ejected_until > now then
+      redis.call('HSET', out, instance, '0 ' .. ej .. ' ' .. ejected_until .. ' ' .. forget_at)
     elseif entry then
       redis.call('HDEL', out, instance)
     end
@@ -275,6 +275,7 @@ class RedisPolicyState(PolicyState):
     """On a client with `decode_responses=True` (a `RedisStore`'s); keys under `<prefix>:pol:`."""
 
     def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+        self._r = client
         self._p = prefix
         # register_script: EVALSHA, reloading the script after NOSCRIPT (see RedisStore).
         self._view = client.register_script(_VIEW)
@@ -348,6 +349,11 @@ class RedisPolicyState(PolicyState):
 
     async def claim(self, key: str, value: str, ttl_s: float) -> str:
         return str(await self._run(self._claim, [self._k("claim", key)], [value, _ms(ttl_s)]))
+
+    async def peek(self, key: str) -> str | None:
+        with _mapped(self._p):
+            held = await self._r.get(self._k("claim", key))
+        return None if held is None else str(held)
 
     async def release(self, key: str, value: str) -> bool:
         return bool(await self._run(self._release, [self._k("claim", key)], [value]))

@@ -10,9 +10,11 @@ it is atomic across processes and costs one round trip). Times are the store's o
   probes (a probe slot not reported within `open_duration_ms` is free again); every probe
   succeeding closes it, any failure re-opens it.
 - *Outlier* (per instance): `consecutive_failures` failures in a row eject the instance for
-  `base_ejection_ms` * 2^(ejections so far), capped at `max_ejection_ms`; a success resets the
-  run of failures and the ejection count. Whether an ejection may take the *last* routable
-  instance out is decided by the caller at routing time (never), not here.
+  `base_ejection_ms` * 2^(ejections so far), capped at `max_ejection_ms`; a success ends the
+  run of failures; the ejection count is forgotten only after a quiet spell (no failure for
+  `max_ejection_ms` + 5 min), so an instance failing most of the time keeps doubling.
+  Whether an ejection may take the *last* routable instance out is decided by the caller at
+  routing time (never), not here.
 - *Token buckets* (rate limits): `take` takes one token from every bucket or from none.
 - *Claims*: set-if-absent with a TTL, for idempotency keys and per-attempt instance pins.
 """
@@ -99,6 +101,10 @@ class PolicyState(ABC):
     @abstractmethod
     async def release(self, key: str, value: str) -> bool:
         """Delete `key` if it still holds `value`."""
+
+    @abstractmethod
+    async def peek(self, key: str) -> str | None:
+        """What `key` holds now, if anything."""
 
     @abstractmethod
     async def buckets(self, keys: Sequence[str]) -> dict[str, float]:
@@ -306,10 +312,11 @@ class MemoryPolicyState(PolicyState):
         if entry is not None and now >= entry.forget_at:
             entry = None
         if ok:
-            if entry is not None and entry.ejected_until > now:
-                # A request sent before the ejection succeeded: the instance is forgiven its
-                # history but serves out the ejection, or one straggler would undo it.
-                entry.run = entry.ejections = 0
+            if entry is not None and (entry.ejections or entry.ejected_until > now):
+                # The run of failures ends, but the ejection count stays until the record is
+                # forgotten (a quiet spell): an instance failing three times in four keeps
+                # doubling its ejections. A straggler's success does not end an ejection.
+                entry.run = 0
             else:
                 entries.pop(instance_id, None)
                 if not entries:
@@ -365,6 +372,10 @@ class MemoryPolicyState(PolicyState):
             return held[0]
         self._claims[key] = (value, now + ttl_s)
         return value
+
+    async def peek(self, key: str) -> str | None:
+        held = self._claims.get(key)
+        return held[0] if held is not None and self._clock() < held[1] else None
 
     async def release(self, key: str, value: str) -> bool:
         held = self._claims.get(key)

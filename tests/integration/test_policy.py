@@ -8,8 +8,10 @@ every assertion below is an exact number of downstream calls.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +60,9 @@ def rid() -> str:
 
 @pytest.fixture(scope="module")
 async def fast_gateway(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    stack = new_stack(temporal_server, tmp_path_factory.mktemp("policy"), extra=dict(FAST))
+    # A breaker that opens after 5 failures: these tests count up to 3 on one capability.
+    extra = {**FAST, "REACH_POLICY__CIRCUIT_BREAKER__ERROR_THRESHOLD": "5"}
+    stack = new_stack(temporal_server, tmp_path_factory.mktemp("policy"), extra=extra)
     gw = Gateway(stack)
     try:
         yield await gw.ready()
@@ -219,6 +223,44 @@ async def test_a_key_freed_when_nothing_was_sent(
     r = await invoke(http, fast_gateway, capability, "create", idempotency_key=key)
     assert r.status_code == 200, r.text
     assert "replayed_from" not in r.json()
+
+
+async def test_a_key_frees_after_a_retryable_failure_and_holds_after_a_timeout(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    await start_agents(fast_gateway, capability, 1, "--ledger", str(ledger), "--fail-first", "3")
+    key = f"k-{uuid.uuid4().hex}"
+    r = await invoke(http, fast_gateway, capability, "create", idempotency_key=key)
+    assert r.status_code == 502, r.text  # keyed: retried twice, every attempt failed
+    assert r.json()["error"]["retryable"] is True
+    assert len(calls(ledger)) == 3
+    # The agent answered each time with a failure: repeating the key runs it (and succeeds).
+    r = await invoke(http, fast_gateway, capability, "create", idempotency_key=key)
+    assert r.status_code == 200, r.text
+    assert "replayed_from" not in r.json()
+    assert len(calls(ledger)) == 4
+    # Now it holds that success.
+    r = await invoke(http, fast_gateway, capability, "create", idempotency_key=key)
+    assert r.json()["replayed_from"]
+    assert len(calls(ledger)) == 4
+
+
+async def test_a_timed_out_keyed_write_is_not_run_again(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    await start_agents(fast_gateway, capability, 1, "--ledger", str(ledger), "--delay-ms", "1500")
+    key = f"k-{uuid.uuid4().hex}"
+    first = await invoke(
+        http, fast_gateway, capability, "create", idempotency_key=key, timeout_ms=800
+    )
+    assert first.status_code == 504, first.text
+    await asyncio.sleep(1.0)  # the agent finished it meanwhile
+    r = await invoke(http, fast_gateway, capability, "create", idempotency_key=key)
+    assert r.status_code == 504, r.text
+    assert r.json()["replayed_from"] == first.json()["request_id"]
+    assert len(calls(ledger)) == 1
 
 
 async def test_per_operation_timeouts_differ_against_the_same_slow_agent(
@@ -453,6 +495,14 @@ async def test_rate_limit_60_a_minute_per_caller_across_two_gateways(
     r = await invoke(http, b, cap, "query", caller="someone-else")
     assert r.status_code == 200, r.text
     assert len(calls(ledger)) == served + 1
+    # A repeat of a request already served calls no agent: the limit does not refuse it.
+    request_id = rid()
+    r = await invoke(http, a, cap, "query", caller="third", request_id=request_id)
+    assert r.status_code == 200, r.text
+    for _ in range(3):
+        again = await invoke(http, b, cap, "query", caller="third", request_id=request_id)
+        assert again.status_code == 200, again.text
+        assert again.json()["result"] == r.json()["result"]
 
 
 async def test_queued_requests_wait_for_a_token_and_survive_a_gateway_sigkill(
@@ -503,3 +553,48 @@ async def test_queued_requests_wait_for_a_token_and_survive_a_gateway_sigkill(
         await asyncio.sleep(1.0)
         assert len(receiver.received) == 1
     assert len(calls(ledger, queued)) == 1
+
+
+async def test_queued_requests_wait_out_a_store_outage(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """Accepted means kept: a Redis that stalls while requests wait for tokens delays them."""
+    from tests.integration.test_redis_outages import RedisServer
+
+    redis = RedisServer()
+    redis.start()
+    try:
+        stack = new_stack(
+            temporal_server,
+            tmp_path,
+            registry="redis",
+            heartbeat_timeout=30.0,
+            extra={
+                **FAST,
+                "REACH_REGISTRY__REDIS_URL": redis.url,
+                "REACH_POLICY__RATE_LIMIT__PER_CAPABILITY__PER_MINUTE": "300",  # 5 a second
+                "REACH_POLICY__RATE_LIMIT__PER_CAPABILITY__BURST": "1",
+                "REACH_POLICY__RATE_LIMIT__ON_LIMIT": "queue",
+            },
+        )
+        gw = await Gateway(stack).ready()
+        ledger = tmp_path / "ledger.txt"
+        cap = f"cap-{uuid.uuid4().hex[:8]}"
+        await start_agents(gw, cap, 1, "--ledger", str(ledger))
+        async with CallbackReceiver() as receiver:
+            sent = await asyncio.gather(
+                *(
+                    invoke(http, gw, cap, "query", callback=receiver.url, timeout_ms=60_000)
+                    for _ in range(12)
+                )
+            )
+            assert [r.status_code for r in sent] == [202] * 12
+            redis.signal(signal.SIGSTOP)  # most of them are still waiting for a token
+            await asyncio.sleep(3.0)
+            redis.signal(signal.SIGCONT)
+            await receiver.wait(12, timeout_s=60)
+            statuses = Counter(envelope["status"] for _, envelope in receiver.received)
+            assert statuses == {"success": 12}, [e for _, e in receiver.received]
+        assert len(calls(ledger)) == 12
+    finally:
+        redis.stop()

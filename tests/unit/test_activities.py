@@ -110,3 +110,18 @@ async def test_a_re_run_attempt_goes_back_to_the_instance_it_was_pinned_to(
         await resolve(acts, capability="cap", request_id="r1", attempt=1, deadline_ms=2**42)
         != first
     )
+
+
+async def test_a_write_whose_pinned_instance_is_gone_is_not_sent_elsewhere(
+    acts: ReachActivities,
+) -> None:
+    kw: dict[str, object] = {"capability": "cap", "request_id": "w1", "attempt": 1}
+    first = await resolve(acts, deadline_ms=2**42, movable=False, **kw)
+    await acts.registry.heartbeat(first, HealthReport(status="unhealthy"))
+    with pytest.raises(ApplicationError) as err:
+        await resolve(acts, deadline_ms=2**42, movable=False, **kw)
+    assert err.value.type == "transport_error"
+    assert err.value.details[0] == {"retryable": False, "outcome_unknown": True}
+    assert "may have run it" in err.value.message
+    # An idempotent (or keyed) one may go to another instance.
+    assert await resolve(acts, deadline_ms=2**42, movable=True, **kw) != first

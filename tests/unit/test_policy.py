@@ -166,6 +166,28 @@ def test_declarations_fill_what_configuration_left_open() -> None:
     assert (again.idempotent, again.max_retries, deadline) == (True, 2, 3000)
 
 
+def test_a_key_fingerprint_reads_payloads_as_json_does() -> None:
+    from reach.invocation import InvokeInput, payload_fingerprint
+
+    def fp(payload: dict[str, object]) -> str:
+        return payload_fingerprint(
+            InvokeInput(
+                request_id="r",
+                caller="c",
+                target="t",
+                operation="o",
+                payload=payload,
+                accepted_at_ms=0,
+                deadline_ms=0,
+                plan=CallPlan(timeout_ms=1, idempotent=False, max_retries=0),
+            )
+        )
+
+    assert fp({"x": 1, "y": [2.0, {"z": 3}]}) == fp({"y": [2, {"z": 3.0}], "x": 1.0})
+    assert fp({"x": 1}) != fp({"x": 1.5})
+    assert fp({"x": 1}) != fp({"x": "1"})
+
+
 def test_a_wrong_policy_field_is_a_start_up_error_naming_it(tmp_path: object) -> None:
     from pathlib import Path
 
@@ -182,6 +204,14 @@ def test_a_wrong_policy_field_is_a_start_up_error_naming_it(tmp_path: object) ->
     )
     with pytest.raises(ConfigError, match=r"policy\.capabilities\.c\.rate_limit\.on_limit"):
         load_settings(path)
+    for field, value in [
+        ("idempotency_retention_s", ".inf"),
+        ("idempotency_retention_s", "1e300"),
+        ("default_timeout_ms", "99999999999999999999"),
+    ]:
+        path.write_text(f"reach:\n  policy:\n    {field}: {value}\n")
+        with pytest.raises(ConfigError, match=rf"policy\.{field}"):
+            load_settings(path)
 
 
 # -- properties ---------------------------------------------------------------------------------
