@@ -91,6 +91,8 @@ PATCH_DELIVERY_WORKFLOW = "callback-delivery-workflow"
 QUERY_ATTEMPTS = "attempts"
 # Requests accepted before idempotency keys were claimed in the store skip the claim (replay).
 PATCH_IDEMPOTENCY_CLAIM = "idempotency-key-claim"
+# Requests accepted before a store outage at routing was waited out give up as they did then.
+PATCH_STORE_OUTAGE_WAIT = "store-outage-wait"
 # Errors that end a request before any agent was sent it: its idempotency key is freed.
 NOTHING_SENT = frozenset(
     {"no_instance", "circuit_open", "rate_limited", "payload_too_large", "unknown_capability"}
@@ -409,6 +411,7 @@ class InvokeWorkflow:
             if refused is not None:
                 return refused
         attempt = 1
+        store_waits = 0
         tried: list[str] = []
         while True:
             instance_id: str | None = None
@@ -482,6 +485,20 @@ class InvokeWorkflow:
                     return self._answered_late(inp, failed.instance_id)
                 if failed.error.type == "timeout":
                     return self._timeout(inp, failed.instance_id)
+                if (
+                    failed.instance_id is None
+                    and failed.error.type == "unavailable"
+                    and workflow.patched(PATCH_STORE_OUTAGE_WAIT)
+                ):
+                    # The store was away while routing: nothing was sent, so whatever the
+                    # operation, the request waits it out (until its deadline) on the same
+                    # attempt.
+                    delay_s = min(STORE_RETRY_MAX_S, STORE_RETRY_FIRST_S * 2**store_waits)
+                    if self._now_ms() + delay_s * 1000 < self._deadline_ms:
+                        store_waits += 1
+                        self._attempts[-1].backoff_ms = int(delay_s * 1000)
+                        await workflow.sleep(delay_s)
+                        continue
                 step = next_step(
                     self._plan,
                     attempt=attempt,

@@ -26,13 +26,18 @@ from temporalio.worker import Worker
 
 from gateway_api.devserver import DevServer, free_port
 from reach.invocation import (
+    BucketPlan,
     CallbackInput,
     CallInput,
     CallPlan,
+    ClaimInput,
+    ClaimOutcome,
     Endpoint,
     InvokeInput,
     LateAnswer,
+    QueuePlan,
     ResolveInput,
+    TakeInput,
 )
 from reach.messages import Reply
 from workflows.callback import DeliverCallbackWorkflow
@@ -42,10 +47,39 @@ HERE = Path(__file__).parent
 QUEUE = "record"
 
 
+SEEN: set[str] = set()
+
+
+def first_time(what: str) -> bool:
+    if what in SEEN:
+        return False
+    SEEN.add(what)
+    return True
+
+
 @activity.defn(name="reach.resolve")
 async def resolve(inp: ResolveInput) -> Endpoint:
+    if inp.operation == "outage" and first_time(f"resolve-{inp.request_id}"):
+        raise ApplicationError(
+            "store away", {"retryable": True}, type="unavailable", non_retryable=True
+        )
     n = len(inp.exclude)
     return Endpoint(instance_id=f"i{n}", capability=inp.capability, protocol="http", address="x")
+
+
+@activity.defn(name="reach.claim_key")
+async def claim_key(inp: ClaimInput) -> ClaimOutcome:
+    return ClaimOutcome(owner=inp.request_id, same_request=True)
+
+
+@activity.defn(name="reach.release_key")
+async def release_key(inp: ClaimInput) -> bool:
+    return True
+
+
+@activity.defn(name="reach.take_token")
+async def take_token(inp: TakeInput) -> float:
+    return 0.2 if first_time(f"take-{inp.buckets[0].key}") else 0.0
 
 
 @activity.defn(name="reach.call")
@@ -70,6 +104,10 @@ async def deliver_callback(inp: CallbackInput) -> int:
 def _input(name: str, operation: str, **kw: Any) -> InvokeInput:
     now = int(time.time() * 1000)
     timeout = kw.pop("timeout_ms", 5000)
+    plan = CallPlan(timeout_ms=timeout, idempotent=True, max_retries=2)
+    if kw.pop("queue", False):
+        bucket = BucketPlan(key=f"cap:{name}", per_minute=60, capacity=1)
+        plan.queue = QueuePlan(buckets=[bucket], wait_until_ms=now + timeout)
     return InvokeInput(
         request_id=f"replay-{name}",
         caller="recorder",
@@ -78,7 +116,7 @@ def _input(name: str, operation: str, **kw: Any) -> InvokeInput:
         payload={"text": "hello"},
         accepted_at_ms=now,
         deadline_ms=now + timeout,
-        plan=CallPlan(timeout_ms=timeout, idempotent=True, max_retries=2),
+        plan=plan,
         **kw,
     )
 
@@ -89,6 +127,11 @@ CASES = {
     "timeout": ("slow", {"timeout_ms": 300}),
     "late-answer-update": ("defer", {}),
     "callback-workflow": ("query", {"callback": "http://127.0.0.1:1/cb"}),
+    # The policy engine's paths: an idempotency key claimed (a failure frees it), a wait for
+    # a rate-limit token, a store outage at routing waited out.
+    "idempotency-key": ("flaky", {"idempotency_key": "order-1"}),
+    "rate-limit-queue": ("query", {"queue": True}),
+    "store-outage": ("outage", {}),
 }
 
 
@@ -102,7 +145,7 @@ async def main(names: list[str]) -> None:
             client,
             task_queue=QUEUE,
             workflows=[InvokeWorkflow, DeliverCallbackWorkflow],
-            activities=[resolve, call, deliver_callback],
+            activities=[resolve, call, deliver_callback, claim_key, release_key, take_token],
         ):
             for name in names:
                 operation, extra = CASES[name]
