@@ -143,9 +143,14 @@ class ReachActivities:
         fresh = [i for i in routable if i.instance_id not in inp.exclude] or routable
         healthy = [i for i in fresh if i.instance_id not in ejected] or fresh
         chosen = await self.router.pick(inp.capability, healthy, inp.routing_key)
-        if inp.attempt:
-            chosen = await self._pinned(inp, chosen, {i.instance_id: i for i in routable})
         declared = declared_policy(routable, inp.operation) if inp.operation else None
+        if inp.attempt:
+            # Unsettled by configuration and key: movable if the agents declare it idempotent.
+            movable = (
+                inp.movable if inp.movable is not None else bool(declared and declared.idempotent)
+            )
+            live = {i.instance_id: i for i in routable}
+            chosen = await self._pinned(inp, chosen, live, movable)
         log.info(
             "routed request=%s capability=%s instance=%s of %d (breaker %s%s)",
             inp.request_id,
@@ -171,17 +176,23 @@ class ReachActivities:
         )
 
     async def _pinned(
-        self, inp: ResolveInput, chosen: InstanceRecord, live: dict[str, InstanceRecord]
+        self,
+        inp: ResolveInput,
+        chosen: InstanceRecord,
+        live: dict[str, InstanceRecord],
+        movable: bool,
     ) -> InstanceRecord:
         """A re-run of the same attempt (a crashed gateway's workflow task, run again) goes
         back to the instance that got it first while it is alive: that instance answers a
         re-delivered RequestID from its memory instead of running it a second time."""
         ttl_s = max(1.0, (inp.deadline_ms - time.time() * 1000) / 1000) + PIN_MARGIN_S
         key = f"pin:{inp.request_id}:{inp.attempt}"
-        owner = await self.policy.state.claim(key, chosen.instance_id, ttl_s)
-        if owner == chosen.instance_id:
+        # The join time tells a restarted process (same instance id, empty memory) apart.
+        held = await self.policy.state.claim(key, _pin(chosen), ttl_s)
+        if held == _pin(chosen):
             return chosen
-        if owner in live:
+        owner = held.partition(" ")[0]
+        if owner in live and _pin(live[owner]) == held:
             log.info(
                 "request=%s attempt=%d goes back to %s, which got it first",
                 inp.request_id,
@@ -189,14 +200,14 @@ class ReachActivities:
                 owner,
             )
             return live[owner]
-        if inp.movable:
+        if movable:
             return chosen
-        # Not idempotent, no key, and the instance that got it is gone: sending it elsewhere
-        # could run it twice. Say what is known instead.
+        # Not idempotent, no key, and the instance that got it is gone (or restarted): sending
+        # it elsewhere could run it twice. Say what is known instead.
         raise TransportError(
             f"instance {owner}, which was sent this request before a Reach process stopped, "
-            "is gone; it may have run it. The operation is not idempotent, so it is not sent "
-            "elsewhere: repeat it with an idempotency_key to be safe",
+            "is gone or restarted; it may have run it. The operation is not idempotent, so it "
+            "is not sent again: repeat it with an idempotency_key to be safe",
             retryable=False,
             outcome_unknown=True,
         )
@@ -263,7 +274,8 @@ class ReachActivities:
             else:
                 reply = await _heartbeating(work)
         except ReachError as err:
-            await self._record(inp.endpoint, ok=not counts_as_failure(err))
+            if inp.judge_timeouts or not isinstance(err, DeadlineExceeded):
+                await self._record(inp.endpoint, ok=not counts_as_failure(err))
             raise to_application_error(err) from err
         except Exception as exc:
             raise _internal(f"call to {inp.endpoint.instance_id}", exc) from exc
@@ -315,6 +327,10 @@ class ReachActivities:
             type="callback_rejected" if permanent else "callback_failed",
             non_retryable=permanent,
         )
+
+
+def _pin(instance: InstanceRecord) -> str:
+    return f"{instance.instance_id} {instance.joined_at!r}"
 
 
 def counts_as_failure(err: ReachError) -> bool:

@@ -90,8 +90,12 @@ def map_httpx_exceptions(address: str) -> Iterator[None]:
         raise TransportError(
             f"cannot send this request to agent at {address}: {exc!r}", retryable=False
         ) from exc
-    except httpx.TransportError as exc:  # connect, read, write, close, proxy, remote protocol
+    except (httpx.ConnectError, httpx.ProxyError) as exc:  # nothing was sent
         raise TransportError(f"cannot reach agent at {address}: {exc!r}") from exc
+    except httpx.TransportError as exc:  # read, write, close, remote protocol: mid-call
+        raise TransportError(
+            f"the connection to agent at {address} broke mid-call: {exc!r}", outcome_unknown=True
+        ) from exc
     except (httpx.DecodingError, httpx.TooManyRedirects) as exc:
         # The agent answered, in a form (Content-Encoding, a redirect) it will answer again.
         raise AgentError(f"agent at {address} answered unusably: {exc!r}") from exc

@@ -448,7 +448,10 @@ class _Socket:
         for queue in self.pending.values():
             for waiter in queue:
                 if not waiter.done():
-                    waiter.set_exception(TransportError(message, retryable=True))
+                    # Sent and unanswered: the agent may have run it.
+                    waiter.set_exception(
+                        TransportError(message, retryable=True, outcome_unknown=True)
+                    )
 
 
 class _Link:

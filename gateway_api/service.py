@@ -355,7 +355,10 @@ class Gateway:
                 request_id=request_id,
                 status="running",
                 instance_id=desc.typed_search_attributes.get(SA_INSTANCE),
-                attempts=await self._attempts_so_far(handle),
+                # A query waits for the workflow task in progress (an inline call): skip it then.
+                attempts=None
+                if desc.raw_description.HasField("pending_workflow_task")
+                else await self._attempts_so_far(handle),
             )
         else:
             response = await self._outcome(handle, self.rpc_timeout)

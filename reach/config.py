@@ -41,23 +41,26 @@ class ConfigError(Exception):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Every number finite: `.inf` in a timeout would pass `gt=0` and break every request.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class RegistrySettings(_Section):
     type: Literal["memory", "redis"] = "memory"
-    heartbeat_timeout: float = Field(default=30.0, gt=0, description="seconds")
+    heartbeat_timeout: float = Field(default=30.0, gt=0, le=86_400, description="seconds")
     heartbeat_interval: float = Field(default=5.0, gt=0, description="seconds")
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = Field(default="reach", min_length=1)
     redis_timeout_s: float = Field(
         default=1.0,
         gt=0,
+        le=60,
         description="Socket timeout for every Redis command: a stuck Redis is a 503, not a hang.",
     )
     capability_retention_s: float = Field(
         default=3600.0,
         gt=0,
+        le=30 * 86_400,
         description="How long a capability whose instances all left stays known (503 "
         "no_instance rather than 404 unknown_capability); then its name is forgotten.",
     )
@@ -145,7 +148,7 @@ class OutlierSettings(_Section):
 class LimitSettings(_Section):
     """A token bucket: `per_minute` tokens a minute, at most `burst` saved up."""
 
-    per_minute: float = Field(gt=0, le=6_000_000, allow_inf_nan=False)
+    per_minute: float = Field(ge=0.01, le=6_000_000, allow_inf_nan=False)
     burst: int | None = Field(
         default=None, ge=1, le=1_000_000_000, description="defaults to per_minute"
     )
@@ -164,7 +167,7 @@ class RateLimitSettings(_Section):
     max_queue_wait_ms: int = Field(
         default=3_600_000,
         ge=0,
-        le=7 * DAY_MS,
+        le=2 * DAY_MS,
         description="how long a request with a callback may wait for a token (queue); a "
         "synchronous one waits at most until its deadline",
     )
@@ -250,7 +253,13 @@ class CapabilitySettings(_Section):
 
 
 class CallbackSettings(CallbackPlan):
-    model_config = ConfigDict(extra="forbid")
+    # Bounded here, not on CallbackPlan: plans already in histories must keep decoding.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    attempt_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    retry_window_s: float = Field(default=3600.0, gt=0, le=30 * 86_400)
+    initial_backoff_s: float = Field(default=1.0, gt=0, le=86_400)
+    max_backoff_s: float = Field(default=60.0, gt=0, le=86_400)
 
 
 class DevServerSettings(_Section):
@@ -273,11 +282,12 @@ class TemporalSettings(_Section):
     namespace: str = "default"
     task_queue: str = "reach-invoke"
     connect_wait_s: float = Field(
-        default=30.0, ge=0, description="How long start-up waits for Temporal to answer."
+        default=30.0, ge=0, le=3600, description="How long start-up waits for Temporal to answer."
     )
     rpc_timeout_s: float = Field(
         default=5.0,
         gt=0,
+        le=300,
         description="How long one call to Temporal (start, describe, update) may take before "
         "the caller gets a 503: a stuck server is an answer, not a hang.",
     )
@@ -304,7 +314,11 @@ class TemporalSettings(_Section):
 
 class ReachSettings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="REACH_", env_nested_delimiter="__", extra="forbid", validate_default=True
+        env_prefix="REACH_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        allow_inf_nan=False,
     )
 
     listen_host: str = "127.0.0.1"

@@ -76,6 +76,7 @@ class CallPlan(BaseModel):
     caller_timeout_ms: int | None = None
     queue: QueuePlan | None = None
     idempotency_ttl_s: float = 86_400.0
+    judge_timeouts: bool = True
 
 
 class CallbackPlan(BaseModel):
@@ -131,10 +132,11 @@ class ResolveInput(BaseModel):
     operation: str = ""
     attempt: int = Field(default=0, description="> 0: pin this attempt to the instance chosen")
     deadline_ms: int = 0
-    movable: bool = Field(
+    movable: bool | None = Field(
         default=True,
         description="Whether a re-run of this attempt may go to another instance when the one "
-        "that got it is gone (idempotent, or keyed); if not, its outcome is unknown.",
+        "that got it is gone (idempotent, or keyed); if not, its outcome is unknown. None: "
+        "as the agents declare the operation.",
     )
 
 
@@ -162,6 +164,11 @@ class CallInput(BaseModel):
     endpoint: Endpoint
     message: Message
     timeout_ms: int
+    judge_timeouts: bool = Field(
+        default=True,
+        description="Whether a timeout counts against the agent (breaker, ejection): not when "
+        "the caller's own deadline was shorter than the operation's.",
+    )
 
 
 class CallbackInput(BaseModel):

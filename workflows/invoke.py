@@ -91,6 +91,12 @@ PATCH_DELIVERY_WORKFLOW = "callback-delivery-workflow"
 QUERY_ATTEMPTS = "attempts"
 # Requests accepted before idempotency keys were claimed in the store skip the claim (replay).
 PATCH_IDEMPOTENCY_CLAIM = "idempotency-key-claim"
+# Requests accepted before a broken call was re-delivered to its instance retried elsewhere.
+PATCH_REDELIVER = "redeliver-same-attempt"
+MAX_REDELIVERIES = 3
+# A queued request checks for a token at most this far apart.
+QUEUE_POLL_MAX_S = 60.0
+REDELIVER_FIRST_S = 0.5
 # Requests accepted before a store outage at routing was waited out give up as they did then.
 PATCH_STORE_OUTAGE_WAIT = "store-outage-wait"
 # Errors that end a request before any agent was sent it: its idempotency key is freed.
@@ -124,7 +130,12 @@ def _error_of(exc: FailureError, instance_id: str | None) -> _Failed:
     cause = exc.cause if isinstance(exc, ActivityError) else exc
     if isinstance(cause, TimeoutError):
         if cause.type == TimeoutType.HEARTBEAT:
-            info = ErrorInfo(type="transport_error", message="worker lost mid-call", retryable=True)
+            info = ErrorInfo(
+                type="transport_error",
+                message="the worker was lost mid-call",
+                retryable=True,
+                outcome_unknown=True,
+            )
         else:
             info = ErrorInfo(type="timeout", message="deadline reached", retryable=False)
     elif isinstance(cause, ApplicationError):
@@ -156,6 +167,7 @@ class InvokeWorkflow:
         self._deadline_ms = 0
         self._sent = False  # whether any attempt got as far as calling an agent
         self._in_flight = False  # whether the current attempt was sent
+        self._unknown = False  # whether an attempt was sent and its outcome never learnt
         self._start_ms = 0  # when the request may go: acceptance, or its token (queue)
         self._plan = CallPlan(timeout_ms=1, idempotent=False, max_retries=0)  # set by _invoke
 
@@ -324,7 +336,7 @@ class InvokeWorkflow:
         before an agent was sent it.
         """
         error = response.error
-        if response.status != "error" or error is None:
+        if response.status != "error" or error is None or self._unknown:
             return False
         return error.retryable or (error.type in NOTHING_SENT and not self._sent)
 
@@ -370,6 +382,7 @@ class InvokeWorkflow:
         queue = inp.plan.queue
         assert queue is not None
         started = self._now_ms()
+        misses = 0
         while True:
             try:
                 wait_s: float = await self._store_step(
@@ -396,12 +409,17 @@ class InvokeWorkflow:
                         retry_after_s=max(1, int(wait_s + 0.999)),
                     ),
                 )
-            # Waiters wake spread out, not all at once for the one token that frees.
-            await workflow.sleep(wait_s * workflow.random().uniform(1.0, 1.5))
+            # Waiters wake spread out, not all at once for the one token that frees, and less
+            # often the longer they wait (a long wait stays a short history); never past the
+            # time they may wait.
+            misses += 1
+            spread = wait_s * workflow.random().uniform(1.0, 1.5) * min(8.0, 1.25**misses)
+            left_s = (queue.wait_until_ms - self._now_ms()) / 1000
+            await workflow.sleep(max(0.01, min(spread, QUEUE_POLL_MAX_S, left_s)))
         self._waited_ms = self._now_ms() - started
+        # The call's own time runs from when it may go; a synchronous request's deadline stays.
+        self._start_ms = self._now_ms()
         if inp.callback:
-            # An asynchronous request's deadline runs from when it may go.
-            self._start_ms = self._now_ms()
             self._deadline_ms = max(self._deadline_ms, self._start_ms + self._plan.timeout_ms)
         return None
 
@@ -411,7 +429,7 @@ class InvokeWorkflow:
             if refused is not None:
                 return refused
         attempt = 1
-        store_waits = 0
+        store_waits = redeliveries = 0
         tried: list[str] = []
         while True:
             instance_id: str | None = None
@@ -433,7 +451,7 @@ class InvokeWorkflow:
                         operation=inp.operation,
                         attempt=attempt,
                         deadline_ms=self._deadline_ms,
-                        movable=self._plan.idempotent or bool(inp.idempotency_key),
+                        movable=self._movable(inp),
                     ),
                     Endpoint,
                     None,
@@ -465,7 +483,12 @@ class InvokeWorkflow:
                 reply = await self._run(
                     inp,
                     ACTIVITY_CALL,
-                    CallInput(endpoint=endpoint, message=message, timeout_ms=max(1, remaining)),
+                    CallInput(
+                        endpoint=endpoint,
+                        message=message,
+                        timeout_ms=max(1, remaining),
+                        judge_timeouts=self._plan.judge_timeouts,
+                    ),
                     Reply,
                     instance_id,
                 )
@@ -485,6 +508,21 @@ class InvokeWorkflow:
                     return self._answered_late(inp, failed.instance_id)
                 if failed.error.type == "timeout":
                     return self._timeout(inp, failed.instance_id)
+                if failed.error.outcome_unknown and failed.instance_id is not None:
+                    self._unknown = True
+                    delay_s = REDELIVER_FIRST_S * 2**redeliveries
+                    if (
+                        redeliveries < MAX_REDELIVERIES
+                        and self._now_ms() + delay_s * 1000 < self._deadline_ms
+                        and workflow.patched(PATCH_REDELIVER)
+                    ):
+                        # Sent, then the line or the worker broke: the same attempt again goes
+                        # to the same (pinned) instance, which answers a RequestID it already
+                        # has from memory, never to another one that would run it a second time.
+                        redeliveries += 1
+                        self._attempts[-1].backoff_ms = int(delay_s * 1000)
+                        await workflow.sleep(delay_s)
+                        continue
                 if (
                     failed.instance_id is None
                     and failed.error.type == "unavailable"
@@ -511,7 +549,10 @@ class InvokeWorkflow:
                 if isinstance(step, GiveUp):
                     workflow.logger.info("giving up after attempt %d: %s", attempt, step.reason)
                     return self._envelope(
-                        inp, "error", error=failed.error, instance_id=failed.instance_id
+                        inp,
+                        "error",
+                        error=self._last_error(inp, failed),
+                        instance_id=failed.instance_id,
                     )
                 workflow.logger.info(
                     "attempt %d failed (%s); retrying in %.1fs",
@@ -524,6 +565,29 @@ class InvokeWorkflow:
                     tried.append(step.avoid_instance)
                 await workflow.sleep(step.delay_s)
                 attempt += 1
+
+    def _movable(self, inp: InvokeInput) -> bool | None:
+        """Whether a re-run of an attempt may go elsewhere when its instance is gone."""
+        if self._plan.idempotent or inp.idempotency_key:
+            return True
+        return False if self._plan.idempotent_configured else None
+
+    def _last_error(self, inp: InvokeInput, failed: _Failed) -> ErrorInfo:
+        """The error a request ends with; if any attempt was sent and never answered, a request
+        that is neither idempotent nor keyed says so, and is no longer 'retryable'."""
+        error = failed.error
+        if not self._unknown or self._plan.idempotent or inp.idempotency_key:
+            return error
+        if error.outcome_unknown and not error.retryable:
+            return error
+        return error.model_copy(
+            update={
+                "retryable": False,
+                "outcome_unknown": True,
+                "message": f"{error.message}; an attempt reached an agent and its answer never "
+                "came, so it may have run: repeat it with an idempotency_key to be safe",
+            }
+        )
 
     def _note(
         self,

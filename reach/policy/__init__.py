@@ -50,6 +50,9 @@ def plan_call(
     else:  # the default is for callers who do not say; it caps nobody
         chosen = timeout_ms if timeout_ms is not None else policy.default_timeout_ms
     safe = bool(idempotent) or idempotency_key is not None
+    # A caller that allows less than the operation's time cannot blame the agent for a timeout
+    # (or any caller could open a capability's breaker with tiny deadlines).
+    usual = op_timeout if op_timeout is not None else policy.default_timeout_ms
     return CallPlan(
         timeout_ms=chosen,
         idempotent=bool(idempotent),
@@ -64,6 +67,7 @@ def plan_call(
         timeout_configured=configured_timeout,
         retries_if_idempotent=retry.max_retries,
         caller_timeout_ms=timeout_ms,
+        judge_timeouts=timeout_ms is None or timeout_ms >= usual,
     )
 
 

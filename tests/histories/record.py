@@ -89,6 +89,13 @@ async def call(inp: CallInput) -> Reply:
         raise ApplicationError(
             "refused", {"retryable": True}, type="transport_error", non_retryable=True
         )
+    if op == "broken" and first_time(f"call-{inp.message.header.request_id}"):
+        raise ApplicationError(
+            "broke mid-call",
+            {"retryable": True, "outcome_unknown": True},
+            type="transport_error",
+            non_retryable=True,
+        )
     if op == "defer":
         return Reply(status="accepted")
     if op == "slow":
@@ -132,6 +139,7 @@ CASES = {
     "idempotency-key": ("flaky", {"idempotency_key": "order-1"}),
     "rate-limit-queue": ("query", {"queue": True}),
     "store-outage": ("outage", {}),
+    "redeliver": ("broken", {}),
 }
 
 

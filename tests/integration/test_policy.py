@@ -263,6 +263,46 @@ async def test_a_timed_out_keyed_write_is_not_run_again(
     assert len(calls(ledger)) == 1
 
 
+async def test_an_agent_killed_mid_write_is_an_unknown_outcome_not_a_retryable_one(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    [agent] = await start_agents(
+        fast_gateway, capability, 1, "--ledger", str(ledger), "--delay-ms", "3000"
+    )
+    request_id = rid()
+    call = asyncio.create_task(
+        invoke(http, fast_gateway, capability, "create", request_id=request_id, timeout_ms=20_000)
+    )
+
+    async def started() -> bool:
+        return bool(calls(ledger, request_id))
+
+    await wait_until(started, 10, every_s=0.02)
+    agent.proc.kill()
+    r = await call
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["type"] == "transport_error"
+    # It ran; following `retryable` would run it twice.
+    assert (error["outcome_unknown"], error["retryable"]) == (True, False)
+    assert calls(ledger, request_id) == [agent.instance_id]
+
+
+async def test_a_callers_short_deadlines_do_not_open_the_breaker(
+    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(fast_gateway, capability, 1, "--delay-ms", "600")
+    for _ in range(6):  # more than the threshold (5 here)
+        r = await invoke(http, fast_gateway, capability, "query", timeout_ms=100)
+        assert r.status_code == 504, r.text
+    r = await invoke(http, fast_gateway, capability, "query")
+    assert r.status_code == 200, r.text
+    detail = (await http.get(f"{fast_gateway.url}/reach/capabilities/{capability}")).json()
+    assert detail["policy"]["breaker"] == {"status": "closed", "failures": 0, "retry_after_s": 0}
+    assert detail["policy"]["ejected"] == {}
+
+
 async def test_per_operation_timeouts_differ_against_the_same_slow_agent(
     temporal_server: str, http: httpx.AsyncClient, tmp_path: Path
 ) -> None:
@@ -374,6 +414,52 @@ async def test_sigkilled_gateway_mid_write_executes_once_across_three_instances(
         assert envelope["status"] == "success", envelope
     # Re-run by the survivor, the same attempt went back to the same instance, which answered
     # from its memory: one execution, not one per instance.
+    assert calls(ledger, request_id) == [envelope["result"]["instance_id"]]
+
+
+async def test_a_lost_queue_worker_re_delivers_a_keyed_write_to_the_same_instance(
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    stack = redis_stack(
+        temporal_server,
+        tmp_path,
+        redis_prefix,
+        REACH_CAPABILITIES=f'{{"{cap}": {{"mode": "queue"}}}}',
+    )
+    gw = Gateway(stack)
+    doomed = Worker(stack, "--capability", cap)
+    await asyncio.gather(gw.ready(), doomed.ready())
+    ledger = tmp_path / "ledger.txt"
+    await start_agents(gw, cap, 2, "--ledger", str(ledger), "--delay-ms", "2000")
+    async with CallbackReceiver() as receiver:
+        request_id = rid()
+        r = await invoke(
+            http,
+            gw,
+            cap,
+            "create",
+            request_id=request_id,
+            idempotency_key=f"k-{uuid.uuid4().hex}",
+            timeout_ms=60_000,
+            callback=receiver.url,
+        )
+        assert r.status_code == 202, r.text
+
+        async def started() -> bool:
+            return bool(calls(ledger, request_id))
+
+        await wait_until(started, 15, every_s=0.02)
+        doomed.proc.kill()  # the activity's heartbeat stops: Temporal notices in 10 s
+        survivor = await Worker(stack, "--capability", cap).ready()
+        await receiver.wait(1, timeout_s=60)
+        assert len(receiver.received) == 1, survivor.proc.output()
+        envelope = receiver.received[0][1]
+        assert envelope["status"] == "success", envelope
+        attempts = [(a["attempt"], a["outcome"]) for a in envelope["attempts"]]
+        assert attempts == [(1, "transport_error"), (1, "success")], attempts
+    # Re-delivered to the instance that had it (it answered from memory), not retried on the
+    # other one: one execution.
     assert calls(ledger, request_id) == [envelope["result"]["instance_id"]]
 
 

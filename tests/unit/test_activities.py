@@ -125,3 +125,28 @@ async def test_a_write_whose_pinned_instance_is_gone_is_not_sent_elsewhere(
     assert "may have run it" in err.value.message
     # An idempotent (or keyed) one may go to another instance.
     assert await resolve(acts, deadline_ms=2**42, movable=True, **kw) != first
+
+
+async def test_a_re_run_follows_the_agents_declarations_and_spots_a_restart(
+    acts: ReachActivities,
+) -> None:
+    kw: dict[str, object] = {"capability": "cap", "operation": "query", "deadline_ms": 2**42}
+    first = await resolve(acts, request_id="q1", attempt=1, movable=None, **kw)
+    # The same instance id joins again: a new process, whose memory of RequestIDs is empty.
+    await acts.registry.join(
+        JoinRequest(capability="cap", instance_id=first, service_address=f"{first}:1")
+    )
+    with pytest.raises(ApplicationError) as err:
+        await resolve(acts, request_id="q1", attempt=1, movable=None, **kw)
+    assert err.value.details[0]["outcome_unknown"] is True
+    # Once the agents declare the operation idempotent, the re-run may go anywhere.
+    for name in ("a", "b"):
+        await acts.registry.join(
+            JoinRequest(
+                capability="cap",
+                instance_id=name,
+                service_address=f"{name}:1",
+                operations=[{"name": "query", "idempotent": True}],  # type: ignore[list-item]
+            )
+        )
+    assert await resolve(acts, request_id="q1", attempt=1, movable=None, **kw) in {"a", "b"}
