@@ -167,7 +167,8 @@ class InvokeWorkflow:
         self._deadline_ms = 0
         self._sent = False  # whether any attempt got as far as calling an agent
         self._in_flight = False  # whether the current attempt was sent
-        self._unknown = False  # whether an attempt was sent and its outcome never learnt
+        # The first attempt that was sent and whose outcome was never learnt, if any.
+        self._unknown: _Failed | None = None
         self._start_ms = 0  # when the request may go: acceptance, or its token (queue)
         self._plan = CallPlan(timeout_ms=1, idempotent=False, max_retries=0)  # set by _invoke
 
@@ -336,7 +337,7 @@ class InvokeWorkflow:
         before an agent was sent it.
         """
         error = response.error
-        if response.status != "error" or error is None or self._unknown:
+        if response.status != "error" or error is None or self._unknown is not None:
             return False
         return error.retryable or (error.type in NOTHING_SENT and not self._sent)
 
@@ -509,7 +510,7 @@ class InvokeWorkflow:
                 if failed.error.type == "timeout":
                     return self._timeout(inp, failed.instance_id)
                 if failed.error.outcome_unknown and failed.instance_id is not None:
-                    self._unknown = True
+                    self._unknown = self._unknown or failed
                     delay_s = REDELIVER_FIRST_S * 2**redeliveries
                     if (
                         redeliveries < MAX_REDELIVERIES
@@ -548,11 +549,9 @@ class InvokeWorkflow:
                 )
                 if isinstance(step, GiveUp):
                     workflow.logger.info("giving up after attempt %d: %s", attempt, step.reason)
+                    last = self._last_failure(inp, failed)
                     return self._envelope(
-                        inp,
-                        "error",
-                        error=self._last_error(inp, failed),
-                        instance_id=failed.instance_id,
+                        inp, "error", error=last.error, instance_id=last.instance_id
                     )
                 workflow.logger.info(
                     "attempt %d failed (%s); retrying in %.1fs",
@@ -572,22 +571,22 @@ class InvokeWorkflow:
             return True
         return False if self._plan.idempotent_configured else None
 
-    def _last_error(self, inp: InvokeInput, failed: _Failed) -> ErrorInfo:
-        """The error a request ends with; if any attempt was sent and never answered, a request
-        that is neither idempotent nor keyed says so, and is no longer 'retryable'."""
-        error = failed.error
-        if not self._unknown or self._plan.idempotent or inp.idempotency_key:
-            return error
-        if error.outcome_unknown and not error.retryable:
-            return error
-        return error.model_copy(
+    def _last_failure(self, inp: InvokeInput, failed: _Failed) -> _Failed:
+        """What a request that gives up reports. If an attempt was sent and never answered, a
+        request that is neither idempotent nor keyed reports that attempt — it may have run —
+        and is no longer 'retryable', whatever the re-deliveries after it met."""
+        unknown = self._unknown
+        if unknown is None or self._plan.idempotent or inp.idempotency_key:
+            return failed
+        error = unknown.error.model_copy(
             update={
                 "retryable": False,
                 "outcome_unknown": True,
-                "message": f"{error.message}; an attempt reached an agent and its answer never "
-                "came, so it may have run: repeat it with an idempotency_key to be safe",
+                "message": f"{unknown.error.message}; it was sent and its answer never came, "
+                "so it may have run: repeat it with an idempotency_key to be safe",
             }
         )
+        return _Failed(error, unknown.instance_id)
 
     def _note(
         self,
