@@ -54,6 +54,15 @@ async def invoke(
     )
 
 
+async def executing(ledger: Path, request_id: str, timeout_s: float) -> None:
+    """Until an agent has started running `request_id`."""
+
+    async def started() -> bool:
+        return bool(calls(ledger, request_id))
+
+    await wait_until(started, timeout_s, every_s=0.02)
+
+
 def rid() -> str:
     return f"req-{uuid.uuid4().hex}"
 
@@ -275,10 +284,7 @@ async def test_an_agent_killed_mid_write_is_an_unknown_outcome_not_a_retryable_o
         invoke(http, fast_gateway, capability, "create", request_id=request_id, timeout_ms=20_000)
     )
 
-    async def started() -> bool:
-        return bool(calls(ledger, request_id))
-
-    await wait_until(started, 10, every_s=0.02)
+    await executing(ledger, request_id, 10)
     agent.proc.kill()
     r = await call
     assert r.status_code == 502, r.text
@@ -403,10 +409,7 @@ async def test_sigkilled_gateway_mid_write_executes_once_across_three_instances(
         )
         assert r.status_code == 202, r.text
 
-        async def started() -> bool:
-            return bool(calls(ledger, request_id))
-
-        await wait_until(started, 10, every_s=0.02)
+        await executing(ledger, request_id, 10)
         doomed.proc.kill()
         await receiver.wait(1, timeout_s=45)
         assert len(receiver.received) == 1, survivor.proc.output()
@@ -446,10 +449,7 @@ async def test_a_lost_queue_worker_re_delivers_a_keyed_write_to_the_same_instanc
         )
         assert r.status_code == 202, r.text
 
-        async def started() -> bool:
-            return bool(calls(ledger, request_id))
-
-        await wait_until(started, 15, every_s=0.02)
+        await executing(ledger, request_id, 15)
         doomed.proc.kill()  # the activity's heartbeat stops: Temporal notices in 10 s
         survivor = await Worker(stack, "--capability", cap).ready()
         await receiver.wait(1, timeout_s=60)
