@@ -142,6 +142,7 @@ class ReachActivities:
         # is left: with one instance left, that one is still tried.
         fresh = [i for i in routable if i.instance_id not in inp.exclude] or routable
         healthy = [i for i in fresh if i.instance_id not in ejected] or fresh
+        skipped = sorted(ejected & {i.instance_id for i in fresh})
         chosen = await self.router.pick(inp.capability, healthy, inp.routing_key)
         declared = declared_policy(routable, inp.operation) if inp.operation else None
         if inp.attempt:
@@ -158,9 +159,7 @@ class ReachActivities:
             chosen.instance_id,
             len(healthy),
             admission.status,
-            f", skipped ejected {sorted(ejected & {i.instance_id for i in fresh})}"
-            if ejected
-            else "",
+            f", skipped ejected {skipped}" if skipped else "",
         )
         return Endpoint(
             instance_id=chosen.instance_id,
@@ -172,7 +171,7 @@ class ReachActivities:
             probe=admission.probe,
             declared_idempotent=declared.idempotent if declared else None,
             declared_timeout_ms=declared.timeout_ms if declared else None,
-            skipped=sorted(ejected & {i.instance_id for i in fresh}),
+            skipped=skipped,
         )
 
     async def _pinned(

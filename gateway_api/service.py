@@ -74,8 +74,7 @@ from reach.messages import (
     new_request_id,
 )
 from reach.policy import plan_call
-from reach.policy.engine import PolicyEngine, limit_buckets
-from reach.policy.state import create_policy_state
+from reach.policy.engine import PolicyEngine, capability_bucket, limit_buckets
 from reach.registry import Ack, JoinRequest, Registry
 from workflows.invoke import (
     SA_CALLER,
@@ -103,22 +102,13 @@ class Gateway:
     settings: ReachSettings
     client: Client
     registry: Registry
-    policy: PolicyEngine | None = None
+    policy: PolicyEngine
     limits: Limits = field(init=False)
     rpc_timeout: timedelta = field(init=False)
 
     def __post_init__(self) -> None:
         self.limits = Limits(max_message_bytes=self.settings.transport.max_message_bytes)
         self.rpc_timeout = timedelta(seconds=self.settings.temporal.rpc_timeout_s)
-        if self.policy is None:
-            self.policy = PolicyEngine(
-                self.settings.policy, create_policy_state(self.registry.store)
-            )
-
-    @property
-    def engine(self) -> PolicyEngine:
-        assert self.policy is not None
-        return self.policy
 
     # -- agents and readiness (shared by the HTTP routes and the gRPC front) ------------------
 
@@ -147,12 +137,11 @@ class Gateway:
 
     async def policy_detail(self, capability: str) -> dict[str, Any]:
         """Breaker, ejections and limiter as the shared store holds them now."""
-        view = await self.engine.view(capability, fresh=True)
+        view = await self.policy.view(capability, fresh=True)
         limits = self.settings.policy.rate_limit_for(capability)
         limiter: dict[str, float] = {}
         if limits is not None and limits.per_capability is not None:
-            key = limit_buckets(limits, capability, "")[-1].key
-            limiter = await self.engine.state.buckets([key])
+            limiter = await self.policy.state.buckets([capability_bucket(capability)])
         return {
             "breaker": {
                 "status": view.breaker.status,
@@ -241,7 +230,7 @@ class Gateway:
         if limits is None:
             return
         buckets = limit_buckets(limits, req.target, caller)
-        wait_s = await self.engine.take(buckets)
+        wait_s = await self.policy.take(buckets)
         if wait_s <= 0 or await self._calls_no_agent(req, caller):
             return
         if limits.on_limit == "reject":
@@ -263,19 +252,9 @@ class Gateway:
             return True
         if not req.idempotency_key:
             return False
-        probe = InvokeInput(
-            request_id="",
-            caller=caller,
-            target=req.target,
-            operation=req.operation,
-            payload=req.payload,
-            accepted_at_ms=0,
-            deadline_ms=0,
-            idempotency_key=req.idempotency_key,
-            plan=CallPlan(timeout_ms=1, idempotent=False, max_retries=0),
-        )
-        held = await self.engine.state.peek(idempotency_scope(probe))
-        return held is not None and held.partition(" ")[2] == payload_fingerprint(probe)
+        scope = idempotency_scope(caller, req.target, req.operation, req.idempotency_key)
+        held = await self.policy.state.peek(scope)
+        return held is not None and held.partition(" ")[2] == payload_fingerprint(req.payload)
 
     async def _start(self, inp: InvokeInput) -> tuple[InvokeHandle, bool]:
         """The handle, and whether this call started the workflow (False: it attached)."""

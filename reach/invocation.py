@@ -199,9 +199,9 @@ def same_request(first: InvokeInput, repeat: InvokeInput) -> bool:
     )
 
 
-def idempotency_scope(inp: InvokeInput) -> str:
+def idempotency_scope(caller: str, target: str, operation: str, key: str) -> str:
     """The store key of an idempotency key: one per (caller, target, operation, key)."""
-    parts = [inp.caller, inp.target, inp.operation, inp.idempotency_key or ""]
+    parts = [caller, target, operation, key]
     return "idem:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:40]
 
 
@@ -216,10 +216,10 @@ def _same_numbers(value: Any) -> Any:
     return value
 
 
-def payload_fingerprint(inp: InvokeInput) -> str:
+def payload_fingerprint(payload: dict[str, Any]) -> str:
     """What must match for a reused idempotency key to be the same request: the payload."""
     canonical = json.dumps(
-        _same_numbers(inp.payload), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        _same_numbers(payload), sort_keys=True, separators=(",", ":"), ensure_ascii=False
     )
     return hashlib.sha256(canonical.encode()).hexdigest()[:40]
 

@@ -304,9 +304,9 @@ class InvokeWorkflow:
         claim: ClaimInput | None = None
         if inp.idempotency_key and workflow.patched(PATCH_IDEMPOTENCY_CLAIM):
             claim = ClaimInput(
-                key=idempotency_scope(inp),
+                key=idempotency_scope(inp.caller, inp.target, inp.operation, inp.idempotency_key),
                 request_id=inp.request_id,
-                fingerprint=payload_fingerprint(inp),
+                fingerprint=payload_fingerprint(inp.payload),
                 ttl_s=inp.plan.idempotency_ttl_s,
             )
             try:

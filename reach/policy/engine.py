@@ -35,6 +35,11 @@ class _Cached:
     view: CapabilityView
 
 
+def capability_bucket(capability: str) -> str:
+    """The key of a capability's own token bucket (shared by all its callers)."""
+    return f"cap:{capability}"
+
+
 def limit_buckets(limits: RateLimitSettings, capability: str, caller: str) -> list[BucketPlan]:
     """The token buckets one request must take from: per (caller, capability), per capability."""
     out: list[BucketPlan] = []
@@ -49,7 +54,7 @@ def limit_buckets(limits: RateLimitSettings, capability: str, caller: str) -> li
     if limits.per_capability is not None:
         out.append(
             BucketPlan(
-                key=f"cap:{capability}",
+                key=capability_bucket(capability),
                 per_minute=limits.per_capability.per_minute,
                 capacity=limits.per_capability.capacity,
             )

@@ -167,21 +167,7 @@ def test_declarations_fill_what_configuration_left_open() -> None:
 
 
 def test_a_key_fingerprint_reads_payloads_as_json_does() -> None:
-    from reach.invocation import InvokeInput, payload_fingerprint
-
-    def fp(payload: dict[str, object]) -> str:
-        return payload_fingerprint(
-            InvokeInput(
-                request_id="r",
-                caller="c",
-                target="t",
-                operation="o",
-                payload=payload,
-                accepted_at_ms=0,
-                deadline_ms=0,
-                plan=CallPlan(timeout_ms=1, idempotent=False, max_retries=0),
-            )
-        )
+    from reach.invocation import payload_fingerprint as fp
 
     assert fp({"x": 1, "y": [2.0, {"z": 3}]}) == fp({"y": [2, {"z": 3.0}], "x": 1.0})
     assert fp({"x": 1}) != fp({"x": 1.5})
