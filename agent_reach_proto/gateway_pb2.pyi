@@ -41,7 +41,7 @@ class InvokeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., duration_ms: _Optional[int] = ..., result_json: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("capability", "instance_id", "protocol", "service_address", "heartbeat_interval", "operations", "max_message_bytes", "async_callback", "labels", "declared_operations")
+    __slots__ = ("capability", "instance_id", "protocol", "service_address", "heartbeat_interval", "operations", "max_message_bytes", "async_callback", "labels", "declared_operations", "weight", "max_inflight")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,8 @@ class JoinRequest(_message.Message):
     ASYNC_CALLBACK_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     DECLARED_OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     capability: str
     instance_id: str
     protocol: str
@@ -69,7 +71,9 @@ class JoinRequest(_message.Message):
     async_callback: bool
     labels: _containers.ScalarMap[str, str]
     declared_operations: _containers.RepeatedCompositeFieldContainer[OperationDeclaration]
-    def __init__(self, capability: _Optional[str] = ..., instance_id: _Optional[str] = ..., protocol: _Optional[str] = ..., service_address: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., operations: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., async_callback: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., declared_operations: _Optional[_Iterable[_Union[OperationDeclaration, _Mapping]]] = ...) -> None: ...
+    weight: int
+    max_inflight: int
+    def __init__(self, capability: _Optional[str] = ..., instance_id: _Optional[str] = ..., protocol: _Optional[str] = ..., service_address: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., operations: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., async_callback: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., declared_operations: _Optional[_Iterable[_Union[OperationDeclaration, _Mapping]]] = ..., weight: _Optional[int] = ..., max_inflight: _Optional[int] = ...) -> None: ...
 
 class OperationDeclaration(_message.Message):
     __slots__ = ("name", "idempotent", "timeout_ms")

@@ -76,6 +76,8 @@ OperationFunc = Callable[..., Any]
 HealthCheck = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
 
 DEFAULT_REMEMBER_BYTES = 16 * 1024 * 1024
+MAX_WEIGHT = 1000
+MAX_INFLIGHT = 1_000_000
 
 
 class OperationError(Exception):
@@ -94,6 +96,11 @@ class OperationError(Exception):
 
 def _url(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address.rstrip('/')}"
+
+
+def _check_int(name: str, value: object, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ValueError(f"{name} must be an integer from 1 to {maximum}, not {value!r}")
 
 
 def default_instance_id(capability: str) -> str:
@@ -120,11 +127,23 @@ class AgentRuntime:
         async_callback: bool = True,
         remember: int = 4096,
         remember_bytes: int = DEFAULT_REMEMBER_BYTES,
+        weight: int = 1,
+        max_inflight: int | None = None,
     ) -> None:
         """`service_address` is where Reach calls this instance: `host:port` for http, grpc
         and websocket (port 0 = any free port, filled in before joining); for mqtt, the
         broker's `host:port` (the request topic is added). `listen` is where to bind when it
-        differs from the address advertised (e.g. 0.0.0.0:9001 behind a public name)."""
+        differs from the address advertised (e.g. 0.0.0.0:9001 behind a public name).
+
+        `weight` (1 to 1000) is this instance's share under weighted round robin and on a hash
+        ring, relative to the other instances (Reach's configuration may override it);
+        `max_inflight` (1 to 1,000,000, or None for no limit) is the number of requests in
+        flight at which routing passes this instance over until it drains. Both are sent at
+        Join, each only when it differs from its default, so a gateway that predates them
+        still accepts the Join. An out-of-range value raises `ValueError` here."""
+        _check_int("weight", weight, MAX_WEIGHT)
+        if max_inflight is not None:
+            _check_int("max_inflight", max_inflight, MAX_INFLIGHT)
         self._server_class = server_class(protocol)  # an unknown protocol fails here
         install_request_id_logging()
         self.reach_url = _url(reach_address or os.environ.get("REACH_ADDRESS", "127.0.0.1:7600"))
@@ -137,6 +156,8 @@ class AgentRuntime:
         self.health_check = health_check
         self.max_message_bytes = max_message_bytes
         self.async_callback = async_callback
+        self.weight = weight
+        self.max_inflight = max_inflight
         self.ack: dict[str, Any] | None = None
         self._listen = listen or self.service_address
         self._operations: dict[str, OperationFunc] = {}
@@ -339,7 +360,7 @@ class AgentRuntime:
 
     async def _join(self) -> None:
         assert self._client is not None
-        body = {
+        body: dict[str, Any] = {
             "capability": self.capability,
             "instance_id": self.instance_id,
             "protocol": self.protocol,
@@ -349,6 +370,11 @@ class AgentRuntime:
             "max_message_bytes": self.max_message_bytes,
             "async_callback": self.async_callback,
         }
+        # Only when not the default: a gateway that predates them refuses unknown fields.
+        if self.weight != 1:
+            body["weight"] = self.weight
+        if self.max_inflight is not None:
+            body["max_inflight"] = self.max_inflight
         r = await self._client.post("/reach/agents", json=body)
         if r.status_code != 200:
             raise RuntimeError(f"Reach refused the join: HTTP {r.status_code} {r.text}")

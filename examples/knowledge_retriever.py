@@ -9,7 +9,8 @@ non-idempotent write: {"note"} -> a new note id), `generate` ({"prompt"} -> text
 `index_unavailable`, with {"status"} as its HTTP-style status). Flags make it misbehave on
 purpose for demos and tests: --delay-ms (slow), --defer (answer 202, POST the result later),
 --late-error TYPE (with --defer: answer late with an error of the agent's own TYPE),
---reply-bytes N (pad every result with N bytes), --max-message-bytes N (proposed at Join),
+--reply-bytes N (pad every result with N bytes), --max-message-bytes N, --weight N (share under
+weighted round robin / hash ring) and --max-inflight N (in-flight limit) are proposed at Join,
 --health-file (read ok/degraded/unhealthy from a file at every heartbeat), --ledger (append every
 executed RequestID to a file, to check nothing runs twice), --fail-first N (the first N `query`,
 `create` and `generate` calls fail with --fail-status, 503 by default; with --fail-shared, the
@@ -76,6 +77,8 @@ def build(args: argparse.Namespace) -> AgentRuntime:
         heartbeat_interval=args.heartbeat_interval,
         health_check=health,
         max_message_bytes=args.max_message_bytes,
+        weight=args.weight,
+        max_inflight=args.max_inflight,
     )
     ledger = Path(args.ledger) if args.ledger else None
     pending: set[asyncio.Task[None]] = set()
@@ -189,6 +192,15 @@ def main() -> None:
     p.add_argument("--reply-bytes", type=int, default=0, help="pad each result with N bytes")
     p.add_argument(
         "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="proposed at Join"
+    )
+    p.add_argument(
+        "--weight", type=int, default=1, help="share under weighted routing (1-1000), at Join"
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=None,
+        help="requests in flight at which routing passes this instance over, at Join",
     )
     p.add_argument("--health-file")
     p.add_argument("--ledger")

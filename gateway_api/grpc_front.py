@@ -334,7 +334,7 @@ def _join_fields(request: pb.JoinRequest) -> dict[str, Any]:
     for name in ("capability", "instance_id", "protocol", "service_address"):
         if getattr(request, name):
             fields[name] = getattr(request, name)
-    for name in ("heartbeat_interval", "max_message_bytes"):
+    for name in ("heartbeat_interval", "max_message_bytes", "weight", "max_inflight"):
         if request.HasField(name):
             fields[name] = getattr(request, name)
     interval = fields.get("heartbeat_interval")

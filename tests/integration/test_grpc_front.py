@@ -574,6 +574,46 @@ async def test_join_declares_operations_as_the_http_api_does(
     assert got.details == "operations.1.name: Field required"
 
 
+async def test_join_carries_weight_and_max_inflight(
+    front: Front, reach: Reach, http: httpx.AsyncClient, capability: str
+) -> None:
+    """Stored as HTTP stores them; set but out of range (0 is not unset) is refused by name."""
+    await reach.join(
+        pb.JoinRequest(
+            capability=capability,
+            instance_id=f"{capability}-w3",
+            service_address="127.0.0.1:9",
+            weight=3,
+            max_inflight=5,
+        )
+    )
+    await reach.join(
+        pb.JoinRequest(
+            capability=capability, instance_id=f"{capability}-w1", service_address="127.0.0.1:9"
+        )
+    )
+    listed = (await http.get(f"{front.gateway.url}/reach/capabilities/{capability}")).json()
+    assert sorted(
+        (i["instance_id"], i["weight"], i["max_inflight"]) for i in listed["instances"]
+    ) == [
+        (f"{capability}-w1", 1, None),
+        (f"{capability}-w3", 3, 5),
+    ]
+    for name in ("weight", "max_inflight"):
+        body: dict[str, Any] = {
+            "capability": capability,
+            "instance_id": f"{capability}-w0",
+            "service_address": "127.0.0.1:9",
+            name: 0,
+        }
+        got = await refused(reach.join(pb.JoinRequest(**body)))
+        r = await http.post(f"{front.gateway.url}/reach/agents", json=body)
+        assert r.status_code == 422, r.text
+        assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert got.details.startswith(f"{name}: "), got.details
+        assert got.envelope == r.json()
+
+
 @pytest.mark.parametrize(
     "fields",
     [

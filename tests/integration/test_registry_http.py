@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from agent_reach_sdk import AgentRuntime
 from tests.conftest import new_stack
 from tests.helpers import Agent, Gateway, start_agents, wait_until
 
@@ -103,6 +104,54 @@ async def test_join_declares_operations_by_name_or_object(
     # The refused joins changed nothing.
     again = (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).json()
     assert again["instances"][0]["declared"] == instance["declared"]
+
+
+async def test_join_weight_and_max_inflight_are_checked_and_shown(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    body = {"capability": capability, "service_address": "127.0.0.1:1"}
+    for fields, name in (
+        ({"weight": 0}, "weight"),
+        ({"weight": 1001}, "weight"),
+        ({"max_inflight": 0}, "max_inflight"),
+    ):
+        r = await http.post(
+            f"{gateway.url}/reach/agents", json={**body, "instance_id": f"{capability}-0", **fields}
+        )
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["message"].startswith(f"{name}: "), r.text
+    assert not (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).is_success
+    r = await http.post(
+        f"{gateway.url}/reach/agents",
+        json={**body, "instance_id": f"{capability}-3", "weight": 3, "max_inflight": 5},
+    )
+    assert r.status_code == 200, r.text
+    listed = (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).json()
+    [instance] = listed["instances"]
+    assert (instance["weight"], instance["max_inflight"]) == (3, 5)
+
+
+async def test_the_sdk_joins_with_weight_and_max_inflight(
+    gateway: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    runtime = AgentRuntime(
+        capability,
+        reach_address=gateway.url,
+        instance_id=f"{capability}-sdk",
+        service_address="127.0.0.1:0",
+        heartbeat_interval=0.5,
+        weight=4,
+        max_inflight=9,
+    )
+
+    @runtime.operation("query")
+    def query(payload: dict[str, object]) -> dict[str, object]:
+        return payload
+
+    async with runtime:
+        listed = (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).json()
+    [instance] = listed["instances"]
+    assert (instance["weight"], instance["max_inflight"]) == (4, 9)
 
 
 async def test_silent_instance_is_evicted_within_timeout_plus_interval(
