@@ -42,7 +42,9 @@ from reach.errors import ReachError
 from reach.policy.engine import PolicyEngine
 from reach.policy.state import create_policy_state
 from reach.registry import Registry
-from reach.routing import create_router
+from reach.registry.view import RegistryView
+from reach.routing import Router, check_routing
+from reach.routing.inflight import create_inflight
 from reach.store import Store, create_store
 from workflows.callback import DeliverCallbackWorkflow
 from workflows.invoke import SEARCH_ATTRIBUTES, InvokeWorkflow, capability_queue
@@ -138,30 +140,54 @@ class Services:
     settings: ReachSettings
     store: Store
     registry: Registry
+    view: RegistryView
+    router: Router
     connectors: ConnectorSet
     activities: ReachActivities
 
+    async def start(self) -> None:
+        """Read the registry into the local view and start following it (and the in-flight
+        counts shared with other processes)."""
+        await self.view.start()
+        await self.router.inflight.start()
+
     async def aclose(self) -> None:
+        await self.view.aclose()
+        await self.router.inflight.aclose()
         await self.activities.aclose()
         await self.connectors.aclose()
         await self.store.aclose()
 
 
 def build_services(settings: ReachSettings) -> Services:
+    """Everything an invoke needs in this process (call `start()` in its event loop). An
+    unknown routing strategy in the configuration is a ConfigError here."""
     store = create_store(settings.registry)
     registry = Registry(store, settings.registry, settings.transport)
+    view = RegistryView(
+        registry,
+        resync_s=settings.routing.view_resync_s,
+        sweep_s=min(1.0, settings.registry.heartbeat_interval),
+    )
 
     async def live_instances(capability: str) -> set[str] | None:
         try:
-            return {i.instance_id for i in await registry.instances(capability)}
+            snap = await view.snapshot(capability)
         except ReachError:  # the store is away: keep connections until it can say
             return None
+        return {e.instance_id for e in snap.entries} if snap else set()
 
     connectors = ConnectorSet(settings.transport, live_instances=live_instances)
-    router = create_router("round_robin", store, settings.registry.capability_retention_s)
+    check_routing(settings)
+    inflight = create_inflight(
+        store,
+        lease_s=settings.routing.inflight_lease_s,
+        refresh_s=settings.routing.inflight_refresh_ms / 1000,
+    )
+    router = Router.from_settings(settings, inflight)
     policy = PolicyEngine(settings.policy, create_policy_state(store))
-    activities = ReachActivities(registry, router, connectors, policy)
-    return Services(settings, store, registry, connectors, activities)
+    activities = ReachActivities(registry, router, connectors, policy, view=view)
+    return Services(settings, store, registry, view, router, connectors, activities)
 
 
 def build_workers(
@@ -223,6 +249,7 @@ async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence
     await ensure_search_attributes(client, client.namespace)
     await announce_retention(client, client.namespace)
     services = build_services(settings)
+    await services.start()
     workers = build_workers(client, services, invoke=invoke, capabilities=capabilities)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

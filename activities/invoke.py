@@ -50,7 +50,8 @@ from reach.invocation import (
 )
 from reach.messages import InvokeResponse, Reply
 from reach.policy.engine import PolicyEngine
-from reach.registry import InstanceRecord, Registry, declared_policy
+from reach.registry import Registry
+from reach.registry.view import CapabilitySnapshot, RegistryView, RouteEntry
 from reach.routing import Router
 
 log = logging.getLogger("reach.activities")
@@ -85,8 +86,11 @@ class ReachActivities:
         connectors: ConnectorSet,
         policy: PolicyEngine,
         http: httpx.AsyncClient | None = None,
+        view: RegistryView | None = None,
     ) -> None:
         self.registry = registry
+        # A view that is not started (unit tests) reads the store on every resolve.
+        self.view = view or RegistryView(registry)
         self.router = router
         self.connectors = connectors
         self.policy = policy
@@ -106,22 +110,36 @@ class ReachActivities:
         except Exception as exc:
             raise _internal("resolve", exc) from exc
 
+    async def _snapshot(self, capability: str) -> CapabilitySnapshot | None:
+        """The capability from the local view; read from the store when the view has nothing
+        routable (a join another process just saw), so 'no instance' is never a stale view's."""
+        try:
+            snap = await self.view.snapshot(capability)
+        except ReachError as err:
+            # Dirty records could not be re-read: route on what the view holds.
+            log.warning("registry view not refreshed for %s: %s", capability, err.message)
+            snap = self.view.cached(capability)
+        if snap is None or not snap.routable:
+            snap = await self.view.reload(capability)
+        return snap
+
     async def _resolve(self, inp: ResolveInput) -> Endpoint:
-        instances = await self.registry.instances(inp.capability)
-        if not instances and not await self.registry.known(inp.capability):
-            raise UnknownCapability(f"no agent has ever registered capability {inp.capability!r}")
-        routable = [i for i in instances if i.routable]
-        if not routable:
+        snap = await self._snapshot(inp.capability)
+        if snap is None:
+            if not await self.registry.known(inp.capability):
+                raise UnknownCapability(
+                    f"no agent has ever registered capability {inp.capability!r}"
+                )
+            raise NoInstance(f"capability {inp.capability!r} has no live instance")
+        if not snap.routable:
             raise NoInstance(
                 f"capability {inp.capability!r} has no healthy instance "
-                f"({len(instances)} registered, all unhealthy)"
-                if instances
-                else f"capability {inp.capability!r} has no live instance"
+                f"({len(snap.entries)} registered, all unhealthy)"
             )
         # R8: what one routable instance negotiated, the capability can carry; refused before
         # anything is sent, whichever instance routing would have picked.
-        smallest = min(routable, key=lambda i: i.max_message_bytes)
-        if inp.payload_bytes > smallest.max_message_bytes:
+        smallest = snap.smallest
+        if smallest is not None and inp.payload_bytes > smallest.max_message_bytes:
             raise PayloadTooLarge(
                 f"the payload is {inp.payload_bytes} bytes; capability {inp.capability!r} "
                 f"takes at most {smallest.max_message_bytes} (max_message_bytes negotiated by "
@@ -138,28 +156,31 @@ class ReachActivities:
             )
         view = await self.policy.view(inp.capability)
         ejected = self.policy.ejected(inp.capability, view)
-        # A retry goes elsewhere when it can, and an ejected instance only when nothing else
-        # is left: with one instance left, that one is still tried.
-        fresh = [i for i in routable if i.instance_id not in inp.exclude] or routable
-        healthy = [i for i in fresh if i.instance_id not in ejected] or fresh
-        skipped = sorted(ejected & {i.instance_id for i in fresh})
-        chosen = await self.router.pick(inp.capability, healthy, inp.routing_key)
-        declared = declared_policy(routable, inp.operation) if inp.operation else None
+        route = self.router.route(
+            snap,
+            exclude=inp.exclude,
+            ejected=ejected,
+            key=inp.routing_key,
+            reserve=f"{inp.request_id}:{inp.attempt}" if inp.attempt else None,
+        )
+        chosen = route.entry
+        declared = snap.declared(inp.operation) if inp.operation else None
         if inp.attempt:
             # Unsettled by configuration and key: movable if the agents declare it idempotent.
             movable = (
                 inp.movable if inp.movable is not None else bool(declared and declared.idempotent)
             )
-            live = {i.instance_id: i for i in routable}
-            chosen = await self._pinned(inp, chosen, live, movable)
+            chosen = await self._pinned(inp, chosen, snap, movable)
         log.info(
-            "routed request=%s capability=%s instance=%s of %d (breaker %s%s)",
+            "routed request=%s capability=%s instance=%s of %d by %s%s%s%s",
             inp.request_id,
             inp.capability,
             chosen.instance_id,
-            len(healthy),
-            admission.status,
-            f", skipped ejected {skipped}" if skipped else "",
+            len(snap.routable),
+            route.strategy,
+            f" (breaker {admission.status})" if admission.status != "closed" else "",
+            f", skipped ejected {route.skipped}" if route.skipped else "",
+            f"; {route.note}" if route.note else "",
         )
         return Endpoint(
             instance_id=chosen.instance_id,
@@ -171,16 +192,19 @@ class ReachActivities:
             probe=admission.probe,
             declared_idempotent=declared.idempotent if declared else None,
             declared_timeout_ms=declared.timeout_ms if declared else None,
-            skipped=skipped,
+            skipped=route.skipped,
+            strategy=route.strategy,
+            route_note=route.note,
+            bypassed=route.bypassed,
         )
 
     async def _pinned(
         self,
         inp: ResolveInput,
-        chosen: InstanceRecord,
-        live: dict[str, InstanceRecord],
+        chosen: RouteEntry,
+        snap: CapabilitySnapshot,
         movable: bool,
-    ) -> InstanceRecord:
+    ) -> RouteEntry:
         """A re-run of the same attempt (a crashed gateway's workflow task, run again) goes
         back to the instance that got it first while it is alive: that instance answers a
         re-delivered RequestID from its memory instead of running it a second time."""
@@ -191,14 +215,15 @@ class ReachActivities:
         if held == _pin(chosen):
             return chosen
         owner = held.partition(" ")[0]
-        if owner in live and _pin(live[owner]) == held:
+        first = snap.by_id.get(owner)
+        if first is not None and first.routable and _pin(first) == held:
             log.info(
                 "request=%s attempt=%d goes back to %s, which got it first",
                 inp.request_id,
                 inp.attempt,
                 owner,
             )
-            return live[owner]
+            return first
         if movable:
             return chosen
         # Not idempotent, no key, and the instance that got it is gone (or restarted): sending
@@ -265,9 +290,13 @@ class ReachActivities:
 
     @activity.defn(name=ACTIVITY_CALL)
     async def call(self, inp: CallInput) -> Reply:
+        endpoint, header = inp.endpoint, inp.message.header
+        inflight = self.router.inflight.begin(
+            endpoint.capability, endpoint.instance_id, f"{header.request_id}:{header.attempt}"
+        )
         try:
-            connector = self.connectors.get(inp.endpoint.protocol)
-            work = connector.invoke(inp.endpoint, inp.message, inp.timeout_ms / 1000)
+            connector = self.connectors.get(endpoint.protocol)
+            work = connector.invoke(endpoint, inp.message, inp.timeout_ms / 1000)
             if activity.info().is_local:
                 reply = await work
             else:
@@ -278,6 +307,8 @@ class ReachActivities:
             raise to_application_error(err) from err
         except Exception as exc:
             raise _internal(f"call to {inp.endpoint.instance_id}", exc) from exc
+        finally:
+            self.router.inflight.end(inflight)
         await self._record(inp.endpoint, ok=True)
         return reply
 
@@ -328,7 +359,7 @@ class ReachActivities:
         )
 
 
-def _pin(instance: InstanceRecord) -> str:
+def _pin(instance: RouteEntry) -> str:
     return f"{instance.instance_id} {instance.joined_at!r}"
 
 

@@ -5,7 +5,6 @@ processes configure their own.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -20,7 +19,6 @@ from gateway_api.routes import agents, health, invoke
 from gateway_api.service import Gateway
 from reach.config import ReachSettings
 from reach.limits import Limits
-from reach.registry import Registry
 from worker import (
     announce_retention,
     build_services,
@@ -32,16 +30,6 @@ from worker import (
 log = logging.getLogger("reach.gateway")
 
 
-async def _sweep(registry: Registry, every_s: float) -> None:
-    """Prune evicted instances promptly so 'evicted' is logged even when nobody is calling."""
-    while True:
-        await asyncio.sleep(every_s)
-        try:
-            await registry.sweep()
-        except Exception:
-            log.exception("registry sweep failed")
-
-
 def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = True) -> FastAPI:
     """The gateway app over a connected Temporal `client` (connect first, so an unreachable
     server is one clear error before anything serves)."""
@@ -51,6 +39,7 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
         await ensure_search_attributes(client, client.namespace)
         await announce_retention(client, client.namespace)
         services = build_services(settings)
+        await services.start()
         # A memory registry is invisible to other processes, so queue-mode capabilities are
         # served here too; with Redis, `worker.py --capability` processes serve them.
         queue_caps = (
@@ -60,12 +49,14 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
         )
         workers = build_workers(client, services, invoke=run_worker, capabilities=queue_caps)
         app.state.gateway = gateway = Gateway(
-            settings, client, services.registry, services.activities.policy
+            settings,
+            client,
+            services.registry,
+            services.activities.policy,
+            services.view,
+            services.router,
         )
         app.state.connectors = services.connectors
-        sweeper = asyncio.create_task(
-            _sweep(services.registry, min(1.0, settings.registry.heartbeat_interval))
-        )
         try:
             # The gRPC front stops before the workers: its in-flight invokes need them.
             async with running_workers(workers), grpc_front.serving(settings, gateway) as front:
@@ -78,7 +69,6 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
                 )
                 yield
         finally:
-            sweeper.cancel()
             await services.aclose()
 
     app = FastAPI(

@@ -41,7 +41,7 @@ from temporalio.exceptions import TimeoutError as TemporalTimeout
 from temporalio.service import RPCError, RPCStatusCode
 
 import connectors
-from reach.config import ReachSettings
+from reach.config import ReachSettings, RoutingSettings
 from reach.errors import (
     InvalidRequest,
     RateLimited,
@@ -76,6 +76,8 @@ from reach.messages import (
 from reach.policy import plan_call
 from reach.policy.engine import PolicyEngine, capability_bucket, limit_buckets
 from reach.registry import Ack, JoinRequest, Registry
+from reach.registry.view import RegistryView
+from reach.routing import Router, hash_key
 from workflows.invoke import (
     SA_CALLER,
     SA_CAPABILITY,
@@ -103,12 +105,26 @@ class Gateway:
     client: Client
     registry: Registry
     policy: PolicyEngine
+    view: RegistryView | None = None  # the local registry view (else: the store each time)
+    router: Router | None = None
     limits: Limits = field(init=False)
     rpc_timeout: timedelta = field(init=False)
+    _routing: dict[str, RoutingSettings] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.limits = Limits(max_message_bytes=self.settings.transport.max_message_bytes)
         self.rpc_timeout = timedelta(seconds=self.settings.temporal.rpc_timeout_s)
+
+    def _routing_for(self, capability: str) -> RoutingSettings:
+        found = self._routing.get(capability)
+        if found is None:
+            found = self._routing[capability] = self.settings.routing_for(capability)
+        return found
+
+    async def _known(self, capability: str) -> bool:
+        if self.view is not None:
+            return await self.view.known(capability)
+        return await self.registry.known(capability)
 
     # -- agents and readiness (shared by the HTTP routes and the gRPC front) ------------------
 
@@ -152,6 +168,25 @@ class Gateway:
             "limiter": limiter,
         }
 
+    async def routing_detail(self, capability: str) -> dict[str, Any]:
+        """The capability's routing configuration and its calls in flight."""
+        routing = self._routing_for(capability)
+        inflight: dict[str, int] = {}
+        if self.router is not None:
+            tracker = self.router.inflight
+            await tracker.refresh(capability)
+            inflight = dict(sorted(tracker.counts(capability).items()))
+        strategy = routing.strategy or "round_robin"
+        return {
+            "strategy": strategy,
+            "fallback": routing.fallback if strategy == "consistent_hash" else None,
+            "hash_on": (routing.hash_on or "routing_key")
+            if strategy == "consistent_hash"
+            else None,
+            "max_inflight": routing.max_inflight,
+            "inflight": inflight,
+        }
+
     # -- invoke -------------------------------------------------------------------------------
 
     async def invoke(
@@ -167,7 +202,7 @@ class Gateway:
         back as such: the caller gets a 504 and can ask again by RequestID.
         """
         request_id = req.request_id or new_request_id()
-        if not await self.registry.known(req.target) and not await self._exists(request_id):
+        if not await self._known(req.target) and not await self._exists(request_id):
             raise UnknownCapability(f"no agent has registered capability {req.target!r}")
         plan = plan_call(
             self.settings.policy,
@@ -192,6 +227,7 @@ class Gateway:
             callback_plan=CallbackPlan(**self.settings.callback.model_dump()),
             idempotency_key=req.idempotency_key,
             routing_key=req.routing_key,
+            hash_key=hash_key(self._routing_for(req.target), req.payload, req.routing_key),
             traceparent=traceparent,
             plan=plan,
             payload_bytes=len(payload_json),

@@ -100,6 +100,11 @@ class InvokeInput(BaseModel):
     callback_plan: CallbackPlan = Field(default_factory=CallbackPlan)
     idempotency_key: str | None = None
     routing_key: str | None = None
+    hash_key: str | None = Field(
+        default=None,
+        description="What consistent hashing hashes: the payload field the capability names "
+        "(routing.hash_on), else the routing_key; taken at acceptance.",
+    )
     traceparent: str | None = None
     plan: CallPlan
     payload_bytes: int = 0
@@ -119,6 +124,13 @@ class Endpoint(BaseModel):
     declared_idempotent: bool | None = None
     declared_timeout_ms: int | None = None
     skipped: list[str] = Field(default_factory=list, description="ejected instances passed over")
+    strategy: str | None = Field(default=None, description="the routing strategy that chose")
+    route_note: str | None = Field(
+        default=None, description="why routing chose as it did, when not plainly (a fallback)"
+    )
+    bypassed: list[str] = Field(
+        default_factory=list, description="instances passed over at their max_inflight"
+    )
 
 
 class ResolveInput(BaseModel):

@@ -446,7 +446,7 @@ class InvokeWorkflow:
                     ResolveInput(
                         capability=inp.target,
                         exclude=tried,
-                        routing_key=inp.routing_key,
+                        routing_key=inp.hash_key or inp.routing_key,
                         request_id=inp.request_id,
                         payload_bytes=inp.payload_bytes,
                         operation=inp.operation,

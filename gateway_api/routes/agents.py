@@ -49,10 +49,29 @@ class PolicyDetail(BaseModel):
     )
 
 
+class RoutingDetail(BaseModel):
+    """How the capability is routed, and its requests in flight now (R12, R17)."""
+
+    strategy: str
+    fallback: str | None = Field(
+        default=None, description="Routes consistent_hash requests that carry no key."
+    )
+    hash_on: str | None = None
+    max_inflight: int | None = Field(
+        default=None, description="Configured; an instance's own (from Join), if smaller, holds."
+    )
+    inflight: dict[str, int] = Field(
+        default_factory=dict,
+        description="Calls in flight per instance, every gateway and worker together (as this "
+        "gateway last read them; instances with none are left out).",
+    )
+
+
 class CapabilityDetail(BaseModel):
     name: str
     instances: list[InstanceRecord]
     policy: PolicyDetail | None = None
+    routing: RoutingDetail | None = None
     connections: dict[str, dict[str, int]] = Field(
         default_factory=dict,
         description="This gateway process's connections to the capability's instances, per "
@@ -151,5 +170,6 @@ async def get_capability(
         name=name,
         instances=await gateway.registry.instances(name),
         policy=await gateway.policy_detail(name),
+        routing=await gateway.routing_detail(name),
         connections=connections.stats_of(name) if connections is not None else {},
     )

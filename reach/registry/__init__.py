@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import (
     BaseModel,
@@ -35,7 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from reach.config import RegistrySettings, TransportSettings
-from reach.errors import UnknownInstance
+from reach.errors import ReachError, UnknownInstance
 from reach.messages import MAX_TIMEOUT_MS, CapabilityName, InstanceId, JsonInt, OperationName
 from reach.store import Record, Store
 
@@ -140,6 +140,20 @@ class JoinRequest(BaseModel):
     max_message_bytes: JsonInt | None = Field(default=None, gt=0, le=1 << 40)
     async_callback: bool = False
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+    weight: JsonInt = Field(
+        default=1,
+        ge=1,
+        le=1000,
+        description="This instance's share under weighted round robin and on a hash ring, "
+        "relative to the others (configuration may override it).",
+    )
+    max_inflight: JsonInt | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="Requests in flight at which routing passes this instance over until it "
+        "drains (R17).",
+    )
 
     @field_validator("operations")
     @classmethod
@@ -207,6 +221,8 @@ class InstanceRecord(BaseModel):
     async_callback: bool
     heartbeat_interval: float
     labels: dict[str, str] = Field(default_factory=dict)
+    weight: int = 1
+    max_inflight: int | None = None
     status: HealthStatus = "ok"
     checks: dict[str, Any] = Field(default_factory=dict)
     inflight: int = 0
@@ -233,9 +249,17 @@ class InstanceRecord(BaseModel):
         return self.status != "unhealthy"
 
 
-def declared_policy(
-    instances: Sequence[InstanceRecord], operation: str
-) -> OperationDeclaration | None:
+class Declares(Protocol):
+    """What `declared_policy` reads of an instance (a record, or a routing view's entry)."""
+
+    @property
+    def routable(self) -> bool: ...
+
+    @property
+    def declared(self) -> Mapping[str, OperationDeclaration]: ...
+
+
+def declared_policy(instances: Sequence[Declares], operation: str) -> OperationDeclaration | None:
     """What the routable instances together declare for `operation` (None: nothing).
 
     Idempotent only if one declares it so and none declares otherwise (an instance silent about
@@ -255,6 +279,12 @@ HEALTH_FIELDS = frozenset({"status", "checks", "inflight", "last_seen"})
 """What a heartbeat writes; the rest of a record is what the last join wrote."""
 
 _JOIN, _HEALTH = "join", "health"
+
+CHANGES_CHANNEL = "registry"
+"""Where every join, leave, health status change and eviction is announced, as
+`<capability>\t<instance_id>`: registry views re-read that record (`reach.registry.view`)."""
+
+ChangeListener = Callable[[str, str], None]
 
 
 def _fields(record: InstanceRecord) -> dict[str, str]:
@@ -289,6 +319,21 @@ class Registry:
         self.max_message_bytes = (transport or TransportSettings()).max_message_bytes
         # Never forget a capability before its last instance record has expired.
         self._retention_s = max(settings.capability_retention_s, settings.heartbeat_timeout)
+        self._listeners: list[ChangeListener] = []
+
+    def on_change(self, listener: ChangeListener) -> None:
+        """Call `listener(capability, instance_id)` after each change made through this
+        registry, before the change is announced to other processes (read-your-writes)."""
+        self._listeners.append(listener)
+
+    async def _announce(self, capability: str, instance_id: str) -> None:
+        for listener in self._listeners:
+            listener(capability, instance_id)
+        try:
+            await self.store.publish(CHANGES_CHANNEL, f"{capability}\t{instance_id}")
+        except ReachError as exc:
+            # The change itself is stored; other views catch up at their next resync.
+            log.warning("could not announce %s/%s: %s", capability, instance_id, exc)
 
     def negotiate(self, join: JoinRequest) -> Ack:
         timeout = self.settings.heartbeat_timeout
@@ -319,6 +364,8 @@ class Registry:
             async_callback=ack.async_callback,
             heartbeat_interval=ack.heartbeat_interval,
             labels=join.labels,
+            weight=join.weight,
+            max_inflight=join.max_inflight,
             joined_at=now,
             last_seen=now,
         )
@@ -337,6 +384,9 @@ class Registry:
             join.service_address,
             _rejoin_note(previous, join.capability),
         )
+        if previous is not None and previous.group != join.capability:
+            await self._announce(previous.group, join.instance_id)
+        await self._announce(join.capability, join.instance_id)
         return ack
 
     async def heartbeat(self, instance_id: str, report: HealthReport) -> InstanceRecord:
@@ -364,6 +414,7 @@ class Registry:
                 report.status,
                 report.checks,
             )
+            await self._announce(before.capability, instance_id)
         heartbeat_log.debug("heartbeat instance=%s status=%s", instance_id, report.status)
         return before.model_copy(update=health)
 
@@ -372,10 +423,14 @@ class Registry:
         if previous is None:
             return False
         log.info("left capability=%s instance=%s", previous.group, instance_id)
+        await self._announce(previous.group, instance_id)
         return True
 
     async def get(self, instance_id: str) -> InstanceRecord | None:
         return self._parse((await self.store.get_records([instance_id]))[0])
+
+    async def get_many(self, instance_ids: Sequence[str]) -> list[InstanceRecord | None]:
+        return [self._parse(r) for r in await self.store.get_records(instance_ids)]
 
     async def known(self, capability: str) -> bool:
         return await self.store.group_known(capability)
@@ -385,28 +440,53 @@ class Registry:
 
     async def instances(self, capability: str) -> list[InstanceRecord]:
         """Live instances of a capability (healthy or not), sorted by id; prunes the evicted."""
-        scan = await self.store.scan_group(capability)
-        for instance_id in scan.evicted:
-            log.warning(
-                "evicted capability=%s instance=%s: no heartbeat for %.1fs",
-                capability,
-                instance_id,
-                self.settings.heartbeat_timeout,
-            )
-        parsed = (self._parse(scan.live[i]) for i in sorted(scan.live))
+        live = await self.scan(capability)
+        parsed = (self._parse(live[i]) for i in sorted(live))
         return [record for record in parsed if record is not None]
+
+    async def scan(self, capability: str) -> dict[str, Record]:
+        """The capability's live records as stored (unparsed: `parse`, `health_status`);
+        prunes the evicted."""
+        scan = await self.store.scan_group(capability)
+        await self._evicted(capability, scan.evicted)
+        return scan.live
+
+    @staticmethod
+    def fingerprint(stored: Record) -> tuple[int, str] | None:
+        """What a record says beyond its heartbeat's time, cheaply: its join part and health
+        status (None: unreadable). Equal fingerprints: nothing routing reads has changed."""
+        try:
+            status = json.loads(stored.fields[_HEALTH]).get("status", "ok")
+            return hash(stored.fields[_JOIN]), str(status)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def parse(self, stored: Record | None) -> InstanceRecord | None:
+        return self._parse(stored)
 
     async def sweep(self) -> None:
         """Prune every capability's index (logging evictions), then forget the capabilities
         idle past their retention."""
         for capability in await self.capabilities():
-            await self.instances(capability)
+            await self._evicted(capability, await self.store.prune_group(capability))
         for capability in await self.store.expire():
             log.info(
                 "forgot capability=%s: no join or heartbeat for %.0fs",
                 capability,
                 self._retention_s,
             )
+
+    async def _evicted(self, capability: str, instance_ids: Sequence[str]) -> None:
+        """Log and announce the instances this process just pruned (only the one whose prune
+        removed an instance sees it, so each eviction is logged once)."""
+        for instance_id in instance_ids:
+            log.warning(
+                "evicted capability=%s instance=%s: no heartbeat for %.1fs",
+                capability,
+                instance_id,
+                self.settings.heartbeat_timeout,
+            )
+            await self._announce(capability, instance_id)
 
     @staticmethod
     def _parse(stored: Record | None) -> InstanceRecord | None:
@@ -421,7 +501,9 @@ class Registry:
 
 
 __all__ = [
+    "CHANGES_CHANNEL",
     "Ack",
+    "Declares",
     "HealthReport",
     "HealthStatus",
     "InstanceRecord",

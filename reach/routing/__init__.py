@@ -1,64 +1,253 @@
-"""Router: picks one routable instance of a capability (R5, R12).
+"""Routing: which instance of a capability takes a request (R5, R12, R17, R21, R22).
 
-Round robin is the default. Its counter lives in the shared store, so several gateways and
-workers (Redis backend) spread requests together instead of each starting at instance 0. The
-counter expires after `ttl_s` unused (the capability retention), so forgotten capabilities
-leave no counters behind.
-Strategies are small classes behind one interface; more arrive with the routing step.
+`Router.route` runs on the local registry view (`reach.registry.view`) and this process's
+in-flight counts (`reach.routing.inflight`), with no store round trip. Per capability it uses
+the strategy configured (`routing:` defaults, `capabilities.<name>.routing`), looked up among
+the plug-ins of the entry-point group `agent_reach.routing` (round robin by default).
+
+Every strategy gets the same load-aware bypass first (R17): an instance at its max_inflight is
+never chosen (until it drains), a `degraded` one only when no `ok` one is left, an `unhealthy`
+one never (R21). A retry avoids the instances this request already tried, and routing avoids
+ejected outliers, each only while another instance is left. A consistent-hash request without
+a key is routed by the fallback strategy, and its route says so.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import ClassVar
+import json
+import logging
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
 
-from reach.config import RegistrySettings
-from reach.registry import InstanceRecord
-from reach.store import Store
+from reach.config import ConfigError, ReachSettings, RoutingSettings
+from reach.errors import NoInstance
+from reach.registry.view import CapabilitySnapshot, RouteEntry
+from reach.routing.inflight import InflightTracker
+from reach.routing.strategies import BUILT_IN, PickContext, Strategy
 
-DEFAULT_COUNTER_TTL_S: float = RegistrySettings.model_fields["capability_retention_s"].default
+ENTRY_POINT_GROUP = "agent_reach.routing"
+
+log = logging.getLogger("reach.routing")
+
+_NOTHING: frozenset[str] = frozenset()
 
 
-class Router(ABC):
-    name: ClassVar[str]
+def available() -> dict[str, type[Strategy]]:
+    """Every strategy this process can use: the built-in ones and the installed plug-ins."""
+    found: dict[str, type[Strategy]] = dict(BUILT_IN)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in BUILT_IN and ep.value.startswith("reach.routing."):
+            continue
+        try:
+            cls = ep.load()
+        except Exception as exc:
+            log.warning("routing plug-in %s (%s) could not be loaded: %r", ep.name, ep.value, exc)
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+            log.warning("routing plug-in %s (%s) is not a Strategy; ignored", ep.name, ep.value)
+            continue
+        found[ep.name] = cls
+    return found
 
-    @abstractmethod
-    async def pick(
+
+def check_routing(settings: ReachSettings) -> None:
+    """Start-up check: every strategy named in the configuration exists (and a fallback
+    needs no key)."""
+    known = available()
+    names = ", ".join(sorted(known))
+    sections: list[tuple[str, RoutingSettings]] = [("routing", settings.routing)]
+    sections += [
+        (f"capabilities.{name}.routing", cap.routing)
+        for name, cap in settings.capabilities.items()
+        if cap.routing is not None
+    ]
+    for where, section in sections:
+        for field_name in ("strategy", "fallback"):
+            chosen = getattr(section, field_name)
+            if chosen is None:
+                continue
+            if chosen not in known:
+                raise ConfigError(
+                    f"reach.{where}.{field_name}: unknown routing strategy {chosen!r}; "
+                    f"known: {names}"
+                )
+            if field_name == "fallback" and known[chosen].uses_key:
+                raise ConfigError(
+                    f"reach.{where}.fallback: {chosen!r} needs a key itself; a fallback routes "
+                    "requests that have none (round_robin, least_request, ...)"
+                )
+
+
+def hash_key(
+    settings: RoutingSettings, payload: Mapping[str, Any], routing_key: str | None
+) -> str | None:
+    """What consistent hashing hashes for a request: the payload field named by `hash_on`
+    (`payload.user_id`), else the caller's routing_key; None when the strategy hashes nothing
+    or the request carries no key."""
+    strategy = settings.strategy or "round_robin"
+    if strategy != "consistent_hash" and not settings.hash_on:
+        return None
+    path = (settings.hash_on or "routing_key").split(".")
+    if path[0] == "payload":
+        value: Any = payload
+        for part in path[1:]:
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if isinstance(value, str):
+            return value
+        if value is not None:
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return routing_key
+
+
+@dataclass(slots=True)
+class Route:
+    """Where a request goes, and why."""
+
+    entry: RouteEntry
+    strategy: str
+    note: str | None = None
+    skipped: list[str] = field(default_factory=list)  # ejected instances passed over
+    bypassed: list[str] = field(default_factory=list)  # instances at their max_inflight
+
+
+class _Capability:
+    """What the router keeps per capability: its settings and strategy instances."""
+
+    __slots__ = ("fallback", "settings", "strategy", "uses_loads")
+
+    def __init__(self, settings: RoutingSettings, known: Mapping[str, type[Strategy]]) -> None:
+        self.settings = settings
+        self.strategy = known[settings.strategy or "round_robin"](settings)
+        self.fallback = known[settings.fallback or "round_robin"](settings)
+        self.uses_loads = (
+            self.strategy.uses_loads or self.fallback.uses_loads or bool(settings.max_inflight)
+        )
+
+
+class Router:
+    def __init__(
         self,
-        capability: str,
-        candidates: Sequence[InstanceRecord],
-        routing_key: str | None = None,
-    ) -> InstanceRecord:
-        """Choose one of `candidates` (non-empty, sorted by instance id)."""
+        settings_for: Callable[[str], RoutingSettings],
+        inflight: InflightTracker | None = None,
+        strategies: Mapping[str, type[Strategy]] | None = None,
+    ) -> None:
+        self._settings_for = settings_for
+        self.inflight = inflight or InflightTracker()
+        self._known = dict(strategies) if strategies is not None else available()
+        self._capabilities: dict[str, _Capability] = {}
 
+    @classmethod
+    def from_settings(
+        cls, settings: ReachSettings, inflight: InflightTracker | None = None
+    ) -> Router:
+        check_routing(settings)
+        return cls(settings.routing_for, inflight)
 
-class RoundRobin(Router):
-    name = "round_robin"
+    def _capability(self, capability: str) -> _Capability:
+        cap = self._capabilities.get(capability)
+        if cap is None:
+            cap = self._capabilities[capability] = _Capability(
+                self._settings_for(capability), self._known
+            )
+        return cap
 
-    def __init__(self, store: Store, ttl_s: float = DEFAULT_COUNTER_TTL_S) -> None:
-        self._store = store
-        self._ttl_s = ttl_s
+    def settings(self, capability: str) -> RoutingSettings:
+        return self._capability(capability).settings
 
-    async def pick(
+    def counts_loads(self, capability: str) -> bool:
+        """Whether routing this capability reads in-flight counts by configuration (it also
+        does when an instance declared its own max_inflight)."""
+        return self._capability(capability).uses_loads
+
+    def limit(self, capability: str, entry: RouteEntry) -> int | None:
+        """The in-flight count at which `entry` is passed over (None: no limit)."""
+        configured = self._capability(capability).settings.max_inflight
+        own = entry.max_inflight
+        if configured is None:
+            return own
+        return configured if own is None else min(own, configured)
+
+    def route(
         self,
-        capability: str,
-        candidates: Sequence[InstanceRecord],
-        routing_key: str | None = None,
-    ) -> InstanceRecord:
-        n = await self._store.incr(f"rr:{capability}", ttl_s=self._ttl_s)
-        return candidates[(n - 1) % len(candidates)]
+        snapshot: CapabilitySnapshot,
+        *,
+        exclude: Collection[str] = _NOTHING,
+        ejected: Collection[str] = _NOTHING,
+        key: str | None = None,
+        reserve: str | None = None,
+    ) -> Route:
+        """Choose an instance of `snapshot`; `reserve` counts the pick as in flight here until
+        the call under that key begins. Raises NoInstance when none can take it."""
+        capability = snapshot.capability
+        cap = self._capability(capability)
+        uses_loads = cap.uses_loads or snapshot.limited
+        loads: Mapping[str, int] = self.inflight.counts(capability) if uses_loads else {}
+        saturated: set[str] = set()
+        for instance_id, n in loads.items():
+            entry = snapshot.by_id.get(instance_id)
+            if entry is not None:
+                limit = self.limit(capability, entry)
+                if limit is not None and n >= limit:
+                    saturated.add(instance_id)
+        strategy, note = cap.strategy, None
+        if strategy.uses_key and key is None:
+            strategy = cap.fallback
+            hash_on = cap.settings.hash_on or "routing_key"
+            note = f"no hash key ({hash_on}): routed by {strategy.name}"
+        exclude = set(exclude) & snapshot.by_id.keys() if exclude else _NOTHING
+        ejected = set(ejected) & snapshot.by_id.keys() if ejected else _NOTHING
+        # Most avoided first, then less: a retry prefers a fresh instance to an ejected one,
+        # and an ejected one to the one it just tried; a full instance is never chosen.
+        levels: list[frozenset[str]] = []
+        for blocked in (
+            frozenset(saturated) | exclude | ejected,
+            frozenset(saturated) | exclude,
+            frozenset(saturated) | ejected,
+            frozenset(saturated),
+        ):
+            if blocked not in levels:
+                levels.append(blocked)
+        loads_view = loads if strategy.uses_loads else {}
+        for blocked in levels:
+            for tier_name, tier in (("ok", snapshot.ok), ("degraded", snapshot.degraded)):
+                ctx = PickContext(tier=tier_name, blocked=blocked, key=key, loads=loads_view)
+                entry = strategy.pick(snapshot, tier, ctx)
+                if entry is None:
+                    continue
+                if tier_name == "degraded" and snapshot.ok:
+                    note = _join(note, "no ok instance could take it: routed to a degraded one")
+                elif tier_name == "degraded":
+                    note = _join(note, "every instance is degraded")
+                if reserve is not None and uses_loads:
+                    self.inflight.reserve(capability, entry.instance_id, reserve)
+                return Route(
+                    entry=entry,
+                    strategy=strategy.name,
+                    note=note,
+                    skipped=sorted(ejected - {entry.instance_id}),
+                    bypassed=sorted(saturated),
+                )
+        if saturated:
+            raise NoInstance(
+                f"every routable instance of capability {capability!r} is at its max_inflight "
+                f"({len(saturated)} of {len(snapshot.routable)}); try again when they drain",
+                retry_after_s=1,
+            )
+        raise NoInstance(f"capability {capability!r} has no healthy instance")
 
 
-ROUTERS: dict[str, type[RoundRobin]] = {RoundRobin.name: RoundRobin}
+def _join(a: str | None, b: str) -> str:
+    return f"{a}; {b}" if a else b
 
 
-def create_router(name: str, store: Store, ttl_s: float = DEFAULT_COUNTER_TTL_S) -> Router:
-    try:
-        return ROUTERS[name](store, ttl_s)
-    except KeyError:
-        known = ", ".join(sorted(ROUTERS))
-        raise ValueError(f"unknown routing strategy {name!r}; known: {known}") from None
-
-
-__all__ = ["ROUTERS", "RoundRobin", "Router", "create_router"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Route",
+    "Router",
+    "Strategy",
+    "available",
+    "check_routing",
+    "hash_key",
+]

@@ -7,6 +7,7 @@ Each is a small in-process structure the strategies of the routing step build on
   bursts.
 - `pick_least`: least request — a full scan over a few instances, otherwise the better of two
   random choices (Envoy's approach: near-best balance without reading every count).
+- `EdfWeighted`: the same shares for large sets, earliest deadline first on a heap.
 - `HashRing`: consistent hashing with virtual nodes (scaled by weight) on a fast
   non-cryptographic hash (xxh3), and *bounded load* (Mirrokni, Thorup, Zadimoghaddam;
   Envoy's `hash_balance_factor`): a key goes to the first instance clockwise whose in-flight
@@ -17,13 +18,15 @@ Each is a small in-process structure the strategies of the routing step build on
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 import xxhash
 
-DEFAULT_VNODES = 160
+DEFAULT_VNODES = 100
 DEFAULT_BALANCE_FACTOR = 1.25
 FULL_SCAN_UP_TO = 8
 
@@ -71,30 +74,77 @@ def pick_least(
     return a if inflight.get(a, 0) <= inflight.get(b, 0) else b
 
 
+class EdfWeighted:
+    """Weighted round robin as earliest-deadline-first over a heap: O(log n) a pick, for sets
+    too large to scan each time. Instance i is due every 1/weight; the first turns are spread
+    over the first period (half a period in), so no instance starts with a burst."""
+
+    def __init__(self, weights: Mapping[str, int]) -> None:
+        if not weights or any(w < 1 for w in weights.values()):
+            raise ValueError("weights must be a non-empty mapping of positive integers")
+        self._period = {i: 1.0 / w for i, w in weights.items()}
+        self._heap = [(p / 2, n, i) for n, (i, p) in enumerate(sorted(self._period.items()))]
+        heapq.heapify(self._heap)
+
+    def pick(self) -> str:
+        due, n, instance = self._heap[0]
+        heapq.heapreplace(self._heap, (due + self._period[instance], n, instance))
+        return instance
+
+
 class HashRing:
-    """Consistent hashing with virtual nodes and bounded load."""
+    """Consistent hashing with virtual nodes and bounded load.
+
+    Each instance has `vnodes * weight` points (so adding or removing one moves only its own
+    share of keys). A point is a 64-bit hash whose low bits are replaced by the owner's index,
+    kept sorted in one `array('Q')`: 8 bytes a point, and a lookup is one bisect in C."""
 
     def __init__(self, weights: Mapping[str, int], vnodes: int = DEFAULT_VNODES) -> None:
         if not weights or any(w < 1 for w in weights.values()):
             raise ValueError("weights must be a non-empty mapping of positive integers")
         if vnodes < 1:
             raise ValueError("vnodes must be at least 1")
-        mean = sum(weights.values()) / len(weights)
-        points: list[tuple[int, str]] = []
-        for instance, weight in weights.items():
-            for i in range(max(1, round(vnodes * weight / mean))):
-                points.append((key_hash(f"{instance}#{i}"), instance))
+        self.owners: list[str] = sorted(weights)
+        bits = max(1, (len(self.owners) - 1).bit_length())
+        self._mask = (1 << bits) - 1
+        keep = ~self._mask & 0xFFFFFFFFFFFFFFFF
+        hash64 = xxhash.xxh3_64_intdigest
+        points = [
+            (hash64(f"{instance}#{i}".encode()) & keep) | index
+            for index, instance in enumerate(self.owners)
+            for i in range(vnodes * weights[instance])
+        ]
         points.sort()
-        self._hashes = [h for h, _ in points]
-        self._owners = [o for _, o in points]
-        self.instances = frozenset(weights)
+        self._points = array("Q", points)
+        self.instances = frozenset(self.owners)
 
     def __len__(self) -> int:
-        return len(self._hashes)
+        return len(self._points)
+
+    def start(self, key: str) -> int:
+        """The position of the first point clockwise from `key`."""
+        return bisect.bisect(self._points, key_hash(key)) % len(self._points)
+
+    def owner_at(self, position: int) -> str:
+        return self.owners[self._points[position % len(self._points)] & self._mask]
+
+    def walk(self, key: str) -> Iterator[str]:
+        """Each instance once, in the order met clockwise from `key`."""
+        points, mask, owners = self._points, self._mask, self.owners
+        start, size = self.start(key), len(points)
+        seen: set[int] = set()
+        for step in range(size):
+            index = points[(start + step) % size] & mask
+            if index in seen:
+                continue
+            seen.add(index)
+            yield owners[index]
+            if len(seen) == len(owners):
+                return
 
     def lookup(self, key: str) -> str:
         """The instance owning `key`, ignoring load."""
-        return self._owners[self._start(key)]
+        return self.owner_at(self.start(key))
 
     def lookup_bounded(
         self,
@@ -106,20 +156,20 @@ class HashRing:
         `balance_factor` times the mean load (every instance passes when all are equally loaded)."""
         if balance_factor < 1.0:
             raise ValueError("balance_factor must be at least 1")
-        total = sum(load.get(i, 0) for i in self.instances) + 1
-        capacity = math.ceil(balance_factor * total / len(self.instances))
-        start = self._start(key)
-        seen: set[str] = set()
-        for step in range(len(self._owners)):
-            owner = self._owners[(start + step) % len(self._owners)]
-            if owner in seen:
-                continue
+        capacity = bounded_capacity(load, len(self.instances), balance_factor, self.instances)
+        for owner in self.walk(key):
             if load.get(owner, 0) + 1 <= capacity:
                 return owner
-            seen.add(owner)
-            if len(seen) == len(self.instances):
-                break
-        return self._owners[start]  # unreachable while capacity >= the mean; kept total
+        return self.lookup(key)  # unreachable while capacity >= the mean; kept total
 
-    def _start(self, key: str) -> int:
-        return bisect.bisect(self._hashes, key_hash(key)) % len(self._hashes)
+
+def bounded_capacity(
+    load: Mapping[str, int],
+    instances: int,
+    balance_factor: float,
+    members: Collection[str] | None = None,
+) -> int:
+    """The most requests one instance may hold, this one included: `balance_factor` times the
+    mean (Mirrokni et al.), never below 1."""
+    total = sum(n for i, n in load.items() if members is None or i in members) + 1
+    return max(1, math.ceil(balance_factor * total / max(1, instances)))

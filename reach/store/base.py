@@ -21,7 +21,7 @@ counters can use the same primitives later.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -41,6 +41,16 @@ class GroupScan:
 
     live: dict[str, Record] = field(default_factory=dict)
     evicted: list[str] = field(default_factory=list)
+
+
+Listener = Callable[[str | None], None]
+"""Called with each message on a channel, and with None when messages may have been missed
+(a subscription that just (re)connected): the listener then reads whole what it keeps."""
+
+
+class Subscription(ABC):
+    @abstractmethod
+    async def aclose(self) -> None: ...
 
 
 def check_fields(fields: Mapping[str, str]) -> None:
@@ -88,6 +98,11 @@ class Store(ABC):
     async def scan_group(self, group: str) -> GroupScan:
         """The group's live records; members without one are removed from the index."""
 
+    async def prune_group(self, group: str) -> list[str]:
+        """Remove from the group's index the members whose record is gone, and return those
+        (what `scan_group` prunes, without reading the live records)."""
+        return (await self.scan_group(group)).evicted
+
     @abstractmethod
     async def group_known(self, group: str) -> bool: ...
 
@@ -103,6 +118,15 @@ class Store(ABC):
     @abstractmethod
     async def incr(self, key: str, ttl_s: float | None = None) -> int:
         """Add one to a counter; with `ttl_s`, the counter is dropped after that long unused."""
+
+    @abstractmethod
+    async def publish(self, channel: str, message: str) -> None:
+        """Send `message` to every subscriber of `channel` (at most once; none is kept)."""
+
+    @abstractmethod
+    async def subscribe(self, channel: str, listener: Listener) -> Subscription:
+        """Call `listener` (in this event loop) with each message published on `channel`, and
+        with None first and after every reconnection."""
 
     async def ping(self) -> bool:
         return True

@@ -3,7 +3,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from reach.store.base import GroupScan, Record, Store, check_fields
+from reach.store.base import GroupScan, Listener, Record, Store, Subscription, check_fields
+
+
+class _MemorySubscription(Subscription):
+    def __init__(self, listeners: list[Listener], listener: Listener) -> None:
+        self._listeners = listeners
+        self._listener = listener
+
+    async def aclose(self) -> None:
+        if self._listener in self._listeners:
+            self._listeners.remove(self._listener)
 
 
 class MemoryStore(Store):
@@ -17,6 +27,7 @@ class MemoryStore(Store):
         self._members: dict[str, set[str]] = {}
         self._group_expiry: dict[str, float] = {}
         self._counters: dict[str, tuple[int, float | None]] = {}
+        self._channels: dict[str, list[Listener]] = {}
 
     def _live(self, record_id: str) -> Record | None:
         item = self._records.get(record_id)
@@ -117,6 +128,16 @@ class MemoryStore(Store):
             del self._group_expiry[group]
             self._members.pop(group, None)
         return forgotten
+
+    async def publish(self, channel: str, message: str) -> None:
+        for listener in list(self._channels.get(channel, ())):
+            listener(message)
+
+    async def subscribe(self, channel: str, listener: Listener) -> Subscription:
+        listeners = self._channels.setdefault(channel, [])
+        listeners.append(listener)
+        listener(None)
+        return _MemorySubscription(listeners, listener)
 
     async def incr(self, key: str, ttl_s: float | None = None) -> int:
         now = self._clock()

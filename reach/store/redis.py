@@ -15,7 +15,9 @@ counter then skips one number, which round robin does not mind).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -26,7 +28,17 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError, RedisError
 
 from reach.errors import Unavailable
-from reach.store.base import GROUP_FIELD, GroupScan, Record, Store, check_fields
+from reach.store.base import (
+    GROUP_FIELD,
+    GroupScan,
+    Listener,
+    Record,
+    Store,
+    Subscription,
+    check_fields,
+)
+
+log = logging.getLogger("reach.store")
 
 _HELPERS = """
 local function now_ms()
@@ -103,6 +115,23 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   end
 end
 return {live, evicted}
+"""
+)
+
+# KEYS: the group's index. ARGV: record-key prefix, group. Returns the ids pruned.
+_PRUNE = (
+    _HELPERS
+    + """
+local evicted = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local group = redis.call('HGET', ARGV[1] .. id, '_group')
+  if not group then
+    if redis.call('SREM', KEYS[1], id) == 1 then table.insert(evicted, id) end
+  elseif group ~= ARGV[2] then
+    redis.call('SREM', KEYS[1], id)
+  end
+end
+return evicted
 """
 )
 
@@ -183,6 +212,7 @@ class RedisStore(Store):
         self._update = client.register_script(_UPDATE)
         self._delete = client.register_script(_DELETE)
         self._scan = client.register_script(_SCAN)
+        self._prune = client.register_script(_PRUNE)
         self._known = client.register_script(_KNOWN)
         self._list = client.register_script(_GROUPS)
         self._expire = client.register_script(_EXPIRE)
@@ -261,6 +291,11 @@ class RedisStore(Store):
         records = {live[i]: _record(live[i + 1]) for i in range(0, len(live), 2)}
         return GroupScan({i: r for i, r in sorted(records.items()) if r is not None}, evicted)
 
+    async def prune_group(self, group: str) -> list[str]:
+        return cast(
+            list[str], await self._run(self._prune, [self._grp(group)], [self._rec(""), group])
+        )
+
     async def group_known(self, group: str) -> bool:
         return bool(await self._run(self._known, [self._groups], [group]))
 
@@ -274,6 +309,13 @@ class RedisStore(Store):
         ttl = _ms(ttl_s) if ttl_s is not None else 0
         return int(await self._run(self._incr, [self._k(f"ctr:{key}")], [ttl]))
 
+    async def publish(self, channel: str, message: str) -> None:
+        with _mapped(self._p):
+            await self._r.publish(self._k(f"ch:{channel}"), message)
+
+    async def subscribe(self, channel: str, listener: Listener) -> Subscription:
+        return _RedisSubscription(self._r, self._k(f"ch:{channel}"), listener)
+
     async def ping(self) -> bool:
         try:
             return bool(await self._r.ping())
@@ -282,3 +324,53 @@ class RedisStore(Store):
 
     async def aclose(self) -> None:
         await self._r.aclose()
+
+
+class _RedisSubscription(Subscription):
+    """A channel read by a task of its own that reconnects (with backoff) whenever the
+    connection drops, telling the listener (None) that it may have missed messages. A quiet
+    connection is pinged, so one that died silently is noticed too."""
+
+    PING_AFTER_S = 5.0
+
+    def __init__(self, client: aioredis.Redis, channel: str, listener: Listener) -> None:
+        self._client = client
+        self._channel = channel
+        self._listener = listener
+        self._task = asyncio.create_task(self._run(), name=f"subscription {channel}")
+
+    async def _run(self) -> None:
+        delay_s = 0.1
+        while True:
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._channel)
+                self._listener(None)
+                delay_s = 0.1
+                quiet_s = 0.0
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is None:
+                        quiet_s += 1.0
+                        if quiet_s >= self.PING_AFTER_S:
+                            await pubsub.ping()
+                            quiet_s = 0.0
+                        continue
+                    quiet_s = 0.0
+                    if message.get("type") == "message":
+                        self._listener(str(message["data"]))
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                log.warning("subscription %s lost (%s); reconnecting", self._channel, exc)
+            except Exception:
+                log.exception("subscription %s failed; reconnecting", self._channel)
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(pubsub.aclose())  # type: ignore[no-untyped-call]
+            await asyncio.sleep(delay_s)
+            delay_s = min(2.0, delay_s * 2)
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import AsyncIterator
 
 import pytest
@@ -12,7 +11,6 @@ from gateway_api.devserver import free_port
 from reach.config import RegistrySettings
 from reach.errors import Unavailable, UnknownInstance
 from reach.registry import HealthReport, JoinRequest, Registry
-from reach.routing import RoundRobin
 from reach.store import MemoryStore, Store, create_store
 from reach.store.redis import RedisStore
 
@@ -76,16 +74,6 @@ async def test_rejoin_under_another_capability_moves_the_instance(store: Store) 
     assert [i.instance_id for i in await reg.instances("generator")] == ["x"]
 
 
-async def test_round_robin_counter_is_shared_by_all_routers(store: Store) -> None:
-    reg = Registry(store, SETTINGS)
-    for i in range(4):
-        await reg.join(join(f"i{i}"))
-    routers = [RoundRobin(store), RoundRobin(store)]  # e.g. two gateways
-    candidates = await reg.instances("retriever")
-    picks = await asyncio.gather(*(routers[n % 2].pick("retriever", candidates) for n in range(40)))
-    assert Counter(p.instance_id for p in picks) == {f"i{i}": 10 for i in range(4)}
-
-
 async def test_redis_outage_is_a_typed_retryable_error() -> None:
     dead = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", prefix="nowhere")
     try:
@@ -123,18 +111,10 @@ async def test_capability_is_forgotten_after_its_retention(store: Store) -> None
     assert [i.instance_id for i in await reg.instances("fading")] == ["b"]
 
 
-async def test_round_robin_counters_expire(store: Store) -> None:
+async def test_counters_expire(store: Store) -> None:
     assert [await store.incr("k", ttl_s=0.2) for _ in range(3)] == [1, 2, 3]
     await asyncio.sleep(0.25)
     assert await store.incr("k", ttl_s=0.2) == 1
-    reg = Registry(store, SETTINGS)
-    await reg.join(join("a"))
-    await reg.join(join("b"))
-    rr = RoundRobin(store, ttl_s=0.2)
-    candidates = await reg.instances("retriever")
-    assert [(await rr.pick("retriever", candidates)).instance_id for _ in range(3)] == list("aba")
-    await asyncio.sleep(0.25)
-    assert (await rr.pick("retriever", candidates)).instance_id == "a"
 
 
 async def test_nothing_piles_up_after_a_sweep(store: Store, request: pytest.FixtureRequest) -> None:

@@ -1,0 +1,377 @@
+"""A local view of the registry in each gateway and worker, for routing without a store round
+trip (R5, R12, R17, R21).
+
+The store stays the truth; the view is what this process last read of it, kept fresh by:
+
+- change events: every join, leave, health status change and eviction is announced on the
+  store's `registry` channel (Redis pub/sub; in process for the memory store) as
+  `<capability>\\t<instance_id>`. The view does not trust an event's order: it marks that
+  record dirty and re-reads it, so whatever order events arrive in, the view ends at what the
+  store holds. A change made through this process's own registry is marked before the call
+  returns, and a capability with dirty records is re-read before it is routed
+  (read-your-writes: a join answered here is routable here at once);
+- a resync that re-reads everything every `resync_s`, and at once whenever the subscription
+  (re)connects, for events missed while it was away;
+- a sweep every `sweep_s` that prunes instances whose record expired and announces each
+  eviction (only the process whose prune removed it announces it).
+
+What routing needs of an instance is kept in a slim `RouteEntry` (no checks, no labels), and
+identical operation declarations are shared, so an instance costs a few hundred bytes here.
+`CapabilitySnapshot` is an immutable picture of one capability, rebuilt only when it changed,
+that precomputes what every request would otherwise scan for (the routable tiers, the smallest
+negotiated message size, the declared policy per operation); strategies cache their own
+structures on it (`cache`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from reach.errors import ReachError
+from reach.registry import (
+    CHANGES_CHANNEL,
+    HealthStatus,
+    InstanceRecord,
+    OperationDeclaration,
+    Registry,
+    declared_policy,
+)
+from reach.store.base import Record, Subscription
+
+log = logging.getLogger("reach.registry.view")
+
+_versions = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteEntry:
+    """What routing and calling need of one instance."""
+
+    instance_id: str
+    capability: str
+    protocol: str
+    address: str
+    max_message_bytes: int
+    status: HealthStatus
+    weight: int
+    max_inflight: int | None
+    joined_at: float
+    declared: Mapping[str, OperationDeclaration]
+
+    @property
+    def routable(self) -> bool:
+        return self.status != "unhealthy"
+
+
+class CapabilitySnapshot:
+    """One capability's live instances at one moment (immutable; rebuilt when it changes)."""
+
+    __slots__ = (
+        "_declared",
+        "by_id",
+        "cache",
+        "capability",
+        "degraded",
+        "entries",
+        "limited",
+        "members",
+        "ok",
+        "routable",
+        "smallest",
+        "version",
+    )
+
+    def __init__(self, capability: str, entries: Iterable[RouteEntry]) -> None:
+        self.capability = capability
+        self.version = next(_versions)
+        self.entries: tuple[RouteEntry, ...] = tuple(sorted(entries, key=_by_id))
+        self.by_id: dict[str, RouteEntry] = {e.instance_id: e for e in self.entries}
+        self.routable = tuple(e for e in self.entries if e.routable)
+        self.ok = tuple(e for e in self.routable if e.status == "ok")
+        self.degraded = tuple(e for e in self.routable if e.status == "degraded")
+        # The routable instances and their weights: what a hash ring is built from.
+        self.members = tuple((e.instance_id, e.weight) for e in self.routable)
+        self.smallest = min(self.routable, key=_by_size) if self.routable else None
+        # Whether an instance declared a max_inflight (routing then reads in-flight counts).
+        self.limited = any(e.max_inflight is not None for e in self.routable)
+        self._declared: dict[str, OperationDeclaration | None] = {}
+        self.cache: dict[str, Any] = {}
+
+    def declared(self, operation: str) -> OperationDeclaration | None:
+        """What the routable instances together declare for `operation` (cached)."""
+        try:
+            return self._declared[operation]
+        except KeyError:
+            found = self._declared[operation] = declared_policy(self.routable, operation)
+            return found
+
+
+def _by_id(entry: RouteEntry) -> str:
+    return entry.instance_id
+
+
+def _by_size(entry: RouteEntry) -> int:
+    return entry.max_message_bytes
+
+
+class _Interned:
+    """Identical values shared between entries: most instances of a capability declare the
+    same operations and speak the same protocol."""
+
+    def __init__(self) -> None:
+        self._declared: dict[tuple[Any, ...], Mapping[str, OperationDeclaration]] = {}
+        self._strings: dict[str, str] = {}
+
+    def string(self, value: str) -> str:
+        return self._strings.setdefault(value, value)
+
+    def declared(
+        self, declared: Mapping[str, OperationDeclaration]
+    ) -> Mapping[str, OperationDeclaration]:
+        if not declared:
+            return _NONE_DECLARED
+        key = tuple(sorted((n, d.idempotent, d.timeout_ms) for n, d in declared.items()))
+        return self._declared.setdefault(key, dict(declared))
+
+    def entry(self, record: InstanceRecord) -> RouteEntry:
+        return RouteEntry(
+            instance_id=record.instance_id,
+            capability=self.string(record.capability),
+            protocol=self.string(record.protocol),
+            address=record.address,
+            max_message_bytes=record.max_message_bytes,
+            status=record.status,
+            weight=record.weight,
+            max_inflight=record.max_inflight,
+            joined_at=record.joined_at,
+            declared=self.declared(record.declared),
+        )
+
+
+_NONE_DECLARED: Mapping[str, OperationDeclaration] = {}
+
+
+class RegistryView:
+    """This process's picture of the registry; see the module docstring."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        resync_s: float = 5.0,
+        sweep_s: float = 1.0,
+    ) -> None:
+        self.registry = registry
+        self.resync_s = resync_s
+        self.sweep_s = sweep_s
+        self._members: dict[str, dict[str, RouteEntry]] = {}
+        self._where: dict[str, str] = {}  # instance id -> its capability here
+        self._snapshots: dict[str, CapabilitySnapshot] = {}
+        self._dirty: dict[str, str] = {}  # instance id -> a capability it may concern
+        self._dirty_caps: dict[str, int] = {}
+        self._interned = _Interned()
+        self._seen: dict[str, tuple[int, str]] = {}  # fingerprints of what was parsed
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._resync_due = True
+        self._subscription: Subscription | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.last_resync: float = 0.0
+        self._started = False
+        registry.on_change(self.changed)
+
+    async def start(self) -> None:
+        """Read the registry whole, then follow it (events, resyncs, sweeps)."""
+        await self.resync()
+        self._started = True
+        with contextlib.suppress(ReachError):
+            self._subscription = await self.registry.store.subscribe(
+                CHANGES_CHANNEL, self._on_message
+            )
+        self._tasks = [
+            asyncio.create_task(self._follow(), name="registry view"),
+            asyncio.create_task(self._sweep(), name="registry sweep"),
+        ]
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._subscription is not None:
+            await self._subscription.aclose()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def snapshot(self, capability: str) -> CapabilitySnapshot | None:
+        """The capability as this process sees it (None: no live instance here). Records
+        changed since they were read are re-read first. A view that was not started follows
+        nothing: it reads the capability from the store each time."""
+        if not self._started:
+            return await self.reload(capability)
+        if capability in self._dirty_caps:
+            await self._flush()
+        return self.cached(capability)
+
+    def cached(self, capability: str) -> CapabilitySnapshot | None:
+        """The snapshot as it is, without re-reading anything."""
+        snap = self._snapshots.get(capability)
+        if snap is not None:
+            return snap
+        members = self._members.get(capability)
+        if not members:
+            return None
+        snap = self._snapshots[capability] = CapabilitySnapshot(capability, members.values())
+        return snap
+
+    async def reload(self, capability: str) -> CapabilitySnapshot | None:
+        """Read the capability from the store now (used when the view has nothing routable
+        to offer: another process may have just seen a join this one has not heard of)."""
+        async with self._lock:
+            self._replace(capability, await self.registry.scan(capability))
+        return self.cached(capability)
+
+    async def known(self, capability: str) -> bool:
+        """Whether any agent registered the capability (the view when it has instances; the
+        store otherwise, which also remembers capabilities whose instances all left)."""
+        if self._members.get(capability):
+            return True
+        return await self.registry.known(capability)
+
+    def capabilities(self) -> list[str]:
+        return sorted(c for c, m in self._members.items() if m)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    # -- following ------------------------------------------------------------------------
+
+    def changed(self, capability: str, instance_id: str) -> None:
+        """The record of `instance_id` (of `capability`, or moving out of it) changed."""
+        self._dirty[instance_id] = capability
+        self._dirty_caps[capability] = self._dirty_caps.get(capability, 0) + 1
+        known_as = self._where.get(instance_id)
+        if known_as is not None and known_as != capability:
+            self._dirty_caps[known_as] = self._dirty_caps.get(known_as, 0) + 1
+        self._wake.set()
+
+    def _on_message(self, message: str | None) -> None:
+        if message is None:
+            self._resync_due = True
+            self._wake.set()
+            return
+        capability, sep, instance_id = message.partition("\t")
+        if sep and capability and instance_id:
+            self.changed(capability, instance_id)
+
+    async def _follow(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.resync_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                if self._resync_due or time.monotonic() - self.last_resync >= self.resync_s:
+                    await self.resync()
+                if self._dirty:
+                    await self._flush()
+            except ReachError as exc:
+                log.warning("registry view not refreshed: %s", exc)
+                await asyncio.sleep(min(1.0, self.resync_s))
+                self._wake.set()
+            except Exception:
+                log.exception("registry view refresh failed")
+                await asyncio.sleep(min(1.0, self.resync_s))
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            try:
+                await self.registry.sweep()
+            except ReachError as exc:
+                log.warning("registry sweep skipped: %s", exc)
+            except Exception:
+                log.exception("registry sweep failed")
+
+    async def _flush(self) -> None:
+        """Re-read the dirty records (one pipelined read) and apply what the store says."""
+        async with self._lock:
+            if not self._dirty:
+                return
+            dirty, self._dirty = self._dirty, {}
+            caps, self._dirty_caps = self._dirty_caps, {}
+            try:
+                records = await self.registry.get_many(list(dirty))
+            except BaseException:
+                # Not read: still dirty (a later flush or resync tries again).
+                for instance_id, capability in dirty.items():
+                    self._dirty.setdefault(instance_id, capability)
+                for capability, n in caps.items():
+                    self._dirty_caps[capability] = self._dirty_caps.get(capability, 0) + n
+                raise
+            for instance_id, record in zip(dirty, records, strict=True):
+                self._seen.pop(instance_id, None)
+                self._set(instance_id, record)
+
+    async def resync(self) -> None:
+        """Re-read every capability whole."""
+        async with self._lock:
+            self._resync_due = False
+            capabilities = await self.registry.capabilities()
+            for capability in capabilities:
+                self._replace(capability, await self.registry.scan(capability))
+            for capability in set(self._members) - set(capabilities):
+                self._replace(capability, {})
+            self.last_resync = time.monotonic()
+
+    # -- applying -------------------------------------------------------------------------
+
+    def _set(self, instance_id: str, record: InstanceRecord | None) -> None:
+        old_cap = self._where.get(instance_id)
+        if old_cap is not None and (record is None or record.capability != old_cap):
+            self._members[old_cap].pop(instance_id, None)
+            self._snapshots.pop(old_cap, None)
+            del self._where[instance_id]
+            self._seen.pop(instance_id, None)
+        if record is None:
+            return
+        entry = self._interned.entry(record)
+        members = self._members.setdefault(record.capability, {})
+        if members.get(instance_id) != entry:
+            members[instance_id] = entry
+            self._snapshots.pop(record.capability, None)
+        self._where[instance_id] = record.capability
+
+    def _replace(self, capability: str, live: Mapping[str, Record]) -> None:
+        """Make the capability what the store holds: `live` records by id (unparsed). A
+        record whose fingerprint is unchanged is not parsed again (a resync of 10,000
+        instances parses only what changed)."""
+        for instance_id in list(self._members.get(capability, ())):
+            if instance_id not in live:
+                self._set(instance_id, None)
+        for instance_id, stored in live.items():
+            mark = Registry.fingerprint(stored)
+            if (
+                mark is not None
+                and self._seen.get(instance_id) == mark
+                and self._where.get(instance_id) == capability
+            ):
+                continue
+            record = self.registry.parse(stored)
+            if record is None or record.capability != capability:
+                continue
+            self._set(instance_id, record)
+            if mark is not None:
+                self._seen[instance_id] = mark
+        if not self._members.get(capability):
+            self._members.pop(capability, None)
+            self._snapshots.pop(capability, None)
+
+
+__all__ = ["CapabilitySnapshot", "RegistryView", "RouteEntry"]

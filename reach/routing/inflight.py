@@ -1,0 +1,328 @@
+"""Requests in flight per instance, as every gateway and worker together sees them (R12, R17).
+
+Each process counts its own calls exactly and at once (`begin`/`end` around the agent call,
+and a short `reserve` from the moment routing picks an instance until the call begins, so a
+burst of picks does not all land on the one that looked idle). With the Redis store, every
+process also writes its calls to one sorted set per capability, `<prefix>:inf:<capability>`,
+a member per call scored by its lease's end (Redis's clock): the process renews the leases of
+its live calls every third of `lease_s`, so the calls of a process that was killed expire
+within `lease_s` instead of leaking. Writes are fire-and-forget, batched into one pipeline;
+other processes' counts are re-read in the background when older than `refresh_s`, so routing
+never waits for the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from reach.store import Store
+
+log = logging.getLogger("reach.routing.inflight")
+
+RESERVATION_S = 2.0
+_SEP = "\x1f"
+
+# KEYS: the capability's set. ARGV: lease ms, members... (adds or renews each).
+_LEASE = """
+local t = redis.call('TIME')
+local ends = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], ends, ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], 3 * tonumber(ARGV[1]))
+return 1
+"""
+
+# KEYS: the capability's set. Returns the members whose lease has not ended.
+_READ = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+
+
+class Call:
+    """One call in flight, as `begin` returned it (pass it to `end`)."""
+
+    __slots__ = ("capability", "instance_id", "member")
+
+    def __init__(self, capability: str, instance_id: str, member: str) -> None:
+        self.capability = capability
+        self.instance_id = instance_id
+        self.member = member
+
+
+class InflightTracker:
+    """This process's calls, counted exactly (one process: the memory store)."""
+
+    def __init__(self) -> None:
+        self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._own: dict[str, dict[str, int]] = {}
+        self._reserved: dict[str, tuple[str, str, float]] = {}
+        self._seq = itertools.count(1)
+        self._version = 0  # changes whenever an own count does
+
+    # -- counting -------------------------------------------------------------------------
+
+    def reserve(self, capability: str, instance_id: str, key: str) -> None:
+        """Count a call routing just sent to `instance_id` until `begin(..., key)` takes it
+        over, or for `RESERVATION_S` (its call may run in another process)."""
+        self._expire_reservations()
+        if key in self._reserved:
+            return
+        self._reserved[key] = (capability, instance_id, time.monotonic() + RESERVATION_S)
+        self._add(capability, instance_id, 1)
+
+    def begin(self, capability: str, instance_id: str, key: str | None = None) -> Call:
+        reserved = self._reserved.pop(key, None) if key else None
+        if reserved is not None:
+            self._add(reserved[0], reserved[1], -1)
+        self._add(capability, instance_id, 1)
+        call = Call(
+            capability, instance_id, f"{instance_id}{_SEP}{self.process}{_SEP}{next(self._seq)}"
+        )
+        self._shared_begin(call)
+        return call
+
+    def end(self, call: Call) -> None:
+        self._add(call.capability, call.instance_id, -1)
+        self._shared_end(call)
+
+    async def refresh(self, capability: str) -> None:
+        """Re-read other processes' counts now (none here)."""
+        return None
+
+    def counts(self, capability: str) -> Mapping[str, int]:
+        """Calls in flight per instance of `capability` (instances with none are absent)."""
+        self._expire_reservations()
+        return self._own.get(capability, _EMPTY)
+
+    def own(self, capability: str) -> Mapping[str, int]:
+        return self._own.get(capability, _EMPTY)
+
+    def _add(self, capability: str, instance_id: str, n: int) -> None:
+        self._version += 1
+        counts = self._own.setdefault(capability, {})
+        value = counts.get(instance_id, 0) + n
+        if value > 0:
+            counts[instance_id] = value
+        else:
+            counts.pop(instance_id, None)
+            if not counts:
+                del self._own[capability]
+
+    def _expire_reservations(self) -> None:
+        if not self._reserved:
+            return
+        now = time.monotonic()
+        # Insertion order is expiry order (every reservation lasts RESERVATION_S).
+        while self._reserved:
+            key, (capability, instance_id, ends) = next(iter(self._reserved.items()))
+            if ends > now:
+                break
+            del self._reserved[key]
+            self._add(capability, instance_id, -1)
+
+    # -- sharing (none here) --------------------------------------------------------------
+
+    def _shared_begin(self, call: Call) -> None:
+        return None
+
+    def _shared_end(self, call: Call) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+_EMPTY: Mapping[str, int] = {}
+
+
+class SharedInflightTracker(InflightTracker):
+    """Counts shared through Redis by every process on the same prefix."""
+
+    def __init__(
+        self,
+        client: Any,
+        prefix: str,
+        *,
+        lease_s: float = 10.0,
+        refresh_s: float = 0.1,
+        shared: Callable[[str], bool] = lambda _capability: True,
+    ) -> None:
+        super().__init__()
+        self._r = client
+        self._prefix = prefix
+        self.lease_s = lease_s
+        self.refresh_s = refresh_s
+        self._shared = shared  # which capabilities need counts from other processes
+        self._lease = client.register_script(_LEASE)
+        self._read = client.register_script(_READ)
+        self._live: dict[str, dict[str, Call]] = {}  # capability -> member -> call
+        self._ops: list[tuple[str, str, str]] = []  # ("add" | "rem", capability, member)
+        self._wake = asyncio.Event()
+        self._others: dict[str, tuple[float, dict[str, int]]] = {}
+        self._merged: dict[str, tuple[float, int, dict[str, int]]] = {}
+        self._refreshing: dict[str, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._warned = 0.0
+
+    def _key(self, capability: str) -> str:
+        return f"{self._prefix}:inf:{capability}"
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._writer(), name="inflight writer"),
+            asyncio.create_task(self._renewer(), name="inflight leases"),
+        ]
+
+    async def aclose(self) -> None:
+        for task in [*self._tasks, *self._refreshing.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._refreshing.values(), return_exceptions=True)
+        # Leave nothing behind for the others to count until the leases end.
+        if any(self._live.values()):
+            with contextlib.suppress(RedisError, OSError):
+                async with self._r.pipeline(transaction=False) as pipe:
+                    for capability, calls in self._live.items():
+                        if calls:
+                            pipe.zrem(self._key(capability), *calls)
+                    await pipe.execute()
+
+    def _shared_begin(self, call: Call) -> None:
+        if not self._shared(call.capability):
+            return
+        self._live.setdefault(call.capability, {})[call.member] = call
+        self._ops.append(("add", call.capability, call.member))
+        self._wake.set()
+
+    def _shared_end(self, call: Call) -> None:
+        calls = self._live.get(call.capability)
+        if calls is None or calls.pop(call.member, None) is None:
+            return
+        if not calls:
+            del self._live[call.capability]
+        self._ops.append(("rem", call.capability, call.member))
+        self._wake.set()
+
+    def counts(self, capability: str) -> Mapping[str, int]:
+        own = super().counts(capability)
+        seen = self._others.get(capability)
+        now = time.monotonic()
+        if (seen is None or now - seen[0] >= self.refresh_s) and capability not in self._refreshing:
+            task = asyncio.get_running_loop().create_task(self._refresh(capability))
+            self._refreshing[capability] = task
+        if seen is None or not seen[1]:
+            return own
+        others = seen[1]
+        merged = self._merged.get(capability)
+        if merged is not None and merged[0] == seen[0] and merged[1] == self._version:
+            return merged[2]
+        total = dict(others)
+        for instance_id, n in own.items():
+            total[instance_id] = total.get(instance_id, 0) + n
+        self._merged[capability] = (seen[0], self._version, total)
+        return total
+
+    def others(self, capability: str) -> Mapping[str, int]:
+        seen = self._others.get(capability)
+        return seen[1] if seen else _EMPTY
+
+    async def _refresh(self, capability: str) -> None:
+        try:
+            members = await self._read(keys=[self._key(capability)], args=[])
+            others: dict[str, int] = {}
+            mine = f"{_SEP}{self.process}{_SEP}"
+            for member in members:
+                if mine in member:
+                    continue
+                instance_id = member.partition(_SEP)[0]
+                others[instance_id] = others.get(instance_id, 0) + 1
+            self._others[capability] = (time.monotonic(), others)
+        except (RedisError, OSError) as exc:
+            self._warn(f"in-flight counts of {capability!r} not read: {exc}")
+            # Keep what was known; try again after the usual interval.
+            old = self._others.get(capability)
+            self._others[capability] = (time.monotonic(), old[1] if old else {})
+        finally:
+            self._refreshing.pop(capability, None)
+
+    async def refresh(self, capability: str) -> None:
+        """Re-read the other processes' counts now (status pages, tests, benchmarks)."""
+        await self._refresh(capability)
+
+    async def flush(self) -> None:
+        """Write what is queued now (tests, benchmarks)."""
+        await self._write()
+
+    async def _writer(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._write()
+
+    async def _write(self) -> None:
+        if not self._ops:
+            return
+        ops, self._ops = self._ops, []
+        lease_ms = int(self.lease_s * 1000)
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for op, capability, member in ops:
+                    if op == "add":
+                        await self._lease(
+                            keys=[self._key(capability)], args=[lease_ms, member], client=pipe
+                        )
+                    else:
+                        pipe.zrem(self._key(capability), member)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            # Lost adds undercount until the next renewal; lost removals end with their lease.
+            self._warn(f"in-flight counts not written: {exc}")
+
+    async def _renewer(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            for capability, calls in list(self._live.items()):
+                for member in list(calls):
+                    self._ops.append(("add", capability, member))
+            await self._write()
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._warned >= 10.0:
+            self._warned = now
+            log.warning("%s", message)
+
+
+def create_inflight(
+    store: Store,
+    *,
+    lease_s: float = 10.0,
+    refresh_s: float = 0.1,
+    shared: Callable[[str], bool] = lambda _capability: True,
+) -> InflightTracker:
+    """Shared through the store's Redis when it has one; this process alone otherwise."""
+    from reach.store.redis import RedisStore
+
+    if isinstance(store, RedisStore):
+        return SharedInflightTracker(
+            store._r, store._p, lease_s=lease_s, refresh_s=refresh_s, shared=shared
+        )
+    return InflightTracker()
+
+
+__all__ = ["Call", "InflightTracker", "SharedInflightTracker", "create_inflight"]
