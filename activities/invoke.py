@@ -294,6 +294,7 @@ class ReachActivities:
         inflight = self.router.inflight.begin(
             endpoint.capability, endpoint.instance_id, f"{header.request_id}:{header.attempt}"
         )
+        failed = False  # the agent's fault: its latency is then counted as high (routing)
         try:
             connector = self.connectors.get(endpoint.protocol)
             work = connector.invoke(endpoint, inp.message, inp.timeout_ms / 1000)
@@ -303,12 +304,13 @@ class ReachActivities:
                 reply = await _heartbeating(work)
         except ReachError as err:
             if inp.judge_timeouts or not isinstance(err, DeadlineExceeded):
-                await self._record(inp.endpoint, ok=not counts_as_failure(err))
+                failed = counts_as_failure(err)
+                await self._record(inp.endpoint, ok=not failed)
             raise to_application_error(err) from err
         except Exception as exc:
             raise _internal(f"call to {inp.endpoint.instance_id}", exc) from exc
         finally:
-            self.router.inflight.end(inflight)
+            self.router.inflight.end(inflight, failed=failed)
         await self._record(inp.endpoint, ok=True)
         return reply
 

@@ -57,6 +57,13 @@ class RegistrySettings(_Section):
         le=60,
         description="Socket timeout for every Redis command: a stuck Redis is a 503, not a hang.",
     )
+    redis_max_connections: int = Field(
+        default=64,
+        ge=2,
+        le=10_000,
+        description="Connections per process; past them a command waits (up to "
+        "redis_timeout_s) for one to free.",
+    )
     capability_retention_s: float = Field(
         default=3600.0,
         gt=0,

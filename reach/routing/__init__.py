@@ -24,7 +24,7 @@ from typing import Any
 from reach.config import ConfigError, ReachSettings, RoutingSettings
 from reach.errors import NoInstance
 from reach.registry.view import CapabilitySnapshot, RouteEntry
-from reach.routing.inflight import InflightTracker
+from reach.routing.inflight import InflightTracker, Loads
 from reach.routing.strategies import BUILT_IN, PickContext, Strategy
 
 ENTRY_POINT_GROUP = "agent_reach.routing"
@@ -183,14 +183,7 @@ class Router:
         capability = snapshot.capability
         cap = self._capability(capability)
         uses_loads = cap.uses_loads or snapshot.limited
-        loads: Mapping[str, int] = self.inflight.counts(capability) if uses_loads else {}
-        saturated: set[str] = set()
-        for instance_id, n in loads.items():
-            entry = snapshot.by_id.get(instance_id)
-            if entry is not None:
-                limit = self.limit(capability, entry)
-                if limit is not None and n >= limit:
-                    saturated.add(instance_id)
+        loads = self.inflight.loads(capability) if uses_loads else _NO_LOADS
         strategy, note = cap.strategy, None
         if strategy.uses_key and key is None:
             strategy = cap.fallback
@@ -198,21 +191,25 @@ class Router:
             note = f"no hash key ({hash_on}): routed by {strategy.name}"
         exclude = set(exclude) & snapshot.by_id.keys() if exclude else _NOTHING
         ejected = set(ejected) & snapshot.by_id.keys() if ejected else _NOTHING
+        # An instance at its max_inflight is found when a strategy meets it (one lookup),
+        # never by a scan of every busy instance.
+        full = _Full(self._limits(cap, snapshot), cap.settings.max_inflight, loads)
         # Most avoided first, then less: a retry prefers a fresh instance to an ejected one,
         # and an ejected one to the one it just tried; a full instance is never chosen.
         levels: list[frozenset[str]] = []
-        for blocked in (
-            frozenset(saturated) | exclude | ejected,
-            frozenset(saturated) | exclude,
-            frozenset(saturated) | ejected,
-            frozenset(saturated),
-        ):
-            if blocked not in levels:
-                levels.append(blocked)
-        loads_view = loads if strategy.uses_loads else {}
-        for blocked in levels:
+        for avoid in (exclude | ejected, exclude, ejected, _NOTHING):
+            if avoid not in levels:
+                levels.append(frozenset(avoid))
+        ctx = PickContext(
+            tier="ok",
+            key=key,
+            loads=loads if strategy.uses_loads else _NO_LOADS,
+            latency=self.inflight.latency(capability) if strategy.uses_loads else None,
+        )
+        for avoid in levels:
+            ctx.blocked = _Blocked(avoid, full)
             for tier_name, tier in (("ok", snapshot.ok), ("degraded", snapshot.degraded)):
-                ctx = PickContext(tier=tier_name, blocked=blocked, key=key, loads=loads_view)
+                ctx.tier = tier_name
                 entry = strategy.pick(snapshot, tier, ctx)
                 if entry is None:
                     continue
@@ -227,15 +224,64 @@ class Router:
                     strategy=strategy.name,
                     note=note,
                     skipped=sorted(ejected - {entry.instance_id}),
-                    bypassed=sorted(saturated),
+                    bypassed=sorted(full.met),
                 )
-        if saturated:
+        if full.met:
             raise NoInstance(
                 f"every routable instance of capability {capability!r} is at its max_inflight "
-                f"({len(saturated)} of {len(snapshot.routable)}); try again when they drain",
+                f"({len(full.met)} of {len(snapshot.routable)}); try again when they drain",
                 retry_after_s=1,
             )
         raise NoInstance(f"capability {capability!r} has no healthy instance")
+
+    @staticmethod
+    def _limits(cap: _Capability, snapshot: CapabilitySnapshot) -> Mapping[str, int]:
+        """The instances that declared a max_inflight of their own, with it (per snapshot)."""
+        found = snapshot.cache.get("router:limits")
+        if found is None:
+            found = snapshot.cache["router:limits"] = {
+                e.instance_id: e.max_inflight for e in snapshot.entries if e.max_inflight
+            }
+        assert isinstance(found, dict)
+        return found
+
+
+class _Full:
+    """Whether an instance is at its max_inflight (the smaller of its own and the
+    configured one), remembering the ones met for the route's record."""
+
+    __slots__ = ("configured", "limits", "loads", "met")
+
+    def __init__(self, limits: Mapping[str, int], configured: int | None, loads: Loads) -> None:
+        self.limits = limits
+        self.configured = configured
+        self.loads = loads
+        self.met: set[str] = set()
+
+    def __call__(self, instance_id: str) -> bool:
+        limit = self.limits.get(instance_id)
+        if self.configured is not None and (limit is None or self.configured < limit):
+            limit = self.configured
+        if limit is None or self.loads.get(instance_id, 0) < limit:
+            return False
+        self.met.add(instance_id)
+        return True
+
+
+class _Blocked:
+    """What a strategy must pass over: the instances this level avoids, and the full ones."""
+
+    __slots__ = ("avoid", "full")
+
+    def __init__(self, avoid: frozenset[str], full: _Full) -> None:
+        self.avoid = avoid
+        self.full = full
+
+    def __contains__(self, instance_id: object) -> bool:
+        return instance_id in self.avoid or self.full(str(instance_id))
+
+
+_NO_LOADS = Loads({}, {}, 0)
 
 
 def _join(a: str | None, b: str) -> str:

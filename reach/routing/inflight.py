@@ -17,11 +17,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -31,6 +32,10 @@ from reach.store import Store
 log = logging.getLogger("reach.routing.inflight")
 
 RESERVATION_S = 2.0
+LATENCY_TAU_S = 10.0
+# A failed call (unreachable, 5xx, timeout) is observed as at least this many times the
+# capability's typical latency: an instance failing fast must not look like the fastest.
+FAILURE_PENALTY = 5.0
 _SEP = "\x1f"
 
 # KEYS: the capability's set. ARGV: lease ms, members... (adds or renews each).
@@ -54,12 +59,86 @@ return redis.call('ZRANGE', KEYS[1], 0, -1)
 class Call:
     """One call in flight, as `begin` returned it (pass it to `end`)."""
 
-    __slots__ = ("capability", "instance_id", "member")
+    __slots__ = ("capability", "instance_id", "member", "started")
 
     def __init__(self, capability: str, instance_id: str, member: str) -> None:
         self.capability = capability
         self.instance_id = instance_id
         self.member = member
+        self.started = time.monotonic()
+
+
+class Loads(Mapping[str, int]):
+    """Calls in flight per instance: this process's plus the others' (as last read), summed
+    on lookup — never merged whole, so a pick costs the same at 10 or 10,000 busy instances."""
+
+    __slots__ = ("_others", "_own", "total")
+
+    def __init__(self, own: Mapping[str, int], others: Mapping[str, int], total: int) -> None:
+        self._own = own
+        self._others = others
+        self.total = total
+
+    def get(self, key: str, default: int = 0) -> int:  # type: ignore[override]
+        n = self._own.get(key, 0) + self._others.get(key, 0)
+        return n if n else default
+
+    def __getitem__(self, key: str) -> int:
+        n = self.get(key)
+        if not n:
+            raise KeyError(key)
+        return n
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._own
+        yield from (k for k in self._others if k not in self._own)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class Latency:
+    """Each instance's recent call latency (peak EWMA, Finagle's): a slower call raises it at
+    once, faster ones lower it over `tau_s`; unread, it drifts back to the capability's
+    typical latency, so an instance avoided for being slow is tried again now and then."""
+
+    __slots__ = ("_by_instance", "_typical", "tau_s")
+
+    def __init__(self, tau_s: float = LATENCY_TAU_S) -> None:
+        self.tau_s = tau_s
+        self._by_instance: dict[str, tuple[float, float]] = {}  # id -> (ms, when)
+        self._typical: tuple[float, float] | None = None
+
+    def typical(self) -> float:
+        return self._typical[0] if self._typical else 1.0
+
+    def observe(self, instance_id: str, ms: float, now: float) -> None:
+        ms = max(ms, 0.001)
+        if self._typical is None:
+            self._typical = (ms, now)
+        else:
+            value, when = self._typical
+            w = math.exp(-max(0.0, now - when) / self.tau_s)
+            self._typical = (value * w + ms * (1 - w), now)
+        current = self.of(instance_id, now)
+        if instance_id not in self._by_instance or ms > current:
+            self._by_instance[instance_id] = (ms, now)
+            return
+        w = math.exp(-max(0.0, now - self._by_instance[instance_id][1]) / self.tau_s)
+        self._by_instance[instance_id] = (current * w + ms * (1 - w), now)
+
+    def of(self, instance_id: str, now: float) -> float:
+        """The instance's latency now (ms); the typical one when it has none."""
+        typical = self.typical()
+        seen = self._by_instance.get(instance_id)
+        if seen is None:
+            return typical
+        value, when = seen
+        return typical + (value - typical) * math.exp(-max(0.0, now - when) / self.tau_s)
+
+    def forget(self, keep: Container[str]) -> None:
+        for instance_id in [i for i in self._by_instance if i not in keep]:
+            del self._by_instance[instance_id]
 
 
 class InflightTracker:
@@ -68,6 +147,8 @@ class InflightTracker:
     def __init__(self) -> None:
         self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._own: dict[str, dict[str, int]] = {}
+        self._totals: dict[str, int] = {}
+        self._latency: dict[str, Latency] = {}
         self._reserved: dict[str, tuple[str, str, float]] = {}
         self._seq = itertools.count(1)
         self._version = 0  # changes whenever an own count does
@@ -94,9 +175,27 @@ class InflightTracker:
         self._shared_begin(call)
         return call
 
-    def end(self, call: Call) -> None:
+    def end(self, call: Call, *, failed: bool = False) -> None:
+        """The call is over; its time feeds the instance's latency (`failed`: penalized)."""
         self._add(call.capability, call.instance_id, -1)
         self._shared_end(call)
+        now = time.monotonic()
+        latency = self.latency(call.capability)
+        ms = (now - call.started) * 1000
+        if failed:
+            ms = max(ms, FAILURE_PENALTY * latency.typical())
+        latency.observe(call.instance_id, ms, now)
+
+    def latency(self, capability: str) -> Latency:
+        found = self._latency.get(capability)
+        if found is None:
+            found = self._latency[capability] = Latency()
+        return found
+
+    def loads(self, capability: str) -> Loads:
+        """What routing reads: the calls in flight per instance, and their total."""
+        self._expire_reservations()
+        return Loads(self._own.get(capability, _EMPTY), _EMPTY, self._totals.get(capability, 0))
 
     async def refresh(self, capability: str) -> None:
         """Re-read other processes' counts now (none here)."""
@@ -112,6 +211,11 @@ class InflightTracker:
 
     def _add(self, capability: str, instance_id: str, n: int) -> None:
         self._version += 1
+        total = self._totals.get(capability, 0) + n
+        if total > 0:
+            self._totals[capability] = total
+        else:
+            self._totals.pop(capability, None)
         counts = self._own.setdefault(capability, {})
         value = counts.get(instance_id, 0) + n
         if value > 0:
@@ -174,7 +278,7 @@ class SharedInflightTracker(InflightTracker):
         self._live: dict[str, dict[str, Call]] = {}  # capability -> member -> call
         self._ops: list[tuple[str, str, str]] = []  # ("add" | "rem", capability, member)
         self._wake = asyncio.Event()
-        self._others: dict[str, tuple[float, dict[str, int]]] = {}
+        self._others: dict[str, tuple[float, dict[str, int], int]] = {}
         self._merged: dict[str, tuple[float, int, dict[str, int]]] = {}
         self._refreshing: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -220,11 +324,8 @@ class SharedInflightTracker(InflightTracker):
 
     def counts(self, capability: str) -> Mapping[str, int]:
         own = super().counts(capability)
+        self._maybe_refresh(capability)
         seen = self._others.get(capability)
-        now = time.monotonic()
-        if (seen is None or now - seen[0] >= self.refresh_s) and capability not in self._refreshing:
-            task = asyncio.get_running_loop().create_task(self._refresh(capability))
-            self._refreshing[capability] = task
         if seen is None or not seen[1]:
             return own
         others = seen[1]
@@ -236,6 +337,24 @@ class SharedInflightTracker(InflightTracker):
             total[instance_id] = total.get(instance_id, 0) + n
         self._merged[capability] = (seen[0], self._version, total)
         return total
+
+    def loads(self, capability: str) -> Loads:
+        self._expire_reservations()
+        own = self._own.get(capability, _EMPTY)
+        own_total = self._totals.get(capability, 0)
+        self._maybe_refresh(capability)
+        seen = self._others.get(capability)
+        if seen is None or not seen[1]:
+            return Loads(own, _EMPTY, own_total)
+        return Loads(own, seen[1], own_total + seen[2])
+
+    def _maybe_refresh(self, capability: str) -> None:
+        seen = self._others.get(capability)
+        if (
+            seen is None or time.monotonic() - seen[0] >= self.refresh_s
+        ) and capability not in self._refreshing:
+            task = asyncio.get_running_loop().create_task(self._refresh(capability))
+            self._refreshing[capability] = task
 
     def others(self, capability: str) -> Mapping[str, int]:
         seen = self._others.get(capability)
@@ -251,12 +370,12 @@ class SharedInflightTracker(InflightTracker):
                     continue
                 instance_id = member.partition(_SEP)[0]
                 others[instance_id] = others.get(instance_id, 0) + 1
-            self._others[capability] = (time.monotonic(), others)
+            self._others[capability] = (time.monotonic(), others, sum(others.values()))
         except (RedisError, OSError) as exc:
             self._warn(f"in-flight counts of {capability!r} not read: {exc}")
             # Keep what was known; try again after the usual interval.
             old = self._others.get(capability)
-            self._others[capability] = (time.monotonic(), old[1] if old else {})
+            self._others[capability] = (time.monotonic(), *(old[1:] if old else ({}, 0)))
         finally:
             self._refreshing.pop(capability, None)
 
@@ -325,4 +444,11 @@ def create_inflight(
     return InflightTracker()
 
 
-__all__ = ["Call", "InflightTracker", "SharedInflightTracker", "create_inflight"]
+__all__ = [
+    "Call",
+    "InflightTracker",
+    "Latency",
+    "Loads",
+    "SharedInflightTracker",
+    "create_inflight",
+]

@@ -10,9 +10,12 @@ no store round trip, microseconds at 10,000 instances (`bench/routing.py`).
 
 from __future__ import annotations
 
+import asyncio
+import math
 import random
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -23,11 +26,12 @@ from reach.routing.algorithms import (
     EdfWeighted,
     HashRing,
     SmoothWeighted,
-    bounded_capacity,
 )
+from reach.routing.inflight import Latency, Loads
 
 SMOOTH_UP_TO = 64  # larger sets: EDF on a heap instead of nginx's scan
 SAMPLES = 8  # random draws before a strategy falls back to scanning the tier
+BUILD_INLINE_UP_TO = 100_000  # ring points built on the event loop; more: in a thread
 
 
 @dataclass(slots=True)
@@ -35,7 +39,8 @@ class PickContext:
     tier: str  # "ok" | "degraded"
     blocked: Container[str] = frozenset()
     key: str | None = None
-    loads: Mapping[str, int] = field(default_factory=dict)
+    loads: Loads = field(default_factory=lambda: Loads({}, {}, 0))  # in flight, and the total
+    latency: Latency | None = None  # each instance's recent latency (strategies that use loads)
 
 
 class Strategy(ABC):
@@ -116,9 +121,12 @@ class WeightedRoundRobin(Strategy):
 
 
 class LeastRequest(Strategy):
-    """The instance with the fewest requests in flight (per unit of weight), shared by every
-    process through the store: exact over a few instances, the better of two random ones over
-    many (Envoy's approach). Ties go round, not always to the first."""
+    """The instance with the fewest requests in flight, shared by every process through the
+    store, weighed by its recent latency (peak EWMA, Finagle's refinement) and its weight: the
+    cost of an instance is (in flight + 1) x latency / weight. A stalled instance's calls end
+    at the deadline and its count falls back to zero, but its latency stays high, so it is
+    tried again only now and then. Exact over a few instances, the better of two random ones
+    over many (Envoy's approach). Ties go round, not always to the first."""
 
     name = "least_request"
     uses_loads = True
@@ -128,10 +136,10 @@ class LeastRequest(Strategy):
         self._turn = random.randrange(1 << 30)
         self._rng = random.Random()
 
-    def _better(self, a: RouteEntry, b: RouteEntry, loads: Mapping[str, int]) -> bool:
-        """Whether `a` is less loaded than `b` for its weight (strictly)."""
-        la, lb = loads.get(a.instance_id, 0) + 1, loads.get(b.instance_id, 0) + 1
-        return la * self.weight(b) < lb * self.weight(a)
+    def _cost(self, entry: RouteEntry, ctx: PickContext, now: float) -> float:
+        load = ctx.loads.get(entry.instance_id, 0) + 1
+        latency = ctx.latency.of(entry.instance_id, now) if ctx.latency is not None else 1.0
+        return load * latency / self.weight(entry)
 
     def pick(
         self, snapshot: CapabilitySnapshot, tier: Sequence[RouteEntry], ctx: PickContext
@@ -139,24 +147,28 @@ class LeastRequest(Strategy):
         n = len(tier)
         if n == 0:
             return None
-        blocked, loads = ctx.blocked, ctx.loads
+        blocked, now = ctx.blocked, time.monotonic()
         if n > FULL_SCAN_UP_TO:
             draws: list[RouteEntry] = []
             for _ in range(SAMPLES):
                 entry = tier[self._rng.randrange(n)]
-                if entry.instance_id not in blocked and entry not in draws:
+                if entry not in draws and entry.instance_id not in blocked:
                     draws.append(entry)
                     if len(draws) == 2:
                         a, b = draws
-                        return b if self._better(b, a, loads) else a
+                        return b if self._cost(b, ctx, now) < self._cost(a, ctx, now) else a
         tied: list[RouteEntry] = []
+        best = math.inf
         for entry in tier:
             if entry.instance_id in blocked:
                 continue
-            if not tied or self._better(entry, tied[0], loads):
-                tied = [entry]
-            elif not self._better(tied[0], entry, loads):
+            cost = self._cost(entry, ctx, now)
+            # Within 1%: a tie (latencies wobble; equals should share the traffic).
+            if cost < best * 0.99:
+                tied, best = [entry], cost
+            elif cost <= best * 1.01:
                 tied.append(entry)
+                best = min(best, cost)
         if not tied:
             return None
         self._turn += 1
@@ -178,16 +190,47 @@ class ConsistentHash(Strategy):
         super().__init__(settings)
         self._ring: HashRing | None = None
         self._members: tuple[tuple[str, int], ...] = ()
+        self._building: tuple[tuple[tuple[str, int], ...], asyncio.Future[HashRing]] | None = None
+        self._meanwhile = RoundRobin(settings)
 
-    def ring(self, snapshot: CapabilitySnapshot) -> HashRing:
+    def ring(self, snapshot: CapabilitySnapshot) -> HashRing | None:
+        """The ring of the snapshot's routable instances. A small one is built at once; a
+        large one (about 0.1 s per 100,000 points) in a thread while the ring it replaces
+        keeps serving (an instance gone from it is skipped, which is where its keys go
+        anyway; a new one gets keys once the ring is built). None: none built yet."""
         ring = snapshot.cache.get(self.name)
-        if ring is None:
-            members = tuple((i, self._weight_of(i, w)) for i, w in snapshot.members)
-            if self._ring is None or members != self._members:
-                self._ring = HashRing(dict(members), self.settings.vnodes or 100)
-                self._members = members
-            ring = snapshot.cache[self.name] = self._ring
-        assert isinstance(ring, HashRing)
+        if isinstance(ring, HashRing):
+            return ring
+        members = snapshot.cache.get("ch:members")
+        if members is None:
+            members = snapshot.cache["ch:members"] = tuple(
+                (i, self._weight_of(i, w)) for i, w in snapshot.members
+            )
+            if self._ring is not None and members == self._members:
+                snapshot.cache[self.name] = self._ring
+                return self._ring
+        vnodes = self.settings.vnodes or 100
+        if vnodes * sum(w for _, w in members) <= BUILD_INLINE_UP_TO:
+            return self._use(snapshot, members, HashRing(dict(members), vnodes))
+        if self._building is None or self._building[0] is not members:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no event loop (a script): build here
+                return self._use(snapshot, members, HashRing(dict(members), vnodes))
+            future = loop.run_in_executor(None, HashRing, dict(members), vnodes)
+            self._building = (members, future)
+        future = self._building[1]
+        if future.done():
+            self._building = None  # a failed build is tried again at the next pick
+            if future.exception() is None:
+                return self._use(snapshot, members, future.result())
+        return self._ring
+
+    def _use(
+        self, snapshot: CapabilitySnapshot, members: tuple[tuple[str, int], ...], ring: HashRing
+    ) -> HashRing:
+        self._ring, self._members = ring, members
+        snapshot.cache[self.name] = ring
         return ring
 
     def _weight_of(self, instance_id: str, weight: int) -> int:
@@ -200,11 +243,14 @@ class ConsistentHash(Strategy):
         if not tier or ctx.key is None:
             return None
         loads, blocked = ctx.loads, ctx.blocked
-        capacity = bounded_capacity(
-            loads, len(snapshot.routable), self.settings.balance_factor or 1.25, snapshot.by_id
-        )
+        # Bounded load: at most balance_factor x the mean, this request included.
+        factor = self.settings.balance_factor or 1.25
+        capacity = max(1, math.ceil(factor * (loads.total + 1) / len(snapshot.routable)))
+        ring = self.ring(snapshot)
+        if ring is None:  # the first ring of a large capability is being built
+            return self._meanwhile.pick(snapshot, tier, ctx)
         first: RouteEntry | None = None
-        for instance_id in self.ring(snapshot).walk(ctx.key):
+        for instance_id in ring.walk(ctx.key):
             entry = snapshot.by_id.get(instance_id)
             if entry is None or entry.status != ctx.tier or instance_id in blocked:
                 continue

@@ -18,6 +18,9 @@ def create_store(settings: RegistrySettings) -> Store:
         from reach.store.redis import RedisStore
 
         return RedisStore.from_url(
-            settings.redis_url, prefix=settings.key_prefix, timeout_s=settings.redis_timeout_s
+            settings.redis_url,
+            prefix=settings.key_prefix,
+            timeout_s=settings.redis_timeout_s,
+            max_connections=settings.redis_max_connections,
         )
     return MemoryStore()

@@ -219,9 +219,16 @@ class RedisStore(Store):
         self._incr = client.register_script(_INCR)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str, *, timeout_s: float = 1.0) -> RedisStore:
-        client = aioredis.Redis.from_url(
+    def from_url(
+        cls, url: str, prefix: str, *, timeout_s: float = 1.0, max_connections: int = 64
+    ) -> RedisStore:
+        # A bounded pool that makes a command wait (up to timeout_s) for a free connection:
+        # redis-py's default pool fails at once past 100 commands in flight ("Too many
+        # connections"), turning a burst of heartbeats into 503s.
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=timeout_s,
             decode_responses=True,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
@@ -232,7 +239,7 @@ class RedisStore(Store):
             # connection dropped.
             retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
         )
-        return cls(client, prefix)
+        return cls(aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True), prefix)
 
     def _k(self, key: str) -> str:
         return f"{self._p}:{key}"

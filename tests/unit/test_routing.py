@@ -128,10 +128,10 @@ def test_an_instance_at_max_inflight_gets_nothing_until_it_drains() -> None:
     snap = snapshot(entry("a", max_inflight=1), entry("b"))
     r = router(inflight, strategy="round_robin")
     call = inflight.begin("cap", "a")
-    route = r.route(snap)
-    assert route.entry.instance_id == "b"
-    assert route.bypassed == ["a"]
-    assert picks(r, snap, 10) == {"b": 10}
+    routes = [r.route(snap) for _ in range(10)]
+    assert {route.entry.instance_id for route in routes} == {"b"}
+    # The record names the full instance whenever routing met it on its way.
+    assert [route.bypassed for route in routes].count(["a"]) >= 5
     inflight.end(call)
     assert picks(r, snap, 10) == {"a": 5, "b": 5}
     # Configuration may lower it; the smaller of the two holds.
@@ -275,3 +275,19 @@ def test_a_snapshot_holds_what_routing_needs_and_little_else() -> None:
     assert snap.declared("query") is None
     rng = random.Random(1)
     assert snapshot(*rng.sample(snap.entries, 3)).entries == snap.entries  # sorted by id
+
+
+def test_least_request_remembers_a_stalled_instance_after_its_calls_end() -> None:
+    inflight = InflightTracker()
+    snap = snapshot(entry("stalled"), entry("b"), entry("c"))
+    r = router(inflight, strategy="least_request")
+    for name in ("b", "c", "b", "c"):
+        inflight.end(inflight.begin("cap", name))  # quick answers
+    stalled = inflight.begin("cap", "stalled")
+    stalled.started -= 1.0  # it held the call a whole second, then timed out
+    inflight.end(stalled, failed=True)
+    # Nothing is in flight anywhere, yet the stalled one is not chosen while it is slow...
+    assert picks(r, snap, 30)["stalled"] == 0
+    # ...and is tried again once that is old news (its latency drifts back to typical).
+    latency = inflight.latency("cap")
+    assert latency.of("stalled", stalled.started + 120) == pytest.approx(latency.typical(), abs=0.1)
