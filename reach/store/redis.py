@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import ConnectionError, RedisError
+from redis.exceptions import ConnectionError, NoScriptError, RedisError
 
 from reach.errors import Unavailable
 from reach.store.base import (
@@ -217,6 +217,9 @@ class RedisStore(Store):
         self._list = client.register_script(_GROUPS)
         self._expire = client.register_script(_EXPIRE)
         self._incr = client.register_script(_INCR)
+        # Heartbeats are most of the store's traffic: those that arrive while a batch is on
+        # the wire go together in the next one (one pipeline, one round trip).
+        self._updates = _GroupCommit(client, self._update)
 
     @classmethod
     def from_url(
@@ -239,7 +242,7 @@ class RedisStore(Store):
             # connection dropped.
             retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
         )
-        return cls(aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True), prefix)
+        return cls(aioredis.Redis.from_pool(pool), prefix)
 
     def _k(self, key: str) -> str:
         return f"{self._p}:{key}"
@@ -277,7 +280,8 @@ class RedisStore(Store):
     ) -> Record | None:
         keys = [self._rec(record_id), self._groups]
         args = [self._grp(""), record_id, _ms(ttl_s), _ms(group_ttl_s), *_pairs(fields)]
-        return _record(await self._run(self._update, keys, args))
+        with _mapped(self._p):
+            return _record(await self._updates.run(keys, args))
 
     async def delete_record(self, record_id: str) -> Record | None:
         args = [self._grp(""), record_id]
@@ -381,3 +385,72 @@ class _RedisSubscription(Subscription):
     async def aclose(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+
+
+class _GroupCommit:
+    """Runs one script for many callers: a call made while `max_on_wire` batches are out
+    waits for the next batch, sent as one pipeline of EVALSHA. Under load a round trip carries
+    many calls; alone, a call goes at once. Each caller gets its own result or error."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        script: AsyncScript,
+        max_batch: int = 256,
+        max_on_wire: int = 4,
+    ) -> None:
+        self._client = client
+        self._script = script
+        self._max_batch = max_batch
+        self._max_on_wire = max_on_wire
+        self._queue: list[tuple[list[str], list[Any], asyncio.Future[Any]]] = []
+        self._on_wire = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, keys: list[str], args: list[Any]) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append((keys, args, future))
+        if self._on_wire < self._max_on_wire:
+            self._on_wire += 1
+            task = asyncio.create_task(self._drain())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                batch = self._queue[: self._max_batch]
+                del self._queue[: self._max_batch]
+                await self._send(batch)
+        finally:
+            self._on_wire -= 1
+
+    async def _send(self, batch: list[tuple[list[str], list[Any], asyncio.Future[Any]]]) -> None:
+        try:
+            if len(batch) == 1:
+                keys, args, future = batch[0]
+                results: list[Any] = [await self._script(keys=keys, args=args)]
+            else:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for keys, args, _ in batch:
+                        pipe.evalsha(self._script.sha, len(keys), *keys, *args)
+                    results = await pipe.execute(raise_on_error=False)
+                for n, result in enumerate(results):
+                    if isinstance(result, NoScriptError):  # a restarted Redis: load it again
+                        keys, args, _ = batch[n]
+                        results[n] = await self._script(keys=keys, args=args)
+        except BaseException as exc:
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (_, _, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
