@@ -159,15 +159,16 @@ class Services:
         await self.store.aclose()
 
 
-def build_services(settings: ReachSettings) -> Services:
+def build_services(settings: ReachSettings, *, sweep: bool = True) -> Services:
     """Everything an invoke needs in this process (call `start()` in its event loop). An
-    unknown routing strategy in the configuration is a ConfigError here."""
+    unknown routing strategy in the configuration is a ConfigError here. `sweep`: prune
+    evicted instances every second (gateways do; a capability worker need not)."""
     store = create_store(settings.registry)
     registry = Registry(store, settings.registry, settings.transport)
     view = RegistryView(
         registry,
         resync_s=settings.routing.view_resync_s,
-        sweep_s=min(1.0, settings.registry.heartbeat_interval),
+        sweep_s=min(1.0, settings.registry.heartbeat_interval) if sweep else None,
     )
 
     async def live_instances(capability: str) -> set[str] | None:
@@ -248,7 +249,9 @@ async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence
     client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
     await ensure_search_attributes(client, client.namespace)
     await announce_retention(client, client.namespace)
-    services = build_services(settings)
+    # Evictions are pruned by the gateways (and by an invoke worker); capability workers
+    # only follow the registry.
+    services = build_services(settings, sweep=invoke)
     await services.start()
     workers = build_workers(client, services, invoke=invoke, capabilities=capabilities)
     stop = asyncio.Event()

@@ -161,7 +161,9 @@ class ReachActivities:
             exclude=inp.exclude,
             ejected=ejected,
             key=inp.routing_key,
-            reserve=f"{inp.request_id}:{inp.attempt}" if inp.attempt else None,
+            # Inline, the call runs next in this process and takes the reservation over; in
+            # queue mode another worker may run it, so nothing is reserved here.
+            reserve=f"{inp.request_id}:{inp.attempt}" if inp.attempt and _runs_local() else None,
         )
         chosen = route.entry
         declared = snap.declared(inp.operation) if inp.operation else None
@@ -359,6 +361,13 @@ class ReachActivities:
             type="callback_rejected" if permanent else "callback_failed",
             non_retryable=permanent,
         )
+
+
+def _runs_local() -> bool:
+    try:
+        return activity.info().is_local
+    except RuntimeError:  # called outside an activity (tests)
+        return True
 
 
 def _pin(instance: RouteEntry) -> str:

@@ -166,7 +166,7 @@ class RegistryView:
         registry: Registry,
         *,
         resync_s: float = 5.0,
-        sweep_s: float = 1.0,
+        sweep_s: float | None = 1.0,
     ) -> None:
         self.registry = registry
         self.resync_s = resync_s
@@ -188,17 +188,22 @@ class RegistryView:
         registry.on_change(self.changed)
 
     async def start(self) -> None:
-        """Read the registry whole, then follow it (events, resyncs, sweeps)."""
-        await self.resync()
+        """Read the registry whole, then follow it (events, resyncs, sweeps). A store that is
+        away does not stop the process: the view reads it whole once it answers (until then,
+        routing reads the store and gets its 503)."""
+        try:
+            await self.resync()
+        except ReachError as exc:
+            log.warning("registry view starts empty: %s (read again when the store answers)", exc)
+            self._resync_due = True
         self._started = True
         with contextlib.suppress(ReachError):
             self._subscription = await self.registry.store.subscribe(
                 CHANGES_CHANNEL, self._on_message
             )
-        self._tasks = [
-            asyncio.create_task(self._follow(), name="registry view"),
-            asyncio.create_task(self._sweep(), name="registry sweep"),
-        ]
+        self._tasks = [asyncio.create_task(self._follow(), name="registry view")]
+        if self.sweep_s is not None:
+            self._tasks.append(asyncio.create_task(self._sweep(), name="registry sweep"))
 
     async def aclose(self) -> None:
         for task in self._tasks:
@@ -290,6 +295,7 @@ class RegistryView:
                 await asyncio.sleep(min(1.0, self.resync_s))
 
     async def _sweep(self) -> None:
+        assert self.sweep_s is not None
         while True:
             await asyncio.sleep(self.sweep_s)
             try:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
+import xxhash
+
 from reach.config import ConfigError, ReachSettings, RoutingSettings
 from reach.errors import NoInstance
 from reach.registry.view import CapabilitySnapshot, RouteEntry
@@ -73,6 +75,14 @@ def check_routing(settings: ReachSettings) -> None:
                     f"reach.{where}.{field_name}: unknown routing strategy {chosen!r}; "
                     f"known: {names}"
                 )
+            try:  # a plug-in may refuse settings it cannot work with: say so now
+                known[chosen](
+                    settings.routing.merged(None if section is settings.routing else section)
+                )
+            except Exception as exc:
+                raise ConfigError(
+                    f"reach.{where}.{field_name}: strategy {chosen!r} refused these settings: {exc}"
+                ) from exc
             if field_name == "fallback" and known[chosen].uses_key:
                 raise ConfigError(
                     f"reach.{where}.fallback: {chosen!r} needs a key itself; a fallback routes "
@@ -94,11 +104,24 @@ def hash_key(
         value: Any = payload
         for part in path[1:]:
             value = value.get(part) if isinstance(value, Mapping) else None
-        if isinstance(value, str):
-            return value
-        if value is not None:
-            return json.dumps(value, sort_keys=True, separators=(",", ":"))
-    return routing_key
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 5.0 is 5, as JSON means it
+        if isinstance(value, str) and value:
+            return _bounded(value)
+        if value is not None and not isinstance(value, str):
+            return _bounded(json.dumps(value, sort_keys=True, separators=(",", ":")))
+    return routing_key or None
+
+
+MAX_KEY_CHARS = 256  # as a routing_key; a longer payload field is hashed to fit
+
+
+def _bounded(key: str) -> str:
+    """The key as it is, or a digest of it when long: it travels in the workflow's input
+    and every routing step, so a large payload field must not be copied there."""
+    if len(key) <= MAX_KEY_CHARS:
+        return key
+    return "xxh3-128:" + xxhash.xxh3_128_hexdigest(key.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(slots=True)

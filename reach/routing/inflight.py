@@ -282,6 +282,7 @@ class SharedInflightTracker(InflightTracker):
         self._merged: dict[str, tuple[float, int, dict[str, int]]] = {}
         self._refreshing: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._write_lock = asyncio.Lock()  # one pipeline at a time: writes land in order
         self._warned = 0.0
 
     def _key(self, capability: str) -> str:
@@ -326,7 +327,7 @@ class SharedInflightTracker(InflightTracker):
         own = super().counts(capability)
         self._maybe_refresh(capability)
         seen = self._others.get(capability)
-        if seen is None or not seen[1]:
+        if seen is None or not seen[1] or time.monotonic() - seen[0] > self.lease_s:
             return own
         others = seen[1]
         merged = self._merged.get(capability)
@@ -344,7 +345,8 @@ class SharedInflightTracker(InflightTracker):
         own_total = self._totals.get(capability, 0)
         self._maybe_refresh(capability)
         seen = self._others.get(capability)
-        if seen is None or not seen[1]:
+        # Counts older than a lease may belong to calls long over: better none than those.
+        if seen is None or not seen[1] or time.monotonic() - seen[0] > self.lease_s:
             return Loads(own, _EMPTY, own_total)
         return Loads(own, seen[1], own_total + seen[2])
 
@@ -385,13 +387,15 @@ class SharedInflightTracker(InflightTracker):
 
     async def flush(self) -> None:
         """Write what is queued now (tests, benchmarks)."""
-        await self._write()
+        async with self._write_lock:
+            await self._write()
 
     async def _writer(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await self._write()
+            async with self._write_lock:
+                await self._write()
 
     async def _write(self) -> None:
         if not self._ops:
@@ -413,12 +417,14 @@ class SharedInflightTracker(InflightTracker):
             self._warn(f"in-flight counts not written: {exc}")
 
     async def _renewer(self) -> None:
+        # Renewals go through the writer's queue like every other write: one writer, in
+        # order, so a renewal can never land after the removal of the call it renews.
         while True:
             await asyncio.sleep(self.lease_s / 3)
             for capability, calls in list(self._live.items()):
                 for member in list(calls):
                     self._ops.append(("add", capability, member))
-            await self._write()
+            self._wake.set()
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()

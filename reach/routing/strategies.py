@@ -31,7 +31,15 @@ from reach.routing.inflight import Latency, Loads
 
 SMOOTH_UP_TO = 64  # larger sets: EDF on a heap instead of nginx's scan
 SAMPLES = 8  # random draws before a strategy falls back to scanning the tier
-BUILD_INLINE_UP_TO = 100_000  # ring points built on the event loop; more: in a thread
+BUILD_INLINE_UP_TO = 50_000  # ring points built on the event loop; more: in a thread
+MAX_RING_POINTS = 200_000  # Envoy's maximum_ring_size, scaled to Python: ~0.2 s to build
+
+
+def ring_vnodes(vnodes: int, total_weight: int) -> int:
+    """Virtual nodes per unit of weight: as configured, fewer when the ring would pass
+    MAX_RING_POINTS (10,000 instances of weight 1 get 20 each; bounded load evens out what
+    fewer points leave uneven)."""
+    return max(1, min(vnodes, MAX_RING_POINTS // max(1, total_weight)))
 
 
 @dataclass(slots=True)
@@ -96,7 +104,7 @@ class WeightedRoundRobin(Strategy):
 
     def __init__(self, settings: RoutingSettings) -> None:
         super().__init__(settings)
-        self._schedules: dict[str, tuple[int, Any, dict[str, RouteEntry]]] = {}
+        self._schedules: dict[str, tuple[int, Any, dict[str, RouteEntry], dict[str, int]]] = {}
 
     def pick(
         self, snapshot: CapabilitySnapshot, tier: Sequence[RouteEntry], ctx: PickContext
@@ -106,12 +114,22 @@ class WeightedRoundRobin(Strategy):
         held = self._schedules.get(ctx.tier)
         if held is None or held[0] != snapshot.version:
             weights = {e.instance_id: self.weight(e) for e in tier}
-            schedule = (
-                SmoothWeighted(weights) if len(weights) <= SMOOTH_UP_TO else EdfWeighted(weights)
-            )
-            held = (snapshot.version, schedule, {e.instance_id: e for e in tier})
+            if held is not None and held[3] == weights:
+                # A new snapshot (a health change elsewhere) with the same instances and
+                # weights: the schedule goes on where it was.
+                held = (snapshot.version, held[1], {e.instance_id: e for e in tier}, weights)
+            else:
+                schedule = (
+                    SmoothWeighted(weights)
+                    if len(weights) <= SMOOTH_UP_TO
+                    else EdfWeighted(weights)
+                )
+                # Each process from its own point of the cycle, so they never move in step.
+                for _ in range(random.randrange(min(sum(weights.values()), 1000))):
+                    schedule.pick()
+                held = (snapshot.version, schedule, {e.instance_id: e for e in tier}, weights)
             self._schedules[ctx.tier] = held
-        _, schedule, entries = held
+        _, schedule, entries, _ = held
         blocked = ctx.blocked
         for _ in range(len(entries)):
             instance_id = schedule.pick()
@@ -209,16 +227,21 @@ class ConsistentHash(Strategy):
             if self._ring is not None and members == self._members:
                 snapshot.cache[self.name] = self._ring
                 return self._ring
-        vnodes = self.settings.vnodes or 100
+        vnodes = ring_vnodes(self.settings.vnodes or 100, sum(w for _, w in members))
         if vnodes * sum(w for _, w in members) <= BUILD_INLINE_UP_TO:
             return self._use(snapshot, members, HashRing(dict(members), vnodes))
-        if self._building is None or self._building[0] is not members:
+        # One build at a time, for the latest membership (compared by value: a snapshot
+        # rebuilt for a health change has the same members and keeps the build going).
+        if self._building is None or self._building[0] != members:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # no event loop (a script): build here
                 return self._use(snapshot, members, HashRing(dict(members), vnodes))
-            future = loop.run_in_executor(None, HashRing, dict(members), vnodes)
-            self._building = (members, future)
+            if self._building is None or self._building[1].done():
+                future = loop.run_in_executor(None, HashRing, dict(members), vnodes)
+                self._building = (members, future)
+            else:  # a build for older members is still running: this one starts after it
+                return self._ring
         future = self._building[1]
         if future.done():
             self._building = None  # a failed build is tried again at the next pick

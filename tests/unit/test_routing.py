@@ -291,3 +291,34 @@ def test_least_request_remembers_a_stalled_instance_after_its_calls_end() -> Non
     # ...and is tried again once that is old news (its latency drifts back to typical).
     latency = inflight.latency("cap")
     assert latency.of("stalled", stalled.started + 120) == pytest.approx(latency.typical(), abs=0.1)
+
+
+def test_a_long_payload_key_travels_as_a_digest_and_numbers_mean_what_json_means() -> None:
+    ch = RoutingSettings(strategy="consistent_hash", hash_on="payload.doc")
+    long = hash_key(ch, {"doc": "x" * 100_000}, None)
+    assert long is not None
+    assert long.startswith("xxh3-128:")
+    assert len(long) < 64
+    assert hash_key(ch, {"doc": 5.0}, None) == hash_key(ch, {"doc": 5}, None) == "5"
+    assert hash_key(ch, {"doc": ""}, None) is None  # no key: the fallback routes it
+
+
+def test_weighted_schedule_goes_on_across_health_changes_elsewhere() -> None:
+    r = router(strategy="weighted_round_robin")
+    entries = [entry(f"i{n}") for n in range(4)]
+    other = entry("x", status="unhealthy")
+    got: Counter[str] = Counter()
+    for n in range(40):
+        # Each request sees a new snapshot (an unrelated instance flaps), same ok tier.
+        flapped = entry("x", status="unhealthy" if n % 2 else "degraded")
+        snap = snapshot(*entries, flapped if n else other)
+        got[r.route(snap).entry.instance_id] += 1
+    assert got == {"i0": 10, "i1": 10, "i2": 10, "i3": 10}
+
+
+def test_a_large_ring_keeps_its_size_bounded() -> None:
+    from reach.routing.strategies import MAX_RING_POINTS, ring_vnodes
+
+    assert ring_vnodes(100, 10) == 100
+    assert ring_vnodes(100, 10_000) * 10_000 <= MAX_RING_POINTS
+    assert ring_vnodes(100, 10_000_000) == 1
