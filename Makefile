@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: up test lint fmt test-only fuzz-quick fuzz bench install clean proto
+.PHONY: up test lint fmt test-only fuzz-quick fuzz bench bench-routing install clean proto
 
 # The fuzz runs happen in a network namespace of their own with only loopback up, so no URL the
 # fuzzer makes up (callbacks, agent addresses) can send a packet off this machine.
@@ -52,6 +52,11 @@ fuzz: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(BIN)/python bench/invoke.py
+
+# Routing: the seed's outage per strategy, remap, skew, pick time, heartbeat ingest, memory.
+bench-routing: $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench]'
+	$(BIN)/python bench/routing.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .reach .mypy_cache .ruff_cache .pytest_cache .hypothesis
