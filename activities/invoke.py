@@ -156,6 +156,8 @@ class ReachActivities:
             )
         view = await self.policy.view(inp.capability)
         ejected = self.policy.ejected(inp.capability, view)
+        if self.router.reads_loads(snap):
+            await self.router.inflight.fresh(inp.capability)
         route = self.router.route(
             snap,
             exclude=inp.exclude,

@@ -184,6 +184,10 @@ class Router:
         does when an instance declared its own max_inflight)."""
         return self._capability(capability).uses_loads
 
+    def reads_loads(self, snapshot: CapabilitySnapshot) -> bool:
+        """Whether routing this snapshot reads in-flight counts."""
+        return self._capability(snapshot.capability).uses_loads or snapshot.limited
+
     def limit(self, capability: str, entry: RouteEntry) -> int | None:
         """The in-flight count at which `entry` is passed over (None: no limit)."""
         configured = self._capability(capability).settings.max_inflight

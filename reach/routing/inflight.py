@@ -201,6 +201,10 @@ class InflightTracker:
         """Re-read other processes' counts now (none here)."""
         return None
 
+    async def fresh(self, capability: str) -> None:
+        """Make sure other processes' counts are recent before routing (none here)."""
+        return None
+
     def counts(self, capability: str) -> Mapping[str, int]:
         """Calls in flight per instance of `capability` (instances with none are absent)."""
         self._expire_reservations()
@@ -384,6 +388,19 @@ class SharedInflightTracker(InflightTracker):
     async def refresh(self, capability: str) -> None:
         """Re-read the other processes' counts now (status pages, tests, benchmarks)."""
         await self._refresh(capability)
+
+    async def fresh(self, capability: str) -> None:
+        """Before routing: counts read within the last few `refresh_s` are used as they are
+        (re-read in the background); older ones — a capability not routed here for a while —
+        are re-read first, one round trip, so a quiet process does not route on old news."""
+        seen = self._others.get(capability)
+        if seen is not None and time.monotonic() - seen[0] < 3 * self.refresh_s:
+            return
+        running = self._refreshing.get(capability)
+        if running is not None:
+            await asyncio.shield(running)
+        else:
+            await self._refresh(capability)
 
     async def flush(self) -> None:
         """Write what is queued now (tests, benchmarks)."""
