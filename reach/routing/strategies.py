@@ -219,6 +219,9 @@ class ConsistentHash(Strategy):
         ring = snapshot.cache.get(self.name)
         if isinstance(ring, HashRing):
             return ring
+        waiting = snapshot.cache.get("ch:waiting")
+        if waiting is not None and not waiting.done():
+            return self._ring  # checked already for this snapshot: its ring is not ready
         members = snapshot.cache.get("ch:members")
         if members is None:
             members = snapshot.cache["ch:members"] = tuple(
@@ -232,17 +235,25 @@ class ConsistentHash(Strategy):
             return self._use(snapshot, members, HashRing(dict(members), vnodes))
         # One build at a time, for the latest membership (compared by value: a snapshot
         # rebuilt for a health change has the same members and keeps the build going).
-        if self._building is None or self._building[0] != members:
+        building = self._building
+        if building is not None and building[0] is not members and building[0] == members:
+            # The same members in a newer snapshot: adopt it (later checks are `is`, O(1)).
+            building = self._building = (members, building[1])
+        if building is None or building[0] is not members:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # no event loop (a script): build here
                 return self._use(snapshot, members, HashRing(dict(members), vnodes))
-            if self._building is None or self._building[1].done():
-                future = loop.run_in_executor(None, HashRing, dict(members), vnodes)
-                self._building = (members, future)
-            else:  # a build for older members is still running: this one starts after it
+            if building is not None and not building[1].done():
+                # A build for older members is still running; this one starts after it.
+                snapshot.cache["ch:waiting"] = building[1]
                 return self._ring
-        future = self._building[1]
+            building = self._building = (
+                members,
+                loop.run_in_executor(None, HashRing, dict(members), vnodes),
+            )
+        future = building[1]
+        snapshot.cache["ch:waiting"] = future
         if future.done():
             self._building = None  # a failed build is tried again at the next pick
             if future.exception() is None:
