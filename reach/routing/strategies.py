@@ -31,6 +31,7 @@ from reach.routing.inflight import Latency, Loads
 
 SMOOTH_UP_TO = 64  # larger sets: EDF on a heap instead of nginx's scan
 SAMPLES = 8  # random draws before a strategy falls back to scanning the tier
+TIE = 1.5  # least request: costs within this factor of the best count as equal
 BUILD_INLINE_UP_TO = 50_000  # ring points built on the event loop; more: in a thread
 MAX_RING_POINTS = 200_000  # Envoy's maximum_ring_size, scaled to Python: ~0.2 s to build
 
@@ -181,10 +182,12 @@ class LeastRequest(Strategy):
             if entry.instance_id in blocked:
                 continue
             cost = self._cost(entry, ctx, now)
-            # Within 1%: a tie (latencies wobble; equals should share the traffic).
-            if cost < best * 0.99:
+            # Latencies wobble: instances within TIE of the best share the traffic in turn.
+            # One more call in flight (2x the cost at least) is never a tie; a stalled
+            # instance (many times the latency) never is either.
+            if cost * TIE < best:
                 tied, best = [entry], cost
-            elif cost <= best * 1.01:
+            elif cost < best * TIE:
                 tied.append(entry)
                 best = min(best, cost)
         if not tied:
