@@ -1226,12 +1226,7 @@ async def heartbeats_via_gateways(
         "to leave more of them to the gateway; the gateway serves on one event loop, so about "
         "1 core of its own is its ceiling)"
     )
-    best: dict[str, float] = {}
-    for r in rows:
-        value = float(str(r[2]).replace(",", ""))
-        best[str(r[0])] = max(best.get(str(r[0]), 0.0), value)
-    for label, value in best.items():
-        note(f"heartbeats/s via HTTP, {label}", f"{value:,.0f} (best load config)", ">= 10,000")
+    note_best("HTTP", rows)
     heading(
         "5c. Heartbeat streams through the same gateways' gRPC front (reach.v1.Reach/Heartbeat, "
         "one ack per report), load from separate processes"
@@ -1245,12 +1240,17 @@ async def heartbeats_via_gateways(
         "report as an ack arrives with `window` unacked; errors are acks with an error_type "
         "and failed streams)"
     )
-    best_grpc: dict[str, float] = {}
-    for r in grpc_rows:
+    note_best("gRPC", grpc_rows)
+
+
+def note_best(path: str, rows: list[list[Any]]) -> None:
+    """The summary keeps each gateway's best load configuration."""
+    best: dict[str, float] = {}
+    for r in rows:
         value = float(str(r[2]).replace(",", ""))
-        best_grpc[str(r[0])] = max(best_grpc.get(str(r[0]), 0.0), value)
-    for label, value in best_grpc.items():
-        note(f"heartbeats/s via gRPC, {label}", f"{value:,.0f} (best load config)", ">= 10,000")
+        best[str(r[0])] = max(best.get(str(r[0]), 0.0), value)
+    for label, value in best.items():
+        note(f"heartbeats/s via {path}, {label}", f"{value:,.0f} (best load config)", ">= 10,000")
 
 
 # -- the processes ----------------------------------------------------------------------------
