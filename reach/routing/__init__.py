@@ -233,6 +233,8 @@ class Router:
             loads=loads if strategy.uses_loads else _NO_LOADS,
             latency=self.inflight.latency(capability) if strategy.uses_loads else None,
         )
+        if ctx.latency is not None and len(ctx.latency) > 2 * len(snapshot.entries) + 16:
+            ctx.latency.forget(snapshot.by_id)  # instances that left are not remembered
         for avoid in levels:
             ctx.blocked = _Blocked(avoid, full)
             for tier_name, tier in (("ok", snapshot.ok), ("degraded", snapshot.degraded)):

@@ -136,6 +136,9 @@ class Latency:
         value, when = seen
         return typical + (value - typical) * math.exp(-max(0.0, now - when) / self.tau_s)
 
+    def __len__(self) -> int:
+        return len(self._by_instance)
+
     def forget(self, keep: Container[str]) -> None:
         for instance_id in [i for i in self._by_instance if i not in keep]:
             del self._by_instance[instance_id]

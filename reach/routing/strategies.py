@@ -31,7 +31,7 @@ from reach.routing.inflight import Latency, Loads
 
 SMOOTH_UP_TO = 64  # larger sets: EDF on a heap instead of nginx's scan
 SAMPLES = 8  # random draws before a strategy falls back to scanning the tier
-TIE = 1.5  # least request: costs within this factor of the best count as equal
+TIE = 1.5  # least request: latencies within this factor of the fastest count as equal
 BUILD_INLINE_UP_TO = 50_000  # ring points built on the event loop; more: in a thread
 MAX_RING_POINTS = 200_000  # Envoy's maximum_ring_size, scaled to Python: ~0.2 s to build
 
@@ -155,10 +155,24 @@ class LeastRequest(Strategy):
         self._turn = random.randrange(1 << 30)
         self._rng = random.Random()
 
-    def _cost(self, entry: RouteEntry, ctx: PickContext, now: float) -> float:
-        load = ctx.loads.get(entry.instance_id, 0) + 1
-        latency = ctx.latency.of(entry.instance_id, now) if ctx.latency is not None else 1.0
-        return load * latency / self.weight(entry)
+    def _latencies(
+        self, entries: Sequence[RouteEntry], ctx: PickContext, now: float
+    ) -> list[float]:
+        """Each entry's recent latency, with those within TIE of the fastest counted as the
+        fastest: latencies wobble, and equals should share the traffic; a stalled instance
+        (many times slower) keeps its own."""
+        if ctx.latency is None:
+            return [1.0] * len(entries)
+        seen = [ctx.latency.of(e.instance_id, now) for e in entries]
+        fastest = min(seen, default=1.0)
+        return [fastest if lat < fastest * TIE else lat for lat in seen]
+
+    def _costs(self, entries: Sequence[RouteEntry], ctx: PickContext) -> list[float]:
+        latencies = self._latencies(entries, ctx, time.monotonic())
+        return [
+            (ctx.loads.get(e.instance_id, 0) + 1) * lat / self.weight(e)
+            for e, lat in zip(entries, latencies, strict=True)
+        ]
 
     def pick(
         self, snapshot: CapabilitySnapshot, tier: Sequence[RouteEntry], ctx: PickContext
@@ -166,7 +180,7 @@ class LeastRequest(Strategy):
         n = len(tier)
         if n == 0:
             return None
-        blocked, now = ctx.blocked, time.monotonic()
+        blocked = ctx.blocked
         if n > FULL_SCAN_UP_TO:
             draws: list[RouteEntry] = []
             for _ in range(SAMPLES):
@@ -174,24 +188,14 @@ class LeastRequest(Strategy):
                 if entry not in draws and entry.instance_id not in blocked:
                     draws.append(entry)
                     if len(draws) == 2:
-                        a, b = draws
-                        return b if self._cost(b, ctx, now) < self._cost(a, ctx, now) else a
-        tied: list[RouteEntry] = []
-        best = math.inf
-        for entry in tier:
-            if entry.instance_id in blocked:
-                continue
-            cost = self._cost(entry, ctx, now)
-            # Latencies wobble: instances within TIE of the best share the traffic in turn.
-            # One more call in flight (2x the cost at least) is never a tie; a stalled
-            # instance (many times the latency) never is either.
-            if cost * TIE < best:
-                tied, best = [entry], cost
-            elif cost < best * TIE:
-                tied.append(entry)
-                best = min(best, cost)
-        if not tied:
+                        a, b = self._costs(draws, ctx)
+                        return draws[1] if b < a else draws[0]
+        open_ = [e for e in tier if e.instance_id not in blocked]
+        if not open_:
             return None
+        costs = self._costs(open_, ctx)
+        best = min(costs)
+        tied = [e for e, cost in zip(open_, costs, strict=True) if cost <= best]
         self._turn += 1
         return tied[self._turn % len(tied)]
 

@@ -322,3 +322,12 @@ def test_a_large_ring_keeps_its_size_bounded() -> None:
     assert ring_vnodes(100, 10) == 100
     assert ring_vnodes(100, 10_000) * 10_000 <= MAX_RING_POINTS
     assert ring_vnodes(100, 10_000_000) == 1
+
+
+def test_latency_of_instances_that_left_is_forgotten() -> None:
+    inflight = InflightTracker()
+    for n in range(100):
+        inflight.end(inflight.begin("cap", f"gone-{n}"))
+    r = router(inflight, strategy="least_request")
+    r.route(snapshot(entry("a"), entry("b")))
+    assert len(inflight.latency("cap")) == 0
