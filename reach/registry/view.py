@@ -249,12 +249,6 @@ class RegistryView:
             return True
         return await self.registry.known(capability)
 
-    def capabilities(self) -> list[str]:
-        return sorted(c for c, m in self._members.items() if m)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
     # -- following ------------------------------------------------------------------------
 
     def changed(self, capability: str, instance_id: str) -> None:

@@ -176,25 +176,9 @@ class Router:
             )
         return cap
 
-    def settings(self, capability: str) -> RoutingSettings:
-        return self._capability(capability).settings
-
-    def counts_loads(self, capability: str) -> bool:
-        """Whether routing this capability reads in-flight counts by configuration (it also
-        does when an instance declared its own max_inflight)."""
-        return self._capability(capability).uses_loads
-
     def reads_loads(self, snapshot: CapabilitySnapshot) -> bool:
         """Whether routing this snapshot reads in-flight counts."""
         return self._capability(snapshot.capability).uses_loads or snapshot.limited
-
-    def limit(self, capability: str, entry: RouteEntry) -> int | None:
-        """The in-flight count at which `entry` is passed over (None: no limit)."""
-        configured = self._capability(capability).settings.max_inflight
-        own = entry.max_inflight
-        if configured is None:
-            return own
-        return configured if own is None else min(own, configured)
 
     def route(
         self,

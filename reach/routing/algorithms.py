@@ -5,8 +5,6 @@ Each is a small in-process structure the strategies of the routing step build on
 - `SmoothWeighted`: nginx's smooth weighted round robin — over any window of `sum(weights)`
   picks each instance gets exactly its weight, spread out (5:1:1 picks a a b a c a a), never in
   bursts.
-- `pick_least`: least request — a full scan over a few instances, otherwise the better of two
-  random choices (Envoy's approach: near-best balance without reading every count).
 - `EdfWeighted`: the same shares for large sets, earliest deadline first on a heap.
 - `HashRing`: consistent hashing with virtual nodes (scaled by weight) on a fast
   non-cryptographic hash (xxh3), and *bounded load* (Mirrokni, Thorup, Zadimoghaddam;
@@ -20,15 +18,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-import random
 from array import array
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 
 import xxhash
 
 DEFAULT_VNODES = 100
 DEFAULT_BALANCE_FACTOR = 1.25
-FULL_SCAN_UP_TO = 8
 
 
 def key_hash(value: str) -> int:
@@ -54,24 +50,6 @@ class SmoothWeighted:
                 best = instance
         self._current[best] -= self._total
         return best
-
-
-def pick_least(
-    candidates: Sequence[str],
-    inflight: Mapping[str, int],
-    rng: Callable[[int], int] = random.randrange,
-) -> str:
-    """The instance with the fewest requests in flight: exact over a few, two choices beyond."""
-    if not candidates:
-        raise ValueError("no candidates")
-    if len(candidates) <= FULL_SCAN_UP_TO:
-        return min(candidates, key=lambda c: (inflight.get(c, 0), c))
-    first = rng(len(candidates))
-    second = rng(len(candidates) - 1)
-    if second >= first:
-        second += 1
-    a, b = candidates[first], candidates[second]
-    return a if inflight.get(a, 0) <= inflight.get(b, 0) else b
 
 
 class EdfWeighted:

@@ -22,7 +22,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Container, Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -154,7 +154,6 @@ class InflightTracker:
         self._latency: dict[str, Latency] = {}
         self._reserved: dict[str, tuple[str, str, float]] = {}
         self._seq = itertools.count(1)
-        self._version = 0  # changes whenever an own count does
 
     # -- counting -------------------------------------------------------------------------
 
@@ -208,16 +207,12 @@ class InflightTracker:
         """Make sure other processes' counts are recent before routing (none here)."""
         return None
 
-    def counts(self, capability: str) -> Mapping[str, int]:
-        """Calls in flight per instance of `capability` (instances with none are absent)."""
-        self._expire_reservations()
-        return self._own.get(capability, _EMPTY)
-
-    def own(self, capability: str) -> Mapping[str, int]:
-        return self._own.get(capability, _EMPTY)
+    def counts(self, capability: str) -> dict[str, int]:
+        """Calls in flight per instance of `capability`, merged (instances with none are
+        absent); routing reads `loads` instead, which merges nothing."""
+        return dict(self.loads(capability))
 
     def _add(self, capability: str, instance_id: str, n: int) -> None:
-        self._version += 1
         total = self._totals.get(capability, 0) + n
         if total > 0:
             self._totals[capability] = total
@@ -272,21 +267,18 @@ class SharedInflightTracker(InflightTracker):
         *,
         lease_s: float = 10.0,
         refresh_s: float = 0.1,
-        shared: Callable[[str], bool] = lambda _capability: True,
     ) -> None:
         super().__init__()
         self._r = client
         self._prefix = prefix
         self.lease_s = lease_s
         self.refresh_s = refresh_s
-        self._shared = shared  # which capabilities need counts from other processes
         self._lease = client.register_script(_LEASE)
         self._read = client.register_script(_READ)
         self._live: dict[str, dict[str, Call]] = {}  # capability -> member -> call
         self._ops: list[tuple[str, str, str]] = []  # ("add" | "rem", capability, member)
         self._wake = asyncio.Event()
         self._others: dict[str, tuple[float, dict[str, int], int]] = {}
-        self._merged: dict[str, tuple[float, int, dict[str, int]]] = {}
         self._refreshing: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._write_lock = asyncio.Lock()  # one pipeline at a time: writes land in order
@@ -315,8 +307,6 @@ class SharedInflightTracker(InflightTracker):
                     await pipe.execute()
 
     def _shared_begin(self, call: Call) -> None:
-        if not self._shared(call.capability):
-            return
         self._live.setdefault(call.capability, {})[call.member] = call
         self._ops.append(("add", call.capability, call.member))
         self._wake.set()
@@ -329,22 +319,6 @@ class SharedInflightTracker(InflightTracker):
             del self._live[call.capability]
         self._ops.append(("rem", call.capability, call.member))
         self._wake.set()
-
-    def counts(self, capability: str) -> Mapping[str, int]:
-        own = super().counts(capability)
-        self._maybe_refresh(capability)
-        seen = self._others.get(capability)
-        if seen is None or not seen[1] or time.monotonic() - seen[0] > self.lease_s:
-            return own
-        others = seen[1]
-        merged = self._merged.get(capability)
-        if merged is not None and merged[0] == seen[0] and merged[1] == self._version:
-            return merged[2]
-        total = dict(others)
-        for instance_id, n in own.items():
-            total[instance_id] = total.get(instance_id, 0) + n
-        self._merged[capability] = (seen[0], self._version, total)
-        return total
 
     def loads(self, capability: str) -> Loads:
         self._expire_reservations()
@@ -364,10 +338,6 @@ class SharedInflightTracker(InflightTracker):
         ) and capability not in self._refreshing:
             task = asyncio.get_running_loop().create_task(self._refresh(capability))
             self._refreshing[capability] = task
-
-    def others(self, capability: str) -> Mapping[str, int]:
-        seen = self._others.get(capability)
-        return seen[1] if seen else _EMPTY
 
     async def _refresh(self, capability: str) -> None:
         try:
@@ -458,15 +428,12 @@ def create_inflight(
     *,
     lease_s: float = 10.0,
     refresh_s: float = 0.1,
-    shared: Callable[[str], bool] = lambda _capability: True,
 ) -> InflightTracker:
     """Shared through the store's Redis when it has one; this process alone otherwise."""
     from reach.store.redis import RedisStore
 
     if isinstance(store, RedisStore):
-        return SharedInflightTracker(
-            store._r, store._p, lease_s=lease_s, refresh_s=refresh_s, shared=shared
-        )
+        return SharedInflightTracker(store._r, store._p, lease_s=lease_s, refresh_s=refresh_s)
     return InflightTracker()
 
 

@@ -22,7 +22,6 @@ from typing import Any, ClassVar
 from reach.config import RoutingSettings
 from reach.registry.view import CapabilitySnapshot, RouteEntry
 from reach.routing.algorithms import (
-    FULL_SCAN_UP_TO,
     EdfWeighted,
     HashRing,
     SmoothWeighted,
@@ -30,6 +29,7 @@ from reach.routing.algorithms import (
 from reach.routing.inflight import Latency, Loads
 
 SMOOTH_UP_TO = 64  # larger sets: EDF on a heap instead of nginx's scan
+FULL_SCAN_UP_TO = 8  # least request: every instance compared; more: two random ones
 SAMPLES = 8  # random draws before a strategy falls back to scanning the tier
 TIE = 1.5  # least request: latencies within this factor of the fastest count as equal
 BUILD_INLINE_UP_TO = 50_000  # ring points built on the event loop; more: in a thread

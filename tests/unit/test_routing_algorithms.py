@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reach.routing.algorithms import HashRing, SmoothWeighted, key_hash, pick_least
+from reach.routing.algorithms import HashRing, SmoothWeighted, key_hash
 
 
 def test_smooth_weighted_spreads_5_1_1_like_nginx() -> None:
@@ -21,17 +21,6 @@ def test_smooth_weighted_gives_each_its_weight_per_cycle(weights: dict[str, int]
     cycle = sum(weights.values())
     for _ in range(2):
         assert Counter(wrr.pick() for _ in range(cycle)) == Counter(weights)
-
-
-def test_least_request_scans_a_few_and_compares_two_of_many() -> None:
-    assert pick_least(["a", "b", "c"], {"a": 3, "b": 1, "c": 2}) == "b"
-    assert pick_least(["a", "b"], {}) == "a"  # ties: by name
-    many = [f"i{n}" for n in range(100)]
-    load = {name: n for n, name in enumerate(many)}
-    picks = iter([10, 41])  # i10, then i42 (the second draw skips the first)
-    assert pick_least(many, load, rng=lambda _n: next(picks)) == "i10"
-    with pytest.raises(ValueError, match="no candidates"):
-        pick_least([], {})
 
 
 def test_the_hash_is_stable_across_processes_and_versions() -> None:
