@@ -18,9 +18,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, Literal, NoReturn, TypeVar
 
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import (
@@ -50,7 +50,30 @@ from workflows.callback import DeliverCallbackWorkflow
 from workflows.invoke import SEARCH_ATTRIBUTES, InvokeWorkflow, capability_queue
 
 log = logging.getLogger("reach.worker")
+T = TypeVar("T")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def loop_factory(choice: Literal["auto", "uvloop", "asyncio"]) -> Callable[[], Any] | None:
+    """The event loop a gateway or worker runs on (`event_loop` in reach.yaml): uvloop when it
+    is installed and not refused, else the standard library's (None)."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigError(
+                "event_loop: uvloop is not installed (pip install uvloop), or set it to auto"
+            ) from None
+        return None
+    return uvloop.new_event_loop
+
+
+def run(main: Coroutine[Any, Any, T], settings: ReachSettings) -> T:
+    """`asyncio.run`, on the event loop `settings.event_loop` names."""
+    with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+        return runner.run(main)
 
 
 def configure_logging(verbose: bool = False) -> None:
@@ -290,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         settings = load_settings(args.config)
         invoke = args.invoke or not args.capability
-        asyncio.run(serve(settings, invoke=invoke, capabilities=args.capability))
+        run(serve(settings, invoke=invoke, capabilities=args.capability), settings)
     except (ConfigError, ConnectionError) as exc:
         exit_now(1, f"error: {exc}")
     except KeyboardInterrupt:

@@ -27,7 +27,7 @@ from gateway_api.app import create_app
 from gateway_api.devserver import DevServer, PortInUse, dies_with_parent, require_free
 from gateway_api.grpc_front import grpc_port
 from reach.config import ConfigError, ReachSettings, load_settings
-from worker import configure_logging, connect_temporal, exit_now
+from worker import configure_logging, connect_temporal, exit_now, run
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 Announce = Callable[[], Coroutine[Any, Any, None]]
@@ -45,6 +45,9 @@ async def _serve(
         log_config=None,
         access_log=False,
         lifespan="on",
+        # Not httptools, even when installed: it answers a header it cannot parse with a bare
+        # 400 before the app sees it, where h11 lets the door answer in the envelope (422).
+        http="h11",
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(announce()) if announce else None
@@ -75,7 +78,7 @@ def _require_free_ports(settings: ReachSettings) -> None:
 
 def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
     _require_free_ports(settings)
-    asyncio.run(_serve(settings, run_worker=run_worker))
+    run(_serve(settings, run_worker=run_worker), settings)
 
 
 def _start_agent(gateway: str, instance_id: str, log_dir: Path) -> subprocess.Popen[bytes]:
@@ -191,11 +194,12 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
             agents = [
                 _start_agent(settings.gateway_url, f"retriever-0{i}", log_dir) for i in (1, 2)
             ]
-        asyncio.run(
+        run(
             _serve(
                 settings,
                 announce=lambda: _announce_when_ready(settings, ui_port, len(agents), log_dir),
-            )
+            ),
+            settings,
         )
     finally:
         print("stopping agents and the Temporal dev server ...", flush=True)
