@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -22,14 +20,10 @@ from temporalio.service import RPCError, RPCStatusCode
 from connectors import ConnectorSet
 from reach.errors import (
     AgentError,
-    CircuitOpen,
     DeadlineExceeded,
     InternalError,
-    NoInstance,
-    PayloadTooLarge,
     ReachError,
     TransportError,
-    UnknownCapability,
 )
 from reach.invocation import (
     ACTIVITY_CALL,
@@ -39,6 +33,7 @@ from reach.invocation import (
     ACTIVITY_RELEASE_KEY,
     ACTIVITY_RESOLVE,
     ACTIVITY_TAKE_TOKEN,
+    STALE_ROUTE,
     CallbackInput,
     CallInput,
     ClaimInput,
@@ -51,14 +46,13 @@ from reach.invocation import (
 from reach.messages import InvokeResponse, Reply
 from reach.policy.engine import PolicyEngine
 from reach.registry import Registry
-from reach.registry.view import CapabilitySnapshot, RegistryView, RouteEntry
+from reach.registry.view import RegistryView
+from reach.resolve import Resolver, StaleRoute
 from reach.routing import Router
 
 log = logging.getLogger("reach.activities")
 
 HEARTBEAT_EVERY_S = 2.0
-# How long past a request's deadline its per-attempt pin is kept.
-PIN_MARGIN_S = 60.0
 
 
 def to_application_error(err: ReachError) -> ApplicationError:
@@ -94,6 +88,7 @@ class ReachActivities:
         self.router = router
         self.connectors = connectors
         self.policy = policy
+        self.resolver = Resolver(registry, self.view, policy, router)
         self.client: Client | None = None  # set by the worker: following another request
         self._recording: set[asyncio.Task[None]] = set()
         self._http = http or httpx.AsyncClient(trust_env=False)
@@ -104,141 +99,11 @@ class ReachActivities:
     @activity.defn(name=ACTIVITY_RESOLVE)
     async def resolve(self, inp: ResolveInput) -> Endpoint:
         try:
-            return await self._resolve(inp)
+            return await self.resolver.resolve(inp, reserve=bool(inp.attempt) and _runs_local())
         except ReachError as err:
             raise to_application_error(err) from err
         except Exception as exc:
             raise _internal("resolve", exc) from exc
-
-    async def _snapshot(self, capability: str) -> CapabilitySnapshot | None:
-        """The capability from the local view; read from the store when the view has nothing
-        routable (a join another process just saw), so 'no instance' is never a stale view's."""
-        try:
-            snap = await self.view.snapshot(capability)
-        except ReachError as err:
-            # Dirty records could not be re-read: route on what the view holds.
-            log.warning("registry view not refreshed for %s: %s", capability, err.message)
-            snap = self.view.cached(capability)
-        if snap is None or not snap.routable:
-            snap = await self.view.reload(capability)
-        return snap
-
-    async def _resolve(self, inp: ResolveInput) -> Endpoint:
-        snap = await self._snapshot(inp.capability)
-        if snap is None:
-            if not await self.registry.known(inp.capability):
-                raise UnknownCapability(
-                    f"no agent has ever registered capability {inp.capability!r}"
-                )
-            raise NoInstance(f"capability {inp.capability!r} has no live instance")
-        if not snap.routable:
-            raise NoInstance(
-                f"capability {inp.capability!r} has no healthy instance "
-                f"({len(snap.entries)} registered, all unhealthy)"
-            )
-        # R8: what one routable instance negotiated, the capability can carry; refused before
-        # anything is sent, whichever instance routing would have picked.
-        smallest = snap.smallest
-        if smallest is not None and inp.payload_bytes > smallest.max_message_bytes:
-            raise PayloadTooLarge(
-                f"the payload is {inp.payload_bytes} bytes; capability {inp.capability!r} "
-                f"takes at most {smallest.max_message_bytes} (max_message_bytes negotiated by "
-                f"instance {smallest.instance_id})"
-            )
-        # R14: an open breaker refuses before any agent is contacted.
-        admission = await self.policy.admit(inp.capability)
-        if not admission.allowed:
-            wait = max(1, math.ceil(admission.retry_after_s))
-            raise CircuitOpen(
-                f"the circuit breaker of capability {inp.capability!r} is {admission.status} "
-                f"after repeated failures; no agent was called (retry in {wait}s)",
-                retry_after_s=wait,
-            )
-        view = await self.policy.view(inp.capability)
-        ejected = self.policy.ejected(inp.capability, view)
-        if self.router.reads_loads(snap):
-            await self.router.inflight.fresh(inp.capability)
-        route = self.router.route(
-            snap,
-            exclude=inp.exclude,
-            ejected=ejected,
-            key=inp.routing_key,
-            # Inline, the call runs next in this process and takes the reservation over; in
-            # queue mode another worker may run it, so nothing is reserved here.
-            reserve=f"{inp.request_id}:{inp.attempt}" if inp.attempt and _runs_local() else None,
-        )
-        chosen = route.entry
-        declared = snap.declared(inp.operation) if inp.operation else None
-        if inp.attempt:
-            # Unsettled by configuration and key: movable if the agents declare it idempotent.
-            movable = (
-                inp.movable if inp.movable is not None else bool(declared and declared.idempotent)
-            )
-            chosen = await self._pinned(inp, chosen, snap, movable)
-        log.info(
-            "routed request=%s capability=%s instance=%s of %d by %s%s%s%s",
-            inp.request_id,
-            inp.capability,
-            chosen.instance_id,
-            len(snap.routable),
-            route.strategy,
-            f" (breaker {admission.status})" if admission.status != "closed" else "",
-            f", skipped ejected {route.skipped}" if route.skipped else "",
-            f"; {route.note}" if route.note else "",
-        )
-        return Endpoint(
-            instance_id=chosen.instance_id,
-            capability=chosen.capability,
-            protocol=chosen.protocol,
-            address=chosen.address,
-            max_message_bytes=chosen.max_message_bytes,
-            breaker=admission.status,
-            probe=admission.probe,
-            declared_idempotent=declared.idempotent if declared else None,
-            declared_timeout_ms=declared.timeout_ms if declared else None,
-            skipped=route.skipped,
-            strategy=route.strategy,
-            route_note=route.note,
-            bypassed=route.bypassed,
-        )
-
-    async def _pinned(
-        self,
-        inp: ResolveInput,
-        chosen: RouteEntry,
-        snap: CapabilitySnapshot,
-        movable: bool,
-    ) -> RouteEntry:
-        """A re-run of the same attempt (a crashed gateway's workflow task, run again) goes
-        back to the instance that got it first while it is alive: that instance answers a
-        re-delivered RequestID from its memory instead of running it a second time."""
-        ttl_s = max(1.0, (inp.deadline_ms - time.time() * 1000) / 1000) + PIN_MARGIN_S
-        key = f"pin:{inp.request_id}:{inp.attempt}"
-        # The join time tells a restarted process (same instance id, empty memory) apart.
-        held = await self.policy.state.claim(key, _pin(chosen), ttl_s)
-        if held == _pin(chosen):
-            return chosen
-        owner = held.partition(" ")[0]
-        first = snap.by_id.get(owner)
-        if first is not None and first.routable and _pin(first) == held:
-            log.info(
-                "request=%s attempt=%d goes back to %s, which got it first",
-                inp.request_id,
-                inp.attempt,
-                owner,
-            )
-            return first
-        if movable:
-            return chosen
-        # Not idempotent, no key, and the instance that got it is gone (or restarted): sending
-        # it elsewhere could run it twice. Say what is known instead.
-        raise TransportError(
-            f"instance {owner}, which was sent this request before a Reach process stopped, "
-            "is gone or restarted; it may have run it. The operation is not idempotent, so it "
-            "is not sent again: repeat it with an idempotency_key to be safe",
-            retryable=False,
-            outcome_unknown=True,
-        )
 
     @activity.defn(name=ACTIVITY_CLAIM_KEY)
     async def claim_key(self, inp: ClaimInput) -> ClaimOutcome:
@@ -300,12 +165,20 @@ class ReachActivities:
         )
         failed = False  # the agent's fault: its latency is then counted as high (routing)
         try:
+            if inp.check_first:
+                # A regular activity runs once per scheduling, so only a local one can be a
+                # silent re-run of a call already sent.
+                await self.resolver.check_first(
+                    endpoint, header.request_id, inp.movable, fresh=not _runs_local()
+                )
             connector = self.connectors.get(endpoint.protocol)
             work = connector.invoke(endpoint, inp.message, inp.timeout_ms / 1000)
             if activity.info().is_local:
                 reply = await work
             else:
                 reply = await _heartbeating(work)
+        except StaleRoute as stale:
+            raise ApplicationError(str(stale), type=STALE_ROUTE, non_retryable=True) from stale
         except ReachError as err:
             if inp.judge_timeouts or not isinstance(err, DeadlineExceeded):
                 failed = counts_as_failure(err)
@@ -370,10 +243,6 @@ def _runs_local() -> bool:
         return activity.info().is_local
     except RuntimeError:  # called outside an activity (tests)
         return True
-
-
-def _pin(instance: RouteEntry) -> str:
-    return f"{instance.instance_id} {instance.joined_at!r}"
 
 
 def counts_as_failure(err: ReachError) -> bool:

@@ -15,6 +15,7 @@ from temporalio.client import Client
 import reach
 from gateway_api import grpc_front
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
+from gateway_api.fast import InvokeFastPath
 from gateway_api.routes import agents, health, invoke
 from gateway_api.service import Gateway
 from reach.config import ReachSettings
@@ -55,6 +56,8 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
             services.activities.policy,
             services.view,
             services.router,
+            services.activities.resolver,
+            calls_here=run_worker,
         )
         app.state.connectors = services.connectors
         try:
@@ -80,8 +83,10 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
         redirect_slashes=False,
     )
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=Limits(settings.transport.max_message_bytes).max_body_bytes)
+    limit = Limits(settings.transport.max_message_bytes).max_body_bytes
+    app.add_middleware(BodyLimit, limit=limit)
     app.add_middleware(CatchBugs)
+    app.add_middleware(InvokeFastPath, state=app.state, limit=limit)
     app.include_router(invoke.router)
     app.include_router(agents.router)
     app.include_router(health.router)

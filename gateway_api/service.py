@@ -58,6 +58,7 @@ from reach.invocation import (
     InvokeInput,
     LateAnswer,
     QueuePlan,
+    ResolveInput,
     answer_key,
     delivery_workflow_id,
     idempotency_scope,
@@ -77,6 +78,7 @@ from reach.policy import plan_call
 from reach.policy.engine import PolicyEngine, capability_bucket, limit_buckets
 from reach.registry import Ack, JoinRequest, Registry
 from reach.registry.view import RegistryView
+from reach.resolve import Resolver
 from reach.routing import Router, hash_key
 from workflows.invoke import (
     SA_CALLER,
@@ -107,11 +109,17 @@ class Gateway:
     policy: PolicyEngine
     view: RegistryView | None = None  # the local registry view (else: the store each time)
     router: Router | None = None
+    # Routes attempt 1 at the door (else each workflow resolves it); `calls_here`: this process
+    # runs the invoke worker, so an inline call runs here next (eager start).
+    resolver: Resolver | None = None
+    calls_here: bool = False
     limits: Limits = field(init=False)
     rpc_timeout: timedelta = field(init=False)
     _routing: dict[str, RoutingSettings] = field(init=False, default_factory=dict)
+    _callback_plan: CallbackPlan = field(init=False)
 
     def __post_init__(self) -> None:
+        self._callback_plan = CallbackPlan(**self.settings.callback.model_dump())
         self.limits = Limits(max_message_bytes=self.settings.transport.max_message_bytes)
         self.rpc_timeout = timedelta(seconds=self.settings.temporal.rpc_timeout_s)
 
@@ -215,6 +223,22 @@ class Gateway:
         plan.idempotency_ttl_s = self.settings.policy.idempotency_retention_s
         now_ms = int(time.time() * 1000)
         await self._rate_limit(req, caller, plan, now_ms)
+        routing_key = hash_key(self._routing_for(req.target), req.payload, req.routing_key)
+        endpoint = None
+        if self.resolver is not None and plan.queue is None:
+            # Chosen here, attempt 1 is a single step in the workflow: the call.
+            endpoint = await self.resolver.first(
+                ResolveInput(
+                    capability=req.target,
+                    routing_key=routing_key or req.routing_key,
+                    request_id=request_id,
+                    payload_bytes=len(payload_json),
+                    operation=req.operation,
+                    attempt=1,
+                    deadline_ms=now_ms + plan.timeout_ms,
+                ),
+                reserve=self.calls_here and plan.mode == "inline",
+            )
         inp = InvokeInput(
             request_id=request_id,
             caller=caller,
@@ -224,13 +248,19 @@ class Gateway:
             accepted_at_ms=now_ms,
             deadline_ms=now_ms + plan.timeout_ms,
             callback=str(req.callback) if req.callback else None,
-            callback_plan=CallbackPlan(**self.settings.callback.model_dump()),
+            callback_plan=self._callback_plan,
             idempotency_key=req.idempotency_key,
             routing_key=req.routing_key,
-            hash_key=hash_key(self._routing_for(req.target), req.payload, req.routing_key),
+            hash_key=routing_key,
             traceparent=traceparent,
             plan=plan,
             payload_bytes=len(payload_json),
+            endpoint=endpoint,
+            instance_at_start=endpoint is not None,
+            # What nearly every such request ends as: then its end writes no search attribute.
+            status_at_start="success"
+            if endpoint is not None and plan.mode == "inline" and not req.callback
+            else "running",
         )
         handle, started = await self._start(inp)
         deadline_ms = inp.deadline_ms
@@ -309,8 +339,13 @@ class Gateway:
                         SearchAttributePair(SA_CALLER, inp.caller),
                         SearchAttributePair(SA_CAPABILITY, inp.target),
                         SearchAttributePair(SA_OPERATION, inp.operation),
-                        SearchAttributePair(SA_STATUS, "running"),
+                        SearchAttributePair(SA_STATUS, inp.status_at_start),
                     ]
+                    + (
+                        [SearchAttributePair(SA_INSTANCE, inp.endpoint.instance_id)]
+                        if inp.instance_at_start and inp.endpoint is not None
+                        else []
+                    )
                 ),
             )
         except WorkflowAlreadyStartedError:

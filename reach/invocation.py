@@ -30,7 +30,16 @@ ACTIVITY_RELEASE_KEY = "reach.release_key"
 UPDATE_LATE_ANSWER = "submit_late_answer"
 SIGNAL_LATE_ANSWER = "late_answer"
 WORKFLOW_INVOKE = "InvokeWorkflow"
+# The call's failure type when the instance chosen at the door is gone before anything was sent
+# (or the request may move): the workflow resolves the attempt again. Never shown to a caller.
+STALE_ROUTE = "stale_route"
 WORKFLOW_DELIVER_CALLBACK = "DeliverCallbackWorkflow"
+
+
+def pin_of(instance_id: str, joined_at: float | None) -> str:
+    """What pins an attempt to an instance: its id and join time (a restarted process, same id
+    and empty memory, is another instance)."""
+    return f"{instance_id} {joined_at!r}"
 
 
 def delivery_workflow_id(request_id: str) -> str:
@@ -88,6 +97,32 @@ class CallbackPlan(BaseModel):
     max_backoff_s: float = Field(default=60.0, gt=0)
 
 
+class Endpoint(BaseModel):
+    instance_id: str
+    capability: str
+    protocol: str
+    address: str
+    max_message_bytes: int | None = Field(
+        default=None, description="Negotiated at Join; the agent's reply may not exceed it."
+    )
+    joined_at: float | None = Field(
+        default=None, description="When the instance joined (a restart is another instance)."
+    )
+    # What resolve met and learnt, for the workflow's plan and the request's record.
+    breaker: str = "closed"
+    probe: bool = False
+    declared_idempotent: bool | None = None
+    declared_timeout_ms: int | None = None
+    skipped: list[str] = Field(default_factory=list, description="ejected instances passed over")
+    strategy: str | None = Field(default=None, description="the routing strategy that chose")
+    route_note: str | None = Field(
+        default=None, description="why routing chose as it did, when not plainly (a fallback)"
+    )
+    bypassed: list[str] = Field(
+        default_factory=list, description="instances passed over at their max_inflight"
+    )
+
+
 class InvokeInput(BaseModel):
     request_id: str
     caller: str
@@ -108,28 +143,21 @@ class InvokeInput(BaseModel):
     traceparent: str | None = None
     plan: CallPlan
     payload_bytes: int = 0
-
-
-class Endpoint(BaseModel):
-    instance_id: str
-    capability: str
-    protocol: str
-    address: str
-    max_message_bytes: int | None = Field(
-        default=None, description="Negotiated at Join; the agent's reply may not exceed it."
+    endpoint: Endpoint | None = Field(
+        default=None,
+        description="Attempt 1's instance, chosen at the door from the local registry view; "
+        "None: the workflow resolves it.",
     )
-    # What resolve met and learnt, for the workflow's plan and the request's record.
-    breaker: str = "closed"
-    probe: bool = False
-    declared_idempotent: bool | None = None
-    declared_timeout_ms: int | None = None
-    skipped: list[str] = Field(default_factory=list, description="ejected instances passed over")
-    strategy: str | None = Field(default=None, description="the routing strategy that chose")
-    route_note: str | None = Field(
-        default=None, description="why routing chose as it did, when not plainly (a fallback)"
+    instance_at_start: bool = Field(
+        default=False,
+        description="Whether the start set ReachInstance (to `endpoint`): the end then updates "
+        "it only when the outcome names another instance.",
     )
-    bypassed: list[str] = Field(
-        default_factory=list, description="instances passed over at their max_inflight"
+    status_at_start: str = Field(
+        default="running",
+        description="The ReachStatus the start set: the end updates it only when the outcome "
+        "differs. A synchronous inline request routed at the door starts as 'success' (what "
+        "almost all of them end as), so its end writes no search attribute at all.",
     )
 
 
@@ -149,6 +177,11 @@ class ResolveInput(BaseModel):
         description="Whether a re-run of this attempt may go to another instance when the one "
         "that got it is gone (idempotent, or keyed); if not, its outcome is unknown. None: "
         "as the agents declare the operation.",
+    )
+    pin: str | None = Field(
+        default=None,
+        description="The instance (`pin_of`) that got this attempt first, when the workflow "
+        "knows it (chosen at the door): a re-run goes back to it.",
     )
 
 
@@ -180,6 +213,14 @@ class CallInput(BaseModel):
         default=True,
         description="Whether a timeout counts against the agent (breaker, ejection): not when "
         "the caller's own deadline was shorter than the operation's.",
+    )
+    check_first: bool = Field(
+        default=False,
+        description="The endpoint was chosen at the door: check that its instance is still the "
+        "one chosen before calling (a re-run after a crash goes back to it, or not at all).",
+    )
+    movable: bool = Field(
+        default=False, description="With check_first: whether the request may go elsewhere."
     )
 
 

@@ -46,6 +46,7 @@ with workflow.unsafe.imports_passed_through():
         ACTIVITY_RESOLVE,
         ACTIVITY_TAKE_TOKEN,
         SIGNAL_LATE_ANSWER,
+        STALE_ROUTE,
         UPDATE_LATE_ANSWER,
         WORKFLOW_INVOKE,
         CallbackInput,
@@ -63,6 +64,7 @@ with workflow.unsafe.imports_passed_through():
         delivery_workflow_id,
         idempotency_scope,
         payload_fingerprint,
+        pin_of,
     )
     from reach.messages import (
         AttemptInfo,
@@ -123,6 +125,10 @@ class _Failed(Exception):
         super().__init__(error.message)
         self.error = error
         self.instance_id = instance_id
+
+
+class _StaleRoute(Exception):
+    """The instance chosen at the door left before anything was sent: route attempt 1 again."""
 
 
 def _error_of(exc: FailureError, instance_id: str | None) -> _Failed:
@@ -221,10 +227,9 @@ class InvokeWorkflow:
                 ),
             )
         self._final = response
-        workflow.upsert_search_attributes(
-            [SA_STATUS.value_set(response.status)]
-            + ([SA_INSTANCE.value_set(response.instance_id)] if response.instance_id else [])
-        )
+        changed = self._outcome_attributes(inp, response)
+        if changed:
+            workflow.upsert_search_attributes(changed)
         if inp.callback:
             if workflow.patched(PATCH_DELIVERY_WORKFLOW):
                 try:
@@ -237,6 +242,23 @@ class InvokeWorkflow:
             else:
                 await self._deliver(inp, inp.callback, response)
         return response
+
+    @staticmethod
+    def _outcome_attributes(inp: InvokeInput, response: InvokeResponse) -> list[Any]:
+        """The search attributes the outcome changes from what the start set (all of them for
+        requests accepted before the start set any)."""
+        updates: list[Any] = []
+        if response.status != inp.status_at_start:
+            updates.append(SA_STATUS.value_set(response.status))
+        instance = response.instance_id
+        if not inp.instance_at_start:
+            if instance:
+                updates.append(SA_INSTANCE.value_set(instance))
+        elif inp.endpoint is None or instance != inp.endpoint.instance_id:
+            updates.append(
+                SA_INSTANCE.value_set(instance) if instance else SA_INSTANCE.value_unset()
+            )
+        return updates
 
     async def _hand_to_delivery(self, inp: InvokeInput, url: str, response: InvokeResponse) -> None:
         """Start the callback's own workflow; it outlives this one (parent close: abandon)."""
@@ -432,6 +454,9 @@ class InvokeWorkflow:
         attempt = 1
         store_waits = redeliveries = 0
         tried: list[str] = []
+        # Attempt 1's instance when the door chose it; then the pin of any re-run of attempt 1.
+        first = inp.endpoint
+        pin: str | None = None
         while True:
             instance_id: str | None = None
             if self._late is not None:  # answered before (or between) attempts: nothing to call
@@ -440,23 +465,29 @@ class InvokeWorkflow:
             breaker: str | None = None
             self._in_flight = False
             try:
-                endpoint = await self._run(
-                    inp,
-                    ACTIVITY_RESOLVE,
-                    ResolveInput(
-                        capability=inp.target,
-                        exclude=tried,
-                        routing_key=inp.hash_key or inp.routing_key,
-                        request_id=inp.request_id,
-                        payload_bytes=inp.payload_bytes,
-                        operation=inp.operation,
-                        attempt=attempt,
-                        deadline_ms=self._deadline_ms,
-                        movable=self._movable(inp),
-                    ),
-                    Endpoint,
-                    None,
-                )
+                from_door = first is not None
+                if first is not None:
+                    endpoint, first = first, None
+                    pin = pin_of(endpoint.instance_id, endpoint.joined_at)
+                else:
+                    endpoint = await self._run(
+                        inp,
+                        ACTIVITY_RESOLVE,
+                        ResolveInput(
+                            capability=inp.target,
+                            exclude=tried,
+                            routing_key=inp.hash_key or inp.routing_key,
+                            request_id=inp.request_id,
+                            payload_bytes=inp.payload_bytes,
+                            operation=inp.operation,
+                            attempt=attempt,
+                            deadline_ms=self._deadline_ms,
+                            movable=self._movable(inp),
+                            pin=pin if attempt == 1 else None,
+                        ),
+                        Endpoint,
+                        None,
+                    )
                 instance_id = endpoint.instance_id
                 breaker = endpoint.breaker
                 self._plan, self._deadline_ms = refine_plan(
@@ -481,6 +512,7 @@ class InvokeWorkflow:
                     metadata=Metadata(size_bytes=inp.payload_bytes),
                 )
                 remaining = self._deadline_ms - self._now_ms()
+                movable = self._movable(inp)
                 reply = await self._run(
                     inp,
                     ACTIVITY_CALL,
@@ -489,6 +521,10 @@ class InvokeWorkflow:
                         message=message,
                         timeout_ms=max(1, remaining),
                         judge_timeouts=self._plan.judge_timeouts,
+                        check_first=from_door,
+                        movable=movable
+                        if movable is not None
+                        else bool(endpoint.declared_idempotent),
                     ),
                     Reply,
                     instance_id,
@@ -503,6 +539,10 @@ class InvokeWorkflow:
                         inp, "success", result=reply.result, instance_id=instance_id
                     )
                 return await self._await_late_answer(inp, instance_id)
+            except _StaleRoute as stale:
+                workflow.logger.info("attempt 1 is routed again: %s", stale)
+                pin = None
+                continue
             except _Failed as failed:
                 self._note(attempt, failed.instance_id, failed.error.type, started, breaker)
                 if self._late is not None:
@@ -652,6 +692,7 @@ class InvokeWorkflow:
                 ErrorInfo(type="timeout", message="deadline reached", retryable=False), instance_id
             )
         budget = timedelta(milliseconds=remaining)
+        sent_before = self._sent
         if name == ACTIVITY_CALL:
             self._sent = self._in_flight = True
         try:
@@ -673,6 +714,10 @@ class InvokeWorkflow:
                 retry_policy=ONE_ATTEMPT,
             )
         except (ActivityError, ApplicationError, TimeoutError) as exc:
+            cause = exc.cause if isinstance(exc, ActivityError) else exc
+            if isinstance(cause, ApplicationError) and cause.type == STALE_ROUTE:
+                self._sent, self._in_flight = sent_before, False  # nothing was sent
+                raise _StaleRoute(cause.message) from exc
             raise _error_of(exc, instance_id) from exc
 
     async def _await_late_answer(self, inp: InvokeInput, instance_id: str) -> InvokeResponse:

@@ -85,6 +85,8 @@ async def take_token(inp: TakeInput) -> float:
 @activity.defn(name="reach.call")
 async def call(inp: CallInput) -> Reply:
     op = inp.message.header.operation
+    if op == "stale" and inp.check_first:
+        raise ApplicationError("the instance left", type="stale_route", non_retryable=True)
     if op == "flaky" and inp.message.header.attempt == 1:
         raise ApplicationError(
             "refused", {"retryable": True}, type="transport_error", non_retryable=True
@@ -128,6 +130,14 @@ def _input(name: str, operation: str, **kw: Any) -> InvokeInput:
     )
 
 
+DOOR: dict[str, Any] = {
+    "endpoint": Endpoint(
+        instance_id="door", capability="knowledge-retriever", protocol="http", address="x"
+    ),
+    "instance_at_start": True,
+    "status_at_start": "success",
+}
+
 CASES = {
     "success": ("query", {}),
     "retry": ("flaky", {}),
@@ -140,6 +150,10 @@ CASES = {
     "rate-limit-queue": ("query", {"queue": True}),
     "store-outage": ("outage", {}),
     "redeliver": ("broken", {}),
+    # Attempt 1 routed at the door: one call; the instance left first; a retry elsewhere.
+    "door-routed": ("query", DOOR),
+    "door-stale": ("stale", DOOR),
+    "door-retry": ("flaky", DOOR),
 }
 
 

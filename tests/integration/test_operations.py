@@ -43,7 +43,16 @@ async def test_queue_mode_capability_is_served_by_its_own_worker(
     r = await http.post(f"{gateway.url}/reach/invoke", json={**body, "timeout_ms": 10_000})
     assert r.status_code == 200, r.text
     assert r.json()["instance_id"] == f"{capability}-01"
-    assert "routed request=" in cap_worker.proc.output()  # it was this process that called
+    # It was this process that called: its worker identity took the call's activity task.
+    client = await Client.connect(temporal_server)
+    history = await client.get_workflow_handle(r.json()["request_id"]).fetch_history()
+    takers = [
+        e.activity_task_started_event_attributes.identity
+        for e in history.events
+        if e.HasField("activity_task_started_event_attributes")
+    ]
+    assert takers, "the call ran as a regular activity"
+    assert all(t.startswith(f"{cap_worker.proc.popen.pid}@") for t in takers), takers
 
 
 async def test_search_attributes_and_cli_audit_trail(

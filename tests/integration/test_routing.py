@@ -397,7 +397,8 @@ async def test_a_killed_workers_inflight_counts_expire_after_the_lease(
 
 
 async def resolved(temporal: str, request_id: str) -> dict[str, Any]:
-    """The resolve activity's result (the Endpoint) as the request's workflow history has it."""
+    """Attempt 1's Endpoint as the request's workflow history has it: chosen at the door (in
+    the workflow's input), or by the resolve activity (its result)."""
     from temporalio.client import Client
 
     client = await Client.connect(temporal)
@@ -405,6 +406,11 @@ async def resolved(temporal: str, request_id: str) -> dict[str, Any]:
     results = []
     for event in history.events:
         # Resolve runs as a local activity (a marker) or a regular one, by mode.
+        if event.HasField("workflow_execution_started_event_attributes"):
+            inp = event.workflow_execution_started_event_attributes.input.payloads[0]
+            if json.loads(inp.data).get("endpoint"):
+                results.append(json.loads(inp.data)["endpoint"])
+            continue
         if event.HasField("marker_recorded_event_attributes"):
             details = event.marker_recorded_event_attributes.details
             payloads = details["result"].payloads if "result" in details else []

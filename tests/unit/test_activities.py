@@ -1,4 +1,5 @@
-"""The resolve activity's decisions, run in the SDK's ActivityEnvironment over the memory store."""
+"""The resolve activity's decisions, run in the SDK's ActivityEnvironment over the memory store,
+and the same decision made at the door for attempt 1 (`Resolver.first`, `check_first`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from reach.config import (
     RegistrySettings,
     RoutingSettings,
 )
-from reach.invocation import ResolveInput
+from reach.errors import TransportError
+from reach.invocation import Endpoint, ResolveInput, pin_of
 from reach.policy.engine import PolicyEngine
 from reach.policy.state import MemoryPolicyState
 from reach.registry import HealthReport, JoinRequest, Registry
+from reach.resolve import StaleRoute
 from reach.routing import Router
 from reach.store import MemoryStore
 
@@ -158,3 +161,92 @@ async def test_a_re_run_follows_the_agents_declarations_and_spots_a_restart(
             )
         )
     assert await resolve(acts, request_id="q1", attempt=1, movable=None, **kw) in {"a", "b"}
+
+
+# -- attempt 1 routed at the door ---------------------------------------------------------------
+
+
+async def door(acts: ReachActivities, request_id: str) -> Endpoint:
+    endpoint = await acts.resolver.first(
+        ResolveInput(capability="cap", request_id=request_id, attempt=1, deadline_ms=2**42),
+        reserve=False,
+    )
+    assert endpoint is not None
+    return endpoint
+
+
+async def test_the_door_routes_like_resolve_and_leaves_what_it_cannot_to_the_workflow(
+    acts: ReachActivities,
+) -> None:
+    picks = {(await door(acts, f"d{i}")).instance_id for i in range(4)}
+    assert picks == {"a", "b"}  # the same strategy (round robin) as the workflow's resolve
+    endpoint = await door(acts, "d9")
+    assert endpoint.joined_at is not None
+    assert endpoint.strategy == "round_robin"
+    # Refused (breaker open) or nothing routable: None, and the workflow resolves (and reports).
+    for instance in ("a", "b", "a"):
+        await acts.policy.record("cap", instance, ok=False, probe=False)
+    assert await acts.resolver.first(ResolveInput(capability="cap"), reserve=False) is None
+    assert await acts.resolver.first(ResolveInput(capability="nobody"), reserve=False) is None
+
+
+async def test_a_call_routed_at_the_door_goes_on_while_its_instance_is_the_one_chosen(
+    acts: ReachActivities,
+) -> None:
+    endpoint = await door(acts, "c1")
+    await acts.resolver.check_first(endpoint, "c1", movable=False)  # first run: goes on
+    # A re-run (not routed here: another gateway's crashed task) goes back to it as well.
+    await acts.resolver.check_first(endpoint, "c1", movable=False)
+
+
+async def test_an_instance_gone_before_the_call_is_routed_again_when_nothing_was_sent(
+    acts: ReachActivities,
+) -> None:
+    endpoint = await door(acts, "s1")
+    await acts.registry.heartbeat(endpoint.instance_id, HealthReport(status="unhealthy"))
+    # Routed here and not called yet: nothing can have been sent, whatever the operation.
+    with pytest.raises(StaleRoute):
+        await acts.resolver.check_first(endpoint, "s1", movable=False)
+    # A re-run of a call that may have been sent: only a movable request goes elsewhere.
+    with pytest.raises(StaleRoute):
+        await acts.resolver.check_first(endpoint, "s1", movable=True)
+    with pytest.raises(TransportError) as err:
+        await acts.resolver.check_first(endpoint, "s1", movable=False)
+    assert err.value.outcome_unknown
+    assert not err.value.retryable
+    assert "may have run it" in err.value.message
+    # A regular activity runs once per scheduling: never a silent re-run.
+    with pytest.raises(StaleRoute):
+        await acts.resolver.check_first(endpoint, "s1", movable=False, fresh=True)
+
+
+async def test_a_restart_under_the_same_id_is_another_instance_for_a_re_run(
+    acts: ReachActivities,
+) -> None:
+    endpoint = await door(acts, "r1")
+    await acts.registry.join(
+        JoinRequest(
+            capability="cap",
+            instance_id=endpoint.instance_id,
+            service_address=f"{endpoint.instance_id}:1",
+        )
+    )
+    acts.resolver._routed.pop("r1", None)  # as on another gateway: not routed there
+    with pytest.raises(TransportError):
+        await acts.resolver.check_first(endpoint, "r1", movable=False)
+
+
+async def test_a_redelivery_of_attempt_1_goes_back_to_the_door_s_choice(
+    acts: ReachActivities,
+) -> None:
+    endpoint = await door(acts, "p1")
+    pin = pin_of(endpoint.instance_id, endpoint.joined_at)
+    kw: dict[str, object] = {"capability": "cap", "request_id": "p1", "attempt": 1}
+    # Round robin alone would alternate; the pin the workflow passes does not.
+    assert [await resolve(acts, deadline_ms=2**42, pin=pin, **kw) for _ in range(3)] == [
+        endpoint.instance_id
+    ] * 3
+    await acts.registry.heartbeat(endpoint.instance_id, HealthReport(status="unhealthy"))
+    with pytest.raises(ApplicationError) as err:
+        await resolve(acts, deadline_ms=2**42, pin=pin, movable=False, **kw)
+    assert err.value.details[0]["outcome_unknown"] is True

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import WorkflowHistory
@@ -20,6 +23,7 @@ def test_there_are_histories_to_replay() -> None:
     assert {"success", "retry", "timeout", "late-answer", "callback"} <= names
     # Today's paths, beside the ones requests accepted by older versions still take.
     assert {"late-answer-update", "callback-workflow"} <= names
+    assert {"door-routed", "door-stale", "door-retry"} <= names
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
@@ -30,3 +34,61 @@ async def test_history_replays_without_nondeterminism(path: Path) -> None:
     history = WorkflowHistory.from_json(f"replay-{path.stem}", path.read_text())
     result = await replayer.replay_workflow(history, raise_on_replay_failure=True)
     assert result.replay_failure is None
+
+
+def _events(name: str) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = json.loads(
+        (Path(__file__).parent.parent / "histories" / f"{name}.json").read_text()
+    )["events"]
+    return events
+
+
+def _result(events: list[dict[str, Any]]) -> dict[str, Any]:
+    [done] = [e for e in events if "workflowExecutionCompletedEventAttributes" in e]
+    data = done["workflowExecutionCompletedEventAttributes"]["result"]["payloads"][0]["data"]
+    result: dict[str, Any] = json.loads(base64.b64decode(data))
+    return result
+
+
+def _steps(events: list[dict[str, Any]]) -> list[str]:
+    """The local activities a request ran, in order, and its search-attribute writes."""
+    steps = []
+    for e in events:
+        if "markerRecordedEventAttributes" in e:
+            data = e["markerRecordedEventAttributes"]["details"]["data"]["payloads"][0]["data"]
+            steps.append(json.loads(base64.b64decode(data))["activity_type"])
+        elif "upsertWorkflowSearchAttributesEventAttributes" in e:
+            fields = e["upsertWorkflowSearchAttributesEventAttributes"]["searchAttributes"]
+            steps.append("upsert " + ",".join(sorted(fields["indexedFields"])))
+    return steps
+
+
+def test_attempt_1_routed_at_the_door_is_one_call_and_its_end_writes_nothing() -> None:
+    events = _events("door-routed")
+    assert _steps(events) == ["reach.call"]
+    assert _result(events)["instance_id"] == "door"
+    # Before, the same request: resolve, call, and the outcome's search attributes.
+    assert _steps(_events("success")) == [
+        "reach.resolve",
+        "reach.call",
+        "upsert ReachInstance,ReachStatus",
+    ]
+
+
+def test_an_instance_gone_before_the_call_is_routed_again_and_recorded_once() -> None:
+    events = _events("door-stale")
+    assert _steps(events) == ["reach.call", "reach.resolve", "reach.call", "upsert ReachInstance"]
+    result = _result(events)
+    assert result["status"] == "success"
+    assert result["instance_id"] == "i0"
+    assert [a["instance_id"] for a in result["attempts"]] == ["i0"]
+
+
+def test_a_retry_elsewhere_updates_the_instance_the_start_named() -> None:
+    events = _events("door-retry")
+    assert _steps(events) == ["reach.call", "reach.resolve", "reach.call", "upsert ReachInstance"]
+    result = _result(events)
+    assert [(a["attempt"], a["instance_id"]) for a in result["attempts"]] == [
+        (1, "door"),
+        (2, "i1"),
+    ]

@@ -1,0 +1,262 @@
+"""From a capability name to the one instance an attempt goes to.
+
+`Resolver.resolve` is the workflow's resolve step (an activity): the local registry view, the
+payload limit every routable instance negotiated (R8), the breaker (R14), outlier ejection, the
+routing strategy and, for an attempt that may run again after a crash, its pin.
+
+`Resolver.first` is the same decision made at the door for attempt 1, so that a request's first
+attempt is a single step (the call) in its workflow: the chosen endpoint travels in the workflow
+input, where history keeps it. It never blocks a request: whatever it cannot decide at once
+(nothing routable, a refusal, the store away) is left to the workflow's own resolve, which
+decides durably and reports it. `Resolver.check_first` runs just before the call: a re-run of
+that first attempt (a crashed gateway's workflow task, run again elsewhere) goes back to the
+instance chosen at the door while it is alive, as a pinned attempt does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+
+from reach.errors import (
+    CircuitOpen,
+    NoInstance,
+    PayloadTooLarge,
+    ReachError,
+    TransportError,
+    UnknownCapability,
+)
+from reach.invocation import Endpoint, ResolveInput, pin_of
+from reach.policy.engine import PolicyEngine
+from reach.registry import Registry
+from reach.registry.view import CapabilitySnapshot, RegistryView, RouteEntry
+from reach.routing import Router
+
+log = logging.getLogger("reach.activities")
+
+# How long past a request's deadline its per-attempt pin is kept.
+PIN_MARGIN_S = 60.0
+# First routes made here whose call has not begun: a call that finds its request here is the
+# first run of that attempt, so nothing was sent yet. Older entries are forgotten first.
+MAX_ROUTED = 16_384
+
+
+class StaleRoute(Exception):
+    """The instance chosen at the door is gone and nothing was sent (or the request may move):
+    the workflow resolves attempt 1 again. Never reaches a caller."""
+
+
+class Resolver:
+    def __init__(
+        self, registry: Registry, view: RegistryView, policy: PolicyEngine, router: Router
+    ) -> None:
+        self.registry = registry
+        self.view = view
+        self.policy = policy
+        self.router = router
+        self._routed: OrderedDict[str, None] = OrderedDict()
+
+    async def _snapshot(self, capability: str) -> CapabilitySnapshot | None:
+        """The capability from the local view; read from the store when the view has nothing
+        routable (a join another process just saw), so 'no instance' is never a stale view's."""
+        try:
+            snap = await self.view.snapshot(capability)
+        except ReachError as err:
+            # Dirty records could not be re-read: route on what the view holds.
+            log.warning("registry view not refreshed for %s: %s", capability, err.message)
+            snap = self.view.cached(capability)
+        if snap is None or not snap.routable:
+            snap = await self.view.reload(capability)
+        return snap
+
+    async def resolve(self, inp: ResolveInput, *, reserve: bool = True) -> Endpoint:
+        """The endpoint of attempt `inp.attempt` (0: no pin). `reserve`: the call runs next in
+        this process and takes over the in-flight reservation (inline)."""
+        snap = await self._snapshot(inp.capability)
+        if snap is None:
+            if not await self.registry.known(inp.capability):
+                raise UnknownCapability(
+                    f"no agent has ever registered capability {inp.capability!r}"
+                )
+            raise NoInstance(f"capability {inp.capability!r} has no live instance")
+        return await self._route(inp, snap, reserve=reserve, pin=bool(inp.attempt))
+
+    async def first(self, inp: ResolveInput, *, reserve: bool) -> Endpoint | None:
+        """Attempt 1's endpoint, chosen at the door; None leaves it to the workflow."""
+        try:
+            snap = await self.view.snapshot(inp.capability)
+            if snap is None or not snap.routable:
+                return None
+            endpoint = await self._route(inp, snap, reserve=reserve, pin=False, door=True)
+        except ReachError as err:
+            log.debug("request=%s: routed by its workflow (%s)", inp.request_id, err.message)
+            return None
+        self._routed[inp.request_id] = None
+        if len(self._routed) > MAX_ROUTED:
+            self._routed.popitem(last=False)
+        return endpoint
+
+    async def check_first(
+        self, endpoint: Endpoint, request_id: str, movable: bool, *, fresh: bool = False
+    ) -> None:
+        """Before calling the endpoint chosen at the door: go on if its instance is still the
+        one chosen (alive, routable, not restarted); else `StaleRoute` when nothing can have
+        been sent (`fresh`, or routed here and not called yet) or the request may move, or
+        the unknown outcome when it may not."""
+        fresh = self._routed.pop(request_id, 0) is None or fresh
+        try:
+            snap = await self.view.snapshot(endpoint.capability)
+        except ReachError:
+            snap = self.view.cached(endpoint.capability)
+        entry = snap.by_id.get(endpoint.instance_id) if snap is not None else None
+        if entry is not None and entry.routable and _pin(entry) == endpoint_pin(endpoint):
+            if not fresh:
+                log.info(
+                    "request=%s attempt 1 goes back to %s, chosen at the door",
+                    request_id,
+                    endpoint.instance_id,
+                )
+            return
+        if fresh or movable:
+            raise StaleRoute(
+                f"instance {endpoint.instance_id} left before request {request_id} was sent"
+            )
+        raise _lost(endpoint.instance_id)
+
+    async def _route(
+        self,
+        inp: ResolveInput,
+        snap: CapabilitySnapshot,
+        *,
+        reserve: bool,
+        pin: bool,
+        door: bool = False,
+    ) -> Endpoint:
+        if not snap.routable:
+            raise NoInstance(
+                f"capability {inp.capability!r} has no healthy instance "
+                f"({len(snap.entries)} registered, all unhealthy)"
+            )
+        # R8: what one routable instance negotiated, the capability can carry; refused before
+        # anything is sent, whichever instance routing would have picked.
+        smallest = snap.smallest
+        if smallest is not None and inp.payload_bytes > smallest.max_message_bytes:
+            raise PayloadTooLarge(
+                f"the payload is {inp.payload_bytes} bytes; capability {inp.capability!r} "
+                f"takes at most {smallest.max_message_bytes} (max_message_bytes negotiated by "
+                f"instance {smallest.instance_id})"
+            )
+        # R14: an open breaker refuses before any agent is contacted.
+        admission = await self.policy.admit(inp.capability)
+        if not admission.allowed:
+            wait = max(1, math.ceil(admission.retry_after_s))
+            raise CircuitOpen(
+                f"the circuit breaker of capability {inp.capability!r} is {admission.status} "
+                f"after repeated failures; no agent was called (retry in {wait}s)",
+                retry_after_s=wait,
+            )
+        view = await self.policy.view(inp.capability)
+        ejected = self.policy.ejected(inp.capability, view)
+        if self.router.reads_loads(snap):
+            await self.router.inflight.fresh(inp.capability)
+        route = self.router.route(
+            snap,
+            exclude=inp.exclude,
+            ejected=ejected,
+            key=inp.routing_key,
+            # Inline, the call runs next in this process and takes the reservation over; in
+            # queue mode another worker may run it, so nothing is reserved here.
+            reserve=f"{inp.request_id}:{inp.attempt or 1}" if reserve else None,
+        )
+        chosen = route.entry
+        declared = snap.declared(inp.operation) if inp.operation else None
+        if pin:
+            # Unsettled by configuration and key: movable if the agents declare it idempotent.
+            movable = (
+                inp.movable if inp.movable is not None else bool(declared and declared.idempotent)
+            )
+            chosen = await self._pinned(inp, chosen, snap, movable)
+        # At the door, every request: its workflow input keeps the decision, and the log has
+        # the ones worth a look (a fallback, a skip, a breaker not closed); DEBUG shows all.
+        plain = not (route.note or route.skipped or route.bypassed) and admission.status == "closed"
+        log.log(
+            logging.DEBUG if door and plain else logging.INFO,
+            "routed request=%s capability=%s instance=%s of %d by %s%s%s%s",
+            inp.request_id,
+            inp.capability,
+            chosen.instance_id,
+            len(snap.routable),
+            route.strategy,
+            f" (breaker {admission.status})" if admission.status != "closed" else "",
+            f", skipped ejected {route.skipped}" if route.skipped else "",
+            f"; {route.note}" if route.note else "",
+        )
+        return Endpoint(
+            instance_id=chosen.instance_id,
+            capability=chosen.capability,
+            protocol=chosen.protocol,
+            address=chosen.address,
+            max_message_bytes=chosen.max_message_bytes,
+            joined_at=chosen.joined_at,
+            breaker=admission.status,
+            probe=admission.probe,
+            declared_idempotent=declared.idempotent if declared else None,
+            declared_timeout_ms=declared.timeout_ms if declared else None,
+            skipped=route.skipped,
+            strategy=route.strategy,
+            route_note=route.note,
+            bypassed=route.bypassed,
+        )
+
+    async def _pinned(
+        self,
+        inp: ResolveInput,
+        chosen: RouteEntry,
+        snap: CapabilitySnapshot,
+        movable: bool,
+    ) -> RouteEntry:
+        """A re-run of the same attempt (a crashed gateway's workflow task, run again) goes
+        back to the instance that got it first while it is alive: that instance answers a
+        re-delivered RequestID from its memory instead of running it a second time. The
+        workflow names that instance itself (`inp.pin`) when the door chose it."""
+        ttl_s = max(1.0, (inp.deadline_ms - time.time() * 1000) / 1000) + PIN_MARGIN_S
+        key = f"pin:{inp.request_id}:{inp.attempt}"
+        # The join time tells a restarted process (same instance id, empty memory) apart.
+        held = await self.policy.state.claim(key, inp.pin or _pin(chosen), ttl_s)
+        if held == _pin(chosen):
+            return chosen
+        owner = held.partition(" ")[0]
+        first = snap.by_id.get(owner)
+        if first is not None and first.routable and _pin(first) == held:
+            log.info(
+                "request=%s attempt=%d goes back to %s, which got it first",
+                inp.request_id,
+                inp.attempt,
+                owner,
+            )
+            return first
+        if movable:
+            return chosen
+        # Not idempotent, no key, and the instance that got it is gone (or restarted): sending
+        # it elsewhere could run it twice. Say what is known instead.
+        raise _lost(owner)
+
+
+def _lost(instance_id: str) -> TransportError:
+    return TransportError(
+        f"instance {instance_id}, which was sent this request before a Reach process stopped, "
+        "is gone or restarted; it may have run it. The operation is not idempotent, so it "
+        "is not sent again: repeat it with an idempotency_key to be safe",
+        retryable=False,
+        outcome_unknown=True,
+    )
+
+
+def _pin(instance: RouteEntry) -> str:
+    return pin_of(instance.instance_id, instance.joined_at)
+
+
+def endpoint_pin(endpoint: Endpoint) -> str:
+    return pin_of(endpoint.instance_id, endpoint.joined_at)
