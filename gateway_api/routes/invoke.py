@@ -3,7 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from gateway_api.deps import (
@@ -15,6 +15,7 @@ from gateway_api.deps import (
     json_body,
 )
 from gateway_api.errors import envelope_response
+from gateway_api.service import Gateway
 from reach import acceptance
 from reach.acceptance import LateAnswerBody
 from reach.errors import http_status_for
@@ -74,11 +75,28 @@ async def invoke(
     caller: CallerDep,
     traceparent: TraceparentDep,
     idempotency_key: IdempotencyKeyDep,
-) -> JSONResponse:
-    body, payload_json = acceptance.invoke_request(await request.body(), gateway.limits)
+) -> Response:
+    # Served by `gateway_api.fast.InvokeFastPath` in the app; this route documents it (OpenAPI)
+    # and serves an app mounted without that path. Both answer through `answer_invoke`.
+    return await answer_invoke(
+        gateway, await request.body(), caller, traceparent, idempotency_key, request.state
+    )
+
+
+async def answer_invoke(
+    gateway: Gateway,
+    raw: bytes,
+    caller: str,
+    traceparent: str | None,
+    idempotency_key: str | None,
+    state: Any,
+) -> Response:
+    """POST /reach/invoke once its headers are read: `state.request_id` is set as soon as the
+    request has one (error envelopes name it)."""
+    body, payload_json = acceptance.invoke_request(raw, gateway.limits)
     body.idempotency_key = acceptance.one_idempotency_key(body.idempotency_key, idempotency_key)
     body.request_id = body.request_id or new_request_id()
-    request.state.request_id = body.request_id
+    state.request_id = body.request_id
     response = await gateway.invoke(body, payload_json, caller, traceparent)
     # A sync caller still without a verdict at the deadline gets a gateway timeout.
     return envelope_response(response, status_code_of(response, running=504))
@@ -90,7 +108,7 @@ async def invoke(
     responses=_codes(404, 422, 500, 502, 503, 504),
     summary="Status and result of any request, and its callback delivery",
 )
-async def get_request(request_id: RequestIdPath, gateway: GatewayDep) -> JSONResponse:
+async def get_request(request_id: RequestIdPath, gateway: GatewayDep) -> Response:
     response = await gateway.status(request_id)
     return envelope_response(response, status_code_of(response))
 

@@ -1,0 +1,84 @@
+"""`POST /reach/invoke` served straight from ASGI, past the framework's routing and dependency
+injection: the same checks (`reach.acceptance`), the same envelope and the same errors as the
+FastAPI route, which stays for the OpenAPI document. Measured: ~0.3 ms of a ~10 ms durable
+invoke on the 2-core bench box (bench/invoke.py), and less CPU per call at 16 and 64 in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from starlette.datastructures import State
+from starlette.types import ASGIApp, Receive, Scope, Send
+from temporalio.service import RPCError
+
+from gateway_api.errors import (
+    BodyLimit,
+    CatchBugs,
+    error_response,
+    reach_error_of_rpc,
+    valid_request_id,
+)
+from gateway_api.routes.invoke import answer_invoke
+from reach import acceptance
+from reach.errors import ReachError
+
+log = logging.getLogger("reach.gateway")
+PATH = "/reach/invoke"
+
+
+class InvokeFastPath:
+    """The outermost layer of the gateway app: invokes here, everything else to the app."""
+
+    def __init__(self, app: ASGIApp, state: State, limit: int) -> None:
+        self.app = app
+        self.state = state
+        self.door = CatchBugs(BodyLimit(self._invoke, limit))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == PATH and scope["method"] == "POST":
+            await self.door(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _invoke(self, scope: Scope, receive: Receive, send: Send) -> None:
+        seen = SimpleNamespace(request_id=None)
+        try:
+            # Headers first, as the route's dependencies check them before the body.
+            headers = _headers(scope)
+            caller = acceptance.caller_header(headers.get(b"x-reach-caller")) or "anonymous"
+            traceparent = acceptance.traceparent_header(headers.get(b"traceparent"))
+            idempotency_key = acceptance.idempotency_key_header(headers.get(b"idempotency-key"))
+            raw = await _body(receive)
+            response = await answer_invoke(
+                self.state.gateway, raw, caller, traceparent, idempotency_key, seen
+            )
+        except ReachError as exc:
+            log.info("POST %s -> %s: %s", PATH, exc.type, exc.message)
+            response = error_response(valid_request_id(seen.request_id), exc)
+        except RPCError as exc:
+            log.error("Temporal call failed on %s: %s", PATH, exc)
+            response = error_response(valid_request_id(seen.request_id), reach_error_of_rpc(exc))
+        await response(scope, receive, send)
+
+
+def _headers(scope: Scope) -> dict[bytes, str]:
+    """Header name -> value (latin-1, as Starlette reads it); the first of repeated ones."""
+    found: dict[bytes, str] = {}
+    for name, value in scope["headers"]:
+        if name not in found:
+            found[name] = value.decode("latin-1")
+    return found
+
+
+async def _body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
