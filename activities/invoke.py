@@ -167,9 +167,12 @@ class ReachActivities:
         try:
             if inp.check_first:
                 # A regular activity runs once per scheduling, so only a local one can be a
-                # silent re-run of a call already sent.
+                # silent re-run of a call already sent; the workflow says whether it is.
                 await self.resolver.check_first(
-                    endpoint, header.request_id, inp.movable, fresh=not _runs_local()
+                    endpoint,
+                    header.request_id,
+                    inp.movable,
+                    fresh=inp.first_run or not _runs_local(),
                 )
             connector = self.connectors.get(endpoint.protocol)
             work = connector.invoke(endpoint, inp.message, inp.timeout_ms / 1000)

@@ -264,6 +264,8 @@ class Gateway:
         )
         handle, started = await self._start(inp)
         deadline_ms = inp.deadline_ms
+        if not started and endpoint is not None and self.resolver is not None:
+            self.resolver.release(request_id)
         if not started:
             # A repeat (rare): the first request's own input says what it was.
             first = await self._original(handle)

@@ -222,6 +222,11 @@ class CallInput(BaseModel):
     movable: bool = Field(
         default=False, description="With check_first: whether the request may go elsewhere."
     )
+    first_run: bool = Field(
+        default=False,
+        description="With check_first: the workflow's first task is running it, so nothing "
+        "can have been sent before (a re-run after a crash is a later task).",
+    )
 
 
 class CallbackInput(BaseModel):

@@ -6,19 +6,20 @@ routing strategy and, for an attempt that may run again after a crash, its pin.
 
 `Resolver.first` is the same decision made at the door for attempt 1, so that a request's first
 attempt is a single step (the call) in its workflow: the chosen endpoint travels in the workflow
-input, where history keeps it. It never blocks a request: whatever it cannot decide at once
-(nothing routable, a refusal, the store away) is left to the workflow's own resolve, which
-decides durably and reports it. `Resolver.check_first` runs just before the call: a re-run of
-that first attempt (a crashed gateway's workflow task, run again elsewhere) goes back to the
-instance chosen at the door while it is alive, as a pinned attempt does.
+input, where history keeps it. It never holds a request up: whatever it cannot decide at once
+and for sure (nothing routable, a breaker not closed, a refusal, a store slower than
+`DOOR_BUDGET_S`) is left to the workflow's own resolve, which decides durably and reports it.
+`Resolver.check_first` runs just before the call: a re-run of that first attempt (a crashed
+gateway's workflow task, run again elsewhere) goes back to the instance chosen at the door
+while it is alive, as a pinned attempt does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from collections import OrderedDict
 
 from reach.errors import (
     CircuitOpen,
@@ -38,9 +39,8 @@ log = logging.getLogger("reach.activities")
 
 # How long past a request's deadline its per-attempt pin is kept.
 PIN_MARGIN_S = 60.0
-# First routes made here whose call has not begun: a call that finds its request here is the
-# first run of that attempt, so nothing was sent yet. Older entries are forgotten first.
-MAX_ROUTED = 16_384
+# How long the door may spend routing (the store's part of it) before leaving it to the workflow.
+DOOR_BUDGET_S = 0.05
 
 
 class StaleRoute(Exception):
@@ -56,7 +56,6 @@ class Resolver:
         self.view = view
         self.policy = policy
         self.router = router
-        self._routed: OrderedDict[str, None] = OrderedDict()
 
     async def _snapshot(self, capability: str) -> CapabilitySnapshot | None:
         """The capability from the local view; read from the store when the view has nothing
@@ -84,28 +83,40 @@ class Resolver:
         return await self._route(inp, snap, reserve=reserve, pin=bool(inp.attempt))
 
     async def first(self, inp: ResolveInput, *, reserve: bool) -> Endpoint | None:
-        """Attempt 1's endpoint, chosen at the door; None leaves it to the workflow."""
+        """Attempt 1's endpoint, chosen at the door; None leaves it to the workflow. `reserve`
+        counts the pick in flight (inline, called here next): `release` undoes it."""
         try:
-            snap = await self.view.snapshot(inp.capability)
-            if snap is None or not snap.routable:
-                return None
-            endpoint = await self._route(inp, snap, reserve=reserve, pin=False, door=True)
-        except ReachError as err:
-            log.debug("request=%s: routed by its workflow (%s)", inp.request_id, err.message)
+            async with asyncio.timeout(DOOR_BUDGET_S):
+                return await self._first(inp, reserve=reserve)
+        except (ReachError, TimeoutError) as err:
+            why = err.message if isinstance(err, ReachError) else "the store is slow"
+            log.debug("request=%s: routed by its workflow (%s)", inp.request_id, why)
             return None
-        self._routed[inp.request_id] = None
-        if len(self._routed) > MAX_ROUTED:
-            self._routed.popitem(last=False)
-        return endpoint
+
+    async def _first(self, inp: ResolveInput, *, reserve: bool) -> Endpoint | None:
+        snap = await self.view.snapshot(inp.capability)
+        if snap is None or not snap.routable:
+            return None
+        # A breaker that is not closed (or a half-open probe) is the workflow's to meet: a
+        # probe slot is never taken for a request that may only attach to a running one.
+        breaker = self.policy.settings.breaker_for(inp.capability)
+        if breaker.enabled:
+            view = await self.policy.view(inp.capability)
+            if view.breaker.status != "closed":
+                return None
+        return await self._route(inp, snap, reserve=reserve, pin=False, door=True)
+
+    def release(self, request_id: str) -> None:
+        """The request was already running (a repeat attached): its door route is unused."""
+        self.router.inflight.cancel(f"{request_id}:1")
 
     async def check_first(
-        self, endpoint: Endpoint, request_id: str, movable: bool, *, fresh: bool = False
+        self, endpoint: Endpoint, request_id: str, movable: bool, *, fresh: bool
     ) -> None:
         """Before calling the endpoint chosen at the door: go on if its instance is still the
         one chosen (alive, routable, not restarted); else `StaleRoute` when nothing can have
-        been sent (`fresh`, or routed here and not called yet) or the request may move, or
-        the unknown outcome when it may not."""
-        fresh = self._routed.pop(request_id, 0) is None or fresh
+        been sent (`fresh`: the first run of this attempt) or the request may move, or the
+        unknown outcome when it may not."""
         try:
             snap = await self.view.snapshot(endpoint.capability)
         except ReachError:

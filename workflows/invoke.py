@@ -105,6 +105,9 @@ PATCH_STORE_OUTAGE_WAIT = "store-outage-wait"
 NOTHING_SENT = frozenset(
     {"no_instance", "circuit_open", "rate_limited", "payload_too_large", "unknown_capability"}
 )
+# A workflow's history when its first task runs: started, task scheduled, task started. More
+# means an earlier task ran (and may have sent the call) and was lost with its worker.
+FIRST_TASK_EVENTS = 3
 # Store steps (claims, tokens) are quick; this bounds one that is not. One that fails because
 # the store is away is tried again after 0.5 s, 1 s, 2 s... (at most 10 s apart).
 STORE_STEP = timedelta(seconds=10)
@@ -522,6 +525,8 @@ class InvokeWorkflow:
                         timeout_ms=max(1, remaining),
                         judge_timeouts=self._plan.judge_timeouts,
                         check_first=from_door,
+                        first_run=from_door
+                        and workflow.info().get_current_history_length() <= FIRST_TASK_EVENTS,
                         movable=movable
                         if movable is not None
                         else bool(endpoint.declared_idempotent),

@@ -166,6 +166,12 @@ class InflightTracker:
         self._reserved[key] = (capability, instance_id, time.monotonic() + RESERVATION_S)
         self._add(capability, instance_id, 1)
 
+    def cancel(self, key: str) -> None:
+        """Drop a reservation whose call will not run (its request was already running)."""
+        reserved = self._reserved.pop(key, None)
+        if reserved is not None:
+            self._add(reserved[0], reserved[1], -1)
+
     def begin(self, capability: str, instance_id: str, key: str | None = None) -> Call:
         reserved = self._reserved.pop(key, None) if key else None
         if reserved is not None:

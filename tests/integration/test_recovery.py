@@ -67,3 +67,82 @@ async def test_sigkilled_gateway_worker_mid_request_is_finished_elsewhere(
     assert [line.split()[0] for line in ledger.read_text().splitlines()] == [rid]
     status = await http.get(f"{survivor_api.url}/reach/requests/{rid}")
     assert status.json()["status"] == "success"
+
+
+async def test_a_write_routed_at_the_door_goes_elsewhere_if_its_instance_left_before_the_call(
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """The door chose an instance, no worker ran the request before that instance left: nothing
+    was sent, so even a non-idempotent write goes to the instance that is there."""
+    stack = new_stack(temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix)
+    api = await Gateway(stack, "api", worker=False).ready()
+    ledger = tmp_path / "ledger.txt"
+    first = await Agent(api, "w-01", "writes", "--ledger", str(ledger)).ready()
+    async with CallbackReceiver() as receiver:
+        rid = f"req-{uuid.uuid4().hex}"
+        r = await http.post(
+            f"{api.url}/reach/invoke",
+            json={
+                "request_id": rid,
+                "target": "writes",
+                "operation": "create",
+                "payload": {"note": "once"},
+                "timeout_ms": 60_000,
+                "callback": receiver.url,
+            },
+        )
+        assert r.status_code == 202, r.text
+        left = await http.delete(f"{api.url}/reach/agents/{first.instance_id}")
+        assert left.status_code in (200, 204), left.text
+        second = await Agent(api, "w-02", "writes", "--ledger", str(ledger)).ready()
+        await Worker(stack).ready()
+        await receiver.wait(1, timeout_s=30)
+        envelope = receiver.received[0][1]
+        assert envelope["status"] == "success", envelope
+        assert envelope["instance_id"] == second.instance_id
+        assert [a["instance_id"] for a in envelope["attempts"]] == [second.instance_id]
+    assert [line.split()[0] for line in ledger.read_text().splitlines()] == [rid]
+
+
+async def test_a_repeat_that_attached_does_not_let_a_lost_write_run_again_elsewhere(
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """A write is sent, its RequestID is repeated through another gateway (it attaches), then
+    the first gateway and the agent die. The re-run must not send it to another instance: it
+    may have run, so the request reports that instead."""
+    stack = new_stack(
+        temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix, heartbeat_timeout=2.0
+    )
+    doomed = Gateway(stack, "doomed")
+    # The repeat's gateway runs the invoke worker that re-runs the request after the crash.
+    api = Gateway(stack, "api")
+    await asyncio.gather(doomed.ready(), api.ready())
+    ledger = tmp_path / "ledger.txt"
+    lost = Agent(api, "lw-01", "lost-writes", "--delay-ms", "30000", "--ledger", str(ledger))
+    await lost.ready()
+    async with CallbackReceiver() as receiver:
+        body = {
+            "request_id": f"req-{uuid.uuid4().hex}",
+            "target": "lost-writes",
+            "operation": "create",
+            "payload": {"note": "at most once"},
+            "timeout_ms": 60_000,
+            "callback": receiver.url,
+        }
+        assert (await http.post(f"{doomed.url}/reach/invoke", json=body)).status_code == 202
+
+        async def sent() -> bool:
+            return ledger.exists() and body["request_id"] in ledger.read_text()
+
+        await wait_until(sent, 10, every_s=0.02)
+        repeat = await http.post(f"{api.url}/reach/invoke", json=body)
+        assert repeat.status_code == 202, repeat.text  # attached, routed at that door too
+        other = await Agent(api, "lw-02", "lost-writes", "--ledger", str(ledger)).ready()
+        doomed.proc.kill()
+        lost.proc.kill()
+        await receiver.wait(1, timeout_s=45)
+        envelope = receiver.received[0][1]
+    assert envelope["status"] == "error", envelope
+    assert envelope["error"]["outcome_unknown"] is True, envelope
+    assert other.instance_id not in ledger.read_text()
+    assert [line.split()[0] for line in ledger.read_text().splitlines()] == [body["request_id"]]

@@ -183,9 +183,9 @@ async def test_the_door_routes_like_resolve_and_leaves_what_it_cannot_to_the_wor
     endpoint = await door(acts, "d9")
     assert endpoint.joined_at is not None
     assert endpoint.strategy == "round_robin"
-    # Refused (breaker open) or nothing routable: None, and the workflow resolves (and reports).
-    for instance in ("a", "b", "a"):
-        await acts.policy.record("cap", instance, ok=False, probe=False)
+    # Nothing routable, or unknown: None, and the workflow resolves (and reports).
+    await acts.registry.heartbeat("a", HealthReport(status="unhealthy"))
+    await acts.registry.heartbeat("b", HealthReport(status="unhealthy"))
     assert await acts.resolver.first(ResolveInput(capability="cap"), reserve=False) is None
     assert await acts.resolver.first(ResolveInput(capability="nobody"), reserve=False) is None
 
@@ -194,9 +194,9 @@ async def test_a_call_routed_at_the_door_goes_on_while_its_instance_is_the_one_c
     acts: ReachActivities,
 ) -> None:
     endpoint = await door(acts, "c1")
-    await acts.resolver.check_first(endpoint, "c1", movable=False)  # first run: goes on
-    # A re-run (not routed here: another gateway's crashed task) goes back to it as well.
-    await acts.resolver.check_first(endpoint, "c1", movable=False)
+    await acts.resolver.check_first(endpoint, "c1", movable=False, fresh=True)
+    # A re-run (an earlier workflow task was lost) goes back to it as well.
+    await acts.resolver.check_first(endpoint, "c1", movable=False, fresh=False)
 
 
 async def test_an_instance_gone_before_the_call_is_routed_again_when_nothing_was_sent(
@@ -204,20 +204,17 @@ async def test_an_instance_gone_before_the_call_is_routed_again_when_nothing_was
 ) -> None:
     endpoint = await door(acts, "s1")
     await acts.registry.heartbeat(endpoint.instance_id, HealthReport(status="unhealthy"))
-    # Routed here and not called yet: nothing can have been sent, whatever the operation.
+    # The first run of the attempt: nothing can have been sent, whatever the operation.
     with pytest.raises(StaleRoute):
-        await acts.resolver.check_first(endpoint, "s1", movable=False)
+        await acts.resolver.check_first(endpoint, "s1", movable=False, fresh=True)
     # A re-run of a call that may have been sent: only a movable request goes elsewhere.
     with pytest.raises(StaleRoute):
-        await acts.resolver.check_first(endpoint, "s1", movable=True)
+        await acts.resolver.check_first(endpoint, "s1", movable=True, fresh=False)
     with pytest.raises(TransportError) as err:
-        await acts.resolver.check_first(endpoint, "s1", movable=False)
+        await acts.resolver.check_first(endpoint, "s1", movable=False, fresh=False)
     assert err.value.outcome_unknown
     assert not err.value.retryable
     assert "may have run it" in err.value.message
-    # A regular activity runs once per scheduling: never a silent re-run.
-    with pytest.raises(StaleRoute):
-        await acts.resolver.check_first(endpoint, "s1", movable=False, fresh=True)
 
 
 async def test_a_restart_under_the_same_id_is_another_instance_for_a_re_run(
@@ -231,9 +228,22 @@ async def test_a_restart_under_the_same_id_is_another_instance_for_a_re_run(
             service_address=f"{endpoint.instance_id}:1",
         )
     )
-    acts.resolver._routed.pop("r1", None)  # as on another gateway: not routed there
     with pytest.raises(TransportError):
-        await acts.resolver.check_first(endpoint, "r1", movable=False)
+        await acts.resolver.check_first(endpoint, "r1", movable=False, fresh=False)
+    with pytest.raises(StaleRoute):
+        await acts.resolver.check_first(endpoint, "r1", movable=False, fresh=True)
+
+
+async def test_the_door_leaves_a_breaker_that_is_not_closed_to_the_workflow(
+    acts: ReachActivities,
+) -> None:
+    """A half-open probe slot is never taken at the door (the request may only attach)."""
+    for instance in ("a", "b", "a"):
+        await acts.policy.record("cap", instance, ok=False, probe=False)
+    view = await acts.policy.view("cap")
+    assert view.breaker.status == "open"
+    first = ResolveInput(capability="cap", request_id="h1", attempt=1, deadline_ms=2**42)
+    assert await acts.resolver.first(first, reserve=False) is None
 
 
 async def test_a_redelivery_of_attempt_1_goes_back_to_the_door_s_choice(
