@@ -227,7 +227,7 @@ class Gateway:
         endpoint = None
         if self.resolver is not None and plan.queue is None:
             # Chosen here, attempt 1 is a single step in the workflow: the call.
-            endpoint = await self.resolver.first(
+            endpoint = self.resolver.first(
                 ResolveInput(
                     capability=req.target,
                     routing_key=routing_key or req.routing_key,

@@ -7,8 +7,9 @@ routing strategy and, for an attempt that may run again after a crash, its pin.
 `Resolver.first` is the same decision made at the door for attempt 1, so that a request's first
 attempt is a single step (the call) in its workflow: the chosen endpoint travels in the workflow
 input, where history keeps it. It never holds a request up: whatever it cannot decide at once
-and for sure (nothing routable, a breaker not closed, a refusal, a store slower than
-`DOOR_BUDGET_S`) is left to the workflow's own resolve, which decides durably and reports it.
+from what this process already holds (nothing routable, a breaker not closed, a policy view
+or in-flight counts too old to use, a refusal) is left to the workflow's own resolve, which
+waits for the store, decides durably and reports it. The door never waits for the store.
 `Resolver.check_first` runs just before the call: a re-run of that first attempt (a crashed
 gateway's workflow task, run again elsewhere) goes back to the instance chosen at the door
 while it is alive, as a pinned attempt does.
@@ -16,7 +17,6 @@ while it is alive, as a pinned attempt does.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -31,16 +31,16 @@ from reach.errors import (
 )
 from reach.invocation import Endpoint, ResolveInput, pin_of
 from reach.policy.engine import PolicyEngine
-from reach.registry import Registry
+from reach.policy.state import Admission, CapabilityView
+from reach.registry import OperationDeclaration, Registry
 from reach.registry.view import CapabilitySnapshot, RegistryView, RouteEntry
-from reach.routing import Router
+from reach.routing import Route, Router
 
 log = logging.getLogger("reach.activities")
 
 # How long past a request's deadline its per-attempt pin is kept.
 PIN_MARGIN_S = 60.0
-# How long the door may spend routing (the store's part of it) before leaving it to the workflow.
-DOOR_BUDGET_S = 0.05
+CLOSED = Admission(allowed=True, status="closed")
 
 
 class StaleRoute(Exception):
@@ -82,29 +82,27 @@ class Resolver:
             raise NoInstance(f"capability {inp.capability!r} has no live instance")
         return await self._route(inp, snap, reserve=reserve, pin=bool(inp.attempt))
 
-    async def first(self, inp: ResolveInput, *, reserve: bool) -> Endpoint | None:
-        """Attempt 1's endpoint, chosen at the door; None leaves it to the workflow. `reserve`
-        counts the pick in flight (inline, called here next): `release` undoes it."""
-        try:
-            async with asyncio.timeout(DOOR_BUDGET_S):
-                return await self._first(inp, reserve=reserve)
-        except (ReachError, TimeoutError) as err:
-            why = err.message if isinstance(err, ReachError) else "the store is slow"
-            log.debug("request=%s: routed by its workflow (%s)", inp.request_id, why)
-            return None
-
-    async def _first(self, inp: ResolveInput, *, reserve: bool) -> Endpoint | None:
-        snap = await self.view.snapshot(inp.capability)
+    def first(self, inp: ResolveInput, *, reserve: bool) -> Endpoint | None:
+        """Attempt 1's endpoint, chosen at the door from what this process holds, without
+        waiting for the store; None leaves it to the workflow. `reserve` counts the pick in
+        flight (inline, called here next): `release` undoes it."""
+        snap = self.view.cached(inp.capability) if self.view.settled(inp.capability) else None
         if snap is None or not snap.routable:
             return None
+        view = self.policy.recent_view(inp.capability)
         # A breaker that is not closed (or a half-open probe) is the workflow's to meet: a
         # probe slot is never taken for a request that may only attach to a running one.
-        breaker = self.policy.settings.breaker_for(inp.capability)
-        if breaker.enabled:
-            view = await self.policy.view(inp.capability)
-            if view.breaker.status != "closed":
-                return None
-        return await self._route(inp, snap, reserve=reserve, pin=False, door=True)
+        if view is None or view.breaker.status != "closed":
+            return None
+        if self.router.reads_loads(snap) and not self.router.inflight.recent(inp.capability):
+            return None
+        try:
+            self._check(inp, snap)
+            route, chosen, declared = self._choose(inp, snap, view, reserve=reserve)
+        except ReachError as err:
+            log.debug("request=%s: routed by its workflow (%s)", inp.request_id, err.message)
+            return None
+        return self._endpoint(inp, snap, route, chosen, declared, CLOSED, door=True)
 
     def release(self, request_id: str) -> None:
         """The request was already running (a repeat attached): its door route is unused."""
@@ -136,15 +134,7 @@ class Resolver:
             )
         raise _lost(endpoint.instance_id)
 
-    async def _route(
-        self,
-        inp: ResolveInput,
-        snap: CapabilitySnapshot,
-        *,
-        reserve: bool,
-        pin: bool,
-        door: bool = False,
-    ) -> Endpoint:
+    def _check(self, inp: ResolveInput, snap: CapabilitySnapshot) -> None:
         if not snap.routable:
             raise NoInstance(
                 f"capability {inp.capability!r} has no healthy instance "
@@ -159,6 +149,11 @@ class Resolver:
                 f"takes at most {smallest.max_message_bytes} (max_message_bytes negotiated by "
                 f"instance {smallest.instance_id})"
             )
+
+    async def _route(
+        self, inp: ResolveInput, snap: CapabilitySnapshot, *, reserve: bool, pin: bool
+    ) -> Endpoint:
+        self._check(inp, snap)
         # R14: an open breaker refuses before any agent is contacted.
         admission = await self.policy.admit(inp.capability)
         if not admission.allowed:
@@ -169,28 +164,45 @@ class Resolver:
                 retry_after_s=wait,
             )
         view = await self.policy.view(inp.capability)
-        ejected = self.policy.ejected(inp.capability, view)
         if self.router.reads_loads(snap):
             await self.router.inflight.fresh(inp.capability)
-        route = self.router.route(
-            snap,
-            exclude=inp.exclude,
-            ejected=ejected,
-            key=inp.routing_key,
-            # Inline, the call runs next in this process and takes the reservation over; in
-            # queue mode another worker may run it, so nothing is reserved here.
-            reserve=f"{inp.request_id}:{inp.attempt or 1}" if reserve else None,
-        )
-        chosen = route.entry
-        declared = snap.declared(inp.operation) if inp.operation else None
+        route, chosen, declared = self._choose(inp, snap, view, reserve=reserve)
         if pin:
             # Unsettled by configuration and key: movable if the agents declare it idempotent.
             movable = (
                 inp.movable if inp.movable is not None else bool(declared and declared.idempotent)
             )
             chosen = await self._pinned(inp, chosen, snap, movable)
+        return self._endpoint(inp, snap, route, chosen, declared, admission, door=False)
+
+    def _choose(
+        self, inp: ResolveInput, snap: CapabilitySnapshot, view: CapabilityView, *, reserve: bool
+    ) -> tuple[Route, RouteEntry, OperationDeclaration | None]:
+        route = self.router.route(
+            snap,
+            exclude=inp.exclude,
+            ejected=self.policy.ejected(inp.capability, view),
+            key=inp.routing_key,
+            # Inline, the call runs next in this process and takes the reservation over; in
+            # queue mode another worker may run it, so nothing is reserved here.
+            reserve=f"{inp.request_id}:{inp.attempt or 1}" if reserve else None,
+        )
+        declared = snap.declared(inp.operation) if inp.operation else None
+        return route, route.entry, declared
+
+    def _endpoint(
+        self,
+        inp: ResolveInput,
+        snap: CapabilitySnapshot,
+        route: Route,
+        chosen: RouteEntry,
+        declared: OperationDeclaration | None,
+        admission: Admission,
+        *,
+        door: bool,
+    ) -> Endpoint:
         # At the door, every request: its workflow input keeps the decision, and the log has
-        # the ones worth a look (a fallback, a skip, a breaker not closed); DEBUG shows all.
+        # the ones worth a look (a fallback, a skip); DEBUG shows all.
         plain = not (route.note or route.skipped or route.bypassed) and admission.status == "closed"
         log.log(
             logging.DEBUG if door and plain else logging.INFO,

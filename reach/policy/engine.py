@@ -14,13 +14,14 @@ With `window` > 0 every outcome is recorded (the window needs them all): one rou
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from reach.config import PolicySettings, RateLimitSettings
-from reach.errors import Unavailable
+from reach.errors import ReachError, Unavailable
 from reach.invocation import BucketPlan
 from reach.policy.state import Admission, Bucket, CapabilityView, PolicyState
 
@@ -76,6 +77,7 @@ class PolicyEngine:
         self._refresh_s = refresh_s
         self._clock = clock
         self._views: dict[str, _Cached] = {}
+        self._refreshing: dict[str, asyncio.Task[None]] = {}
 
     def _keep(self, capability: str, view: CapabilityView) -> CapabilityView:
         self._views[capability] = _Cached(self._clock(), view)
@@ -87,6 +89,30 @@ class PolicyEngine:
             return cached.view
         breaker = self.settings.breaker_for(capability)
         return self._keep(capability, await self.state.view(capability, breaker))
+
+    def recent_view(self, capability: str) -> CapabilityView | None:
+        """The view without waiting for the store: the one held, if it is at most twice
+        `refresh_s` old (one older than `refresh_s` is re-read in the background); None when
+        there is none that recent (the caller then reads it with `view`)."""
+        breaker = self.settings.breaker_for(capability)
+        if not breaker.enabled and not self.settings.outlier_for(capability).enabled:
+            return CapabilityView()  # nothing to read: no breaker, no ejections
+        cached = self._views.get(capability)
+        age = self._clock() - cached.at if cached is not None else None
+        if (age is None or age >= self._refresh_s) and capability not in self._refreshing:
+            task = asyncio.get_running_loop().create_task(self._refresh(capability))
+            self._refreshing[capability] = task
+        if cached is None or age is None or age >= 2 * self._refresh_s:
+            return None
+        return cached.view
+
+    async def _refresh(self, capability: str) -> None:
+        try:
+            await self.view(capability, fresh=True)
+        except ReachError as exc:
+            log.debug("policy view of %s not refreshed: %s", capability, exc)
+        finally:
+            self._refreshing.pop(capability, None)
 
     def ejected(self, capability: str, view: CapabilityView) -> set[str]:
         """Instances ejected now, by the view (its countdowns run from when it was read)."""

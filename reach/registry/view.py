@@ -224,6 +224,10 @@ class RegistryView:
             await self._flush()
         return self.cached(capability)
 
+    def settled(self, capability: str) -> bool:
+        """Whether the view holds the capability with no record changed since it was read."""
+        return self._started and capability not in self._dirty_caps
+
     def cached(self, capability: str) -> CapabilitySnapshot | None:
         """The snapshot as it is, without re-reading anything."""
         snap = self._snapshots.get(capability)

@@ -213,6 +213,10 @@ class InflightTracker:
         """Make sure other processes' counts are recent before routing (none here)."""
         return None
 
+    def recent(self, capability: str) -> bool:
+        """Whether routing may use the counts as they are, without waiting (`fresh`)."""
+        return True
+
     def counts(self, capability: str) -> dict[str, int]:
         """Calls in flight per instance of `capability`, merged (instances with none are
         absent); routing reads `loads` instead, which merges nothing."""
@@ -367,6 +371,13 @@ class SharedInflightTracker(InflightTracker):
     async def refresh(self, capability: str) -> None:
         """Re-read the other processes' counts now (status pages, tests, benchmarks)."""
         await self._refresh(capability)
+
+    def recent(self, capability: str) -> bool:
+        seen = self._others.get(capability)
+        if seen is not None and time.monotonic() - seen[0] < 3 * self.refresh_s:
+            return True
+        self._maybe_refresh(capability)
+        return False
 
     async def fresh(self, capability: str) -> None:
         """Before routing: counts read within the last few `refresh_s` are used as they are

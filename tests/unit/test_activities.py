@@ -3,6 +3,8 @@ and the same decision made at the door for attempt 1 (`Resolver.first`, `check_f
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
@@ -28,6 +30,10 @@ from reach.store import MemoryStore
 
 @pytest.fixture
 async def acts() -> ReachActivities:
+    return await make_acts(refresh_s=0)
+
+
+async def make_acts(refresh_s: float) -> ReachActivities:
     store = MemoryStore()
     registry = Registry(store, RegistrySettings())
     for name in ("a", "b"):
@@ -40,7 +46,7 @@ async def acts() -> ReachActivities:
             outlier=OutlierSettings(consecutive_failures=2),
         ),
         MemoryPolicyState(),
-        refresh_s=0,
+        refresh_s=refresh_s,
     )
     router = Router(lambda _capability: RoutingSettings(strategy="round_robin"))
     return ReachActivities(registry, router, ConnectorSet(), policy)
@@ -166,8 +172,18 @@ async def test_a_re_run_follows_the_agents_declarations_and_spots_a_restart(
 # -- attempt 1 routed at the door ---------------------------------------------------------------
 
 
+@pytest.fixture
+async def door_acts() -> AsyncIterator[ReachActivities]:
+    """As a gateway runs: a started registry view, the policy view re-read every half second."""
+    acts = await make_acts(refresh_s=0.5)
+    await acts.view.start()
+    await acts.policy.view("cap")
+    yield acts
+    await acts.view.aclose()
+
+
 async def door(acts: ReachActivities, request_id: str) -> Endpoint:
-    endpoint = await acts.resolver.first(
+    endpoint = acts.resolver.first(
         ResolveInput(capability="cap", request_id=request_id, attempt=1, deadline_ms=2**42),
         reserve=False,
     )
@@ -176,8 +192,9 @@ async def door(acts: ReachActivities, request_id: str) -> Endpoint:
 
 
 async def test_the_door_routes_like_resolve_and_leaves_what_it_cannot_to_the_workflow(
-    acts: ReachActivities,
+    door_acts: ReachActivities,
 ) -> None:
+    acts = door_acts
     picks = {(await door(acts, f"d{i}")).instance_id for i in range(4)}
     assert picks == {"a", "b"}  # the same strategy (round robin) as the workflow's resolve
     endpoint = await door(acts, "d9")
@@ -186,13 +203,14 @@ async def test_the_door_routes_like_resolve_and_leaves_what_it_cannot_to_the_wor
     # Nothing routable, or unknown: None, and the workflow resolves (and reports).
     await acts.registry.heartbeat("a", HealthReport(status="unhealthy"))
     await acts.registry.heartbeat("b", HealthReport(status="unhealthy"))
-    assert await acts.resolver.first(ResolveInput(capability="cap"), reserve=False) is None
-    assert await acts.resolver.first(ResolveInput(capability="nobody"), reserve=False) is None
+    assert acts.resolver.first(ResolveInput(capability="cap"), reserve=False) is None
+    assert acts.resolver.first(ResolveInput(capability="nobody"), reserve=False) is None
 
 
 async def test_a_call_routed_at_the_door_goes_on_while_its_instance_is_the_one_chosen(
-    acts: ReachActivities,
+    door_acts: ReachActivities,
 ) -> None:
+    acts = door_acts
     endpoint = await door(acts, "c1")
     await acts.resolver.check_first(endpoint, "c1", movable=False, fresh=True)
     # A re-run (an earlier workflow task was lost) goes back to it as well.
@@ -200,8 +218,9 @@ async def test_a_call_routed_at_the_door_goes_on_while_its_instance_is_the_one_c
 
 
 async def test_an_instance_gone_before_the_call_is_routed_again_when_nothing_was_sent(
-    acts: ReachActivities,
+    door_acts: ReachActivities,
 ) -> None:
+    acts = door_acts
     endpoint = await door(acts, "s1")
     await acts.registry.heartbeat(endpoint.instance_id, HealthReport(status="unhealthy"))
     # The first run of the attempt: nothing can have been sent, whatever the operation.
@@ -218,8 +237,9 @@ async def test_an_instance_gone_before_the_call_is_routed_again_when_nothing_was
 
 
 async def test_a_restart_under_the_same_id_is_another_instance_for_a_re_run(
-    acts: ReachActivities,
+    door_acts: ReachActivities,
 ) -> None:
+    acts = door_acts
     endpoint = await door(acts, "r1")
     await acts.registry.join(
         JoinRequest(
@@ -235,20 +255,22 @@ async def test_a_restart_under_the_same_id_is_another_instance_for_a_re_run(
 
 
 async def test_the_door_leaves_a_breaker_that_is_not_closed_to_the_workflow(
-    acts: ReachActivities,
+    door_acts: ReachActivities,
 ) -> None:
     """A half-open probe slot is never taken at the door (the request may only attach)."""
+    acts = door_acts
     for instance in ("a", "b", "a"):
         await acts.policy.record("cap", instance, ok=False, probe=False)
     view = await acts.policy.view("cap")
     assert view.breaker.status == "open"
     first = ResolveInput(capability="cap", request_id="h1", attempt=1, deadline_ms=2**42)
-    assert await acts.resolver.first(first, reserve=False) is None
+    assert acts.resolver.first(first, reserve=False) is None
 
 
 async def test_a_redelivery_of_attempt_1_goes_back_to_the_door_s_choice(
-    acts: ReachActivities,
+    door_acts: ReachActivities,
 ) -> None:
+    acts = door_acts
     endpoint = await door(acts, "p1")
     pin = pin_of(endpoint.instance_id, endpoint.joined_at)
     kw: dict[str, object] = {"capability": "cap", "request_id": "p1", "attempt": 1}
