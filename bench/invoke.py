@@ -10,17 +10,25 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
   reach inline, gRPC front   reach.v1.Reach/Invoke on the gateway's gRPC port instead of HTTP
   raw Temporal     the floor: a minimal workflow, eager start + one local activity doing that
                    HTTP call, unsandboxed (as Reach runs by default); every ratio is against it
+                   except reach queue's
   raw Temporal, sandboxed    the same workflow in the SDK's sandbox (for reference)
-  reach inline     POST /reach/invoke, capability in inline mode (local activities)
+  raw Temporal, queue        the queue-mode floor: eager start + one regular activity doing that
+                   HTTP call on another task queue (reach queue's ratios are against it)
+  reach inline     POST /reach/invoke, capability in inline mode (local activities), memory
+                   registry (the default configuration)
+  reach inline, Redis registry   the same through a gateway on the Redis registry
   reach inline, sandboxed    the same with temporal.workflow_sandbox=true
   reach queue      POST /reach/invoke, capability in queue mode (regular activities)
 
 MQTT runs through a Mosquitto of the bench's own with `set_tcp_nodelay true` (the broker a
 deployment should run; without it each call pays ~40 ms of Nagle at the broker).
 
-Sequential p50/p95/p99 over --requests calls after a warm-up, then throughput with
---concurrency calls in flight. Prints a Markdown table; writes bench/out/invoke.png if
-matplotlib is installed.
+Sequential p50/p95/p99 over --requests calls after a warm-up, then throughput with 16 and 64
+calls in flight (--concurrency). The caller's HTTP client is aiohttp (httpx costs ~0.5 ms more
+per call here, which is the caller's, not Reach's); the floors' activities and Reach's HTTP
+connector both call the agent with httpx. --runs N repeats the whole measurement on the same
+stack and prints each ratio's median and range. Prints a Markdown table; writes
+bench/out/invoke.png if matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import grpc
 import httpx
 from temporalio import activity
@@ -50,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agent_reach_proto import gateway_pb2  # noqa: E402
-from bench.raw_workflow import RawWorkflow  # noqa: E402
+from bench.raw_workflow import RawQueueWorkflow, RawWorkflow  # noqa: E402
 from connectors import ConnectorSet  # noqa: E402
 from gateway_api.devserver import DevServer, free_port  # noqa: E402
 from reach.invocation import Endpoint  # noqa: E402
@@ -75,11 +84,19 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+QUEUE_FLOOR = "raw Temporal, queue"
+FLOOR = "raw Temporal"
+
+
 @dataclass
 class Row:
     name: str
     samples: list[float]  # sequential latencies, ms
-    tput: float  # calls per second at the given concurrency
+    tput: dict[int, float]  # calls per second, by calls in flight
+
+    @property
+    def floor(self) -> str:
+        return QUEUE_FLOOR if self.name == "reach queue" else FLOOR
 
     @property
     def p50(self) -> float:
@@ -95,7 +112,7 @@ class Row:
 
 
 async def measure(
-    paths: dict[str, Callable[[], Awaitable[None]]], n: int, warmup: int, concurrency: int
+    paths: dict[str, Callable[[], Awaitable[None]]], n: int, warmup: int, concurrency: list[int]
 ) -> list[Row]:
     """Sequential latency, interleaved across paths, then throughput per path.
 
@@ -115,18 +132,23 @@ async def measure(
             print(f"  sequential {i + 1}/{n}", flush=True)
     rows = []
     for name, call in paths.items():
-        sem = asyncio.Semaphore(concurrency)
+        tput: dict[int, float] = {}
+        for c in concurrency:
+            sem = asyncio.Semaphore(c)
 
-        async def one(
-            call: Callable[[], Awaitable[None]] = call, sem: asyncio.Semaphore = sem
-        ) -> None:
-            async with sem:
-                await call()
+            async def one(
+                call: Callable[[], Awaitable[None]] = call, sem: asyncio.Semaphore = sem
+            ) -> None:
+                async with sem:
+                    await call()
 
-        t = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(n)))
-        row = Row(name, lat[name], n / (time.perf_counter() - t))
-        print(f"  {name:<26} p50 {row.p50:6.1f} ms   {row.tput:6.0f}/s", flush=True)
+            calls = max(n, 4 * c)
+            t = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(calls)))
+            tput[c] = calls / (time.perf_counter() - t)
+        row = Row(name, lat[name], tput)
+        rates = "  ".join(f"c={c}: {v:5.0f}/s" for c, v in tput.items())
+        print(f"  {name:<34} p50 {row.p50:6.1f} ms   {rates}", flush=True)
         rows.append(row)
     return rows
 
@@ -178,6 +200,18 @@ async def main(args: argparse.Namespace) -> None:
         REACH_TRANSPORT__PORTS__GRPC="-1",
         REACH_CAPABILITIES="{}",  # reach-cap-* queues are per namespace: leave them to gateway 1
     )
+    # A third gateway, same settings on the Redis registry (its own key prefix and queue).
+    gw3_port = free_port()
+    gw3 = f"http://127.0.0.1:{gw3_port}"
+    env3 = dict(
+        env,
+        REACH_LISTEN_PORT=str(gw3_port),
+        REACH_TEMPORAL__TASK_QUEUE=f"bench-{uuid.uuid4().hex[:6]}",
+        REACH_TRANSPORT__PORTS__GRPC="-1",
+        REACH_CAPABILITIES="{}",
+        REACH_REGISTRY__TYPE="redis",
+        REACH_REGISTRY__KEY_PREFIX=f"bench-{uuid.uuid4().hex[:6]}",
+    )
     broker_port = free_port()
     (tmp / "mosquitto.conf").write_text(
         f"listener {broker_port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n"
@@ -186,8 +220,9 @@ async def main(args: argparse.Namespace) -> None:
         procs.append(spawn(["mosquitto", "-c", str(tmp / "mosquitto.conf")], env, tmp / "mq.log"))
         procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env, tmp / "gw.log"))
         procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env2, tmp / "gw2.log"))
-        await wait_http(f"{gw}/readyz", lambda r: r.status_code == 200)
-        await wait_http(f"{gw2}/readyz", lambda r: r.status_code == 200)
+        procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env3, tmp / "gw3.log"))
+        for base in (gw, gw2, gw3):
+            await wait_http(f"{base}/readyz", lambda r: r.status_code == 200)
         for cap in ("bench-inline", "bench-queue"):
             procs.append(
                 spawn(
@@ -205,22 +240,23 @@ async def main(args: argparse.Namespace) -> None:
                     tmp / f"{cap}.log",
                 )
             )
-        procs.append(
-            spawn(
-                [
-                    sys.executable,
-                    str(ROOT / "examples/knowledge_retriever.py"),
-                    "--reach",
-                    gw2,
-                    "--capability",
-                    "bench-inline",
-                    "--instance-id",
-                    "bench-inline-02",
-                ],
-                env,
-                tmp / "bench-inline-2.log",
+        for n, base in ((2, gw2), (3, gw3)):
+            procs.append(
+                spawn(
+                    [
+                        sys.executable,
+                        str(ROOT / "examples/knowledge_retriever.py"),
+                        "--reach",
+                        base,
+                        "--capability",
+                        "bench-inline",
+                        "--instance-id",
+                        f"bench-inline-0{n}",
+                    ],
+                    env,
+                    tmp / f"bench-inline-{n}.log",
+                )
             )
-        )
         for protocol in PROTOCOLS:
             procs.append(
                 spawn(
@@ -242,10 +278,11 @@ async def main(args: argparse.Namespace) -> None:
                     tmp / f"bench-{protocol}.log",
                 )
             )
-        await wait_http(
-            f"{gw2}/reach/capabilities/bench-inline",
-            lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
-        )
+        for base in (gw2, gw3):
+            await wait_http(
+                f"{base}/reach/capabilities/bench-inline",
+                lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
+            )
         for cap in ("bench-inline", "bench-queue", *(f"bench-{p}" for p in PROTOCOLS)):
             await wait_http(
                 f"{gw}/reach/capabilities/{cap}",
@@ -273,18 +310,39 @@ async def main(args: argparse.Namespace) -> None:
             response_deserializer=gateway_pb2.InvokeResponse.FromString,
         )
 
+        concurrency = [int(c) for c in args.concurrency.split(",")]
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         _http = httpx.AsyncClient(trust_env=False, limits=limits, timeout=30)
+        caller = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=max(concurrency)),
+            timeout=aiohttp.ClientTimeout(total=30),
+        )
         client = await Client.connect(server.address)
         queue = f"raw-{uuid.uuid4().hex[:6]}"
         sandboxed_queue = f"raw-sb-{uuid.uuid4().hex[:6]}"
-        print(f"{args.requests} sequential + {args.requests} at concurrency {args.concurrency}:")
+        activity_queue = f"raw-cap-{uuid.uuid4().hex[:6]}"
+        print(
+            f"{args.runs} run(s) of {args.requests} sequential calls per path, then throughput "
+            f"at {args.concurrency} in flight:"
+        )
 
         async def direct() -> None:
-            r = await _http.post(
+            async with caller.post(
                 agent_url, json=PAYLOAD, headers={"X-Reach-Request-Id": str(uuid.uuid4())}
+            ) as r:
+                r.raise_for_status()
+                await r.read()
+
+        async def raw_queue() -> None:
+            await client.execute_workflow(
+                RawQueueWorkflow.run,
+                args=[agent_url, activity_queue],
+                id=str(uuid.uuid4()),
+                task_queue=queue,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                request_eager_start=True,
             )
-            r.raise_for_status()
 
         def raw(task_queue: str) -> Callable[[], Awaitable[None]]:
             async def call() -> None:
@@ -333,48 +391,57 @@ async def main(args: argparse.Namespace) -> None:
                 raise RuntimeError(r)
 
         def reach(cap: str, base: str = gw) -> Callable[[], Awaitable[None]]:
+            body = {"target": cap, "operation": "query", "payload": PAYLOAD, "timeout_ms": 10000}
+
             async def call() -> None:
-                r = await _http.post(
-                    f"{base}/reach/invoke",
-                    json={
-                        "target": cap,
-                        "operation": "query",
-                        "payload": PAYLOAD,
-                        "timeout_ms": 10000,
-                    },
-                )
-                if r.status_code != 200:
-                    raise RuntimeError(r.text)
+                async with caller.post(f"{base}/reach/invoke", json=body) as r:
+                    text = await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(text)
 
             return call
 
-        paths = {
+        paths: dict[str, Callable[[], Awaitable[None]]] = {
             "direct HTTP": direct,
             **{f"direct {NAMES[p]}": direct_via(p) for p in PROTOCOLS},
-            "raw Temporal": raw(queue),
+            FLOOR: raw(queue),
             "raw Temporal, sandboxed": raw(sandboxed_queue),
+            QUEUE_FLOOR: raw_queue,
             "reach inline": reach("bench-inline"),
+            "reach inline, Redis registry": reach("bench-inline", gw3),
             **{f"reach inline via {NAMES[p]} agent": reach(f"bench-{p}") for p in PROTOCOLS},
             "reach inline, gRPC front": front,
             "reach inline, sandboxed": reach("bench-inline", gw2),
             "reach queue": reach("bench-queue"),
         }
+        if args.only:
+            wanted = {FLOOR, *(n.strip() for n in args.only.split(";"))}
+            if "reach queue" in wanted:
+                wanted.add(QUEUE_FLOOR)
+            paths = {k: v for k, v in paths.items() if k in wanted}
         floor = Worker(
             client,
             task_queue=queue,
-            workflows=[RawWorkflow],
+            workflows=[RawWorkflow, RawQueueWorkflow],
             activities=[call_agent],
             workflow_runner=UnsandboxedWorkflowRunner(),
         )
+        # The queue floor's activity worker, as Reach's capability queue has one of its own.
+        activity_worker = Worker(client, task_queue=activity_queue, activities=[call_agent])
         sandboxed = Worker(
             client, task_queue=sandboxed_queue, workflows=[RawWorkflow], activities=[call_agent]
         )
-        async with floor, sandboxed:
-            rows = await measure(paths, args.requests, 20, args.concurrency)
+        runs: list[list[Row]] = []
+        async with floor, sandboxed, activity_worker:
+            for i in range(args.runs):
+                if args.runs > 1:
+                    print(f"run {i + 1}/{args.runs}", flush=True)
+                runs.append(await measure(paths, args.requests, 20, concurrency))
+        await caller.close()
         await _http.aclose()
         await connectors.aclose()
         await channel.close()
-        report(rows, args)
+        report(runs, concurrency, args)
     finally:
         for p in procs:
             p.terminate()
@@ -383,20 +450,60 @@ async def main(args: argparse.Namespace) -> None:
         server.stop()
 
 
-def report(rows: list[Row], args: argparse.Namespace) -> None:
-    floor = next(r for r in rows if r.name == "raw Temporal")
+def _ratios(runs: list[list[Row]], name: str, value: Callable[[Row], float]) -> str:
+    """The ratio of a row's value to its floor's: the median over runs, and the range."""
+    ratios = []
+    for rows in runs:
+        by_name = {r.name: r for r in rows}
+        row = by_name[name]
+        ratios.append(value(row) / value(by_name[row.floor]))
+    mid = statistics.median(ratios)
+    if len(ratios) == 1:
+        return f"{mid:.2f}"
+    return f"{mid:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def report(runs: list[list[Row]], concurrency: list[int], args: argparse.Namespace) -> None:
+    # Latency figures pool every run's samples; throughput is the median over runs.
+    rows = [
+        Row(
+            name,
+            [x for rows in runs for x in next(r for r in rows if r.name == name).samples],
+            {
+                c: statistics.median(
+                    next(r for r in rows if r.name == name).tput[c] for rows in runs
+                )
+                for c in concurrency
+            },
+        )
+        for name in (r.name for r in runs[0])
+    ]
     print()
     print(
-        f"| path | p50 ms | p95 ms | p99 ms | x floor p50 | x floor p99 "
-        f"| throughput /s (c={args.concurrency}) | x floor throughput |"
+        "| path | p50 ms | p95 ms | p99 ms | x floor p50 | x floor p99 | "
+        + " | ".join(f"/s c={c} | x floor c={c}" for c in concurrency)
+        + " |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|" + "---:|---:|" * len(concurrency))
     for r in rows:
-        print(
-            f"| {r.name} | {r.p50:.1f} | {r.p95:.1f} | {r.p99:.1f} "
-            f"| {r.p50 / floor.p50:.2f} | {r.p99 / floor.p99:.2f} "
-            f"| {r.tput:.0f} | {r.tput / floor.tput:.2f} |"
-        )
+        cells = [
+            f"{r.p50:.1f}",
+            f"{r.p95:.1f}",
+            f"{r.p99:.1f}",
+            _ratios(runs, r.name, lambda x: x.p50),
+            _ratios(runs, r.name, lambda x: x.p99),
+        ]
+        for c in concurrency:
+
+            def rate(x: Row, c: int = c) -> float:
+                return x.tput[c]
+
+            cells += [f"{r.tput[c]:.0f}", _ratios(runs, r.name, rate)]
+        print(f"| {r.name} | " + " | ".join(cells) + " |")
+    print(
+        f"\nRatios are against {FLOOR!r}, reach queue's against {QUEUE_FLOOR!r}"
+        + (f"; median (range) over {len(runs)} runs." if len(runs) > 1 else ".")
+    )
     try:
         import matplotlib
 
@@ -411,9 +518,18 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
     names = [r.name for r in rows]
     lat_ax.boxplot([r.samples for r in rows], tick_labels=names, showfliers=False)
     lat_ax.set_ylabel("latency, ms (sequential)")
-    lat_ax.set_title(f"sync invoke latency ({args.requests} calls each)")
-    tput_ax.bar(names, [r.tput for r in rows])
-    tput_ax.set_ylabel(f"calls/s at concurrency {args.concurrency}")
+    lat_ax.set_title(f"sync invoke latency ({args.requests * len(runs)} calls each)")
+    width = 0.8 / len(concurrency)
+    for i, c in enumerate(concurrency):
+        tput_ax.bar(
+            [x + i * width for x in range(len(rows))],
+            [r.tput[c] for r in rows],
+            width=width,
+            label=f"{c} in flight",
+        )
+    tput_ax.set_xticks([x + width * (len(concurrency) - 1) / 2 for x in range(len(rows))], names)
+    tput_ax.legend()
+    tput_ax.set_ylabel("calls/s")
     tput_ax.set_title("throughput")
     for ax in (lat_ax, tput_ax):
         ax.tick_params(axis="x", labelrotation=20)
@@ -426,7 +542,13 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--concurrency", default="16,64", help="calls in flight for throughput, comma-separated"
+    )
+    parser.add_argument("--runs", type=int, default=1, help="repeat the measurement N times")
+    parser.add_argument(
+        "--only", default="", help="';'-separated path names to run (the floors always run)"
+    )
     asyncio.run(main(parser.parse_args()))
     sys.stdout.flush()
     os._exit(0)  # Worker teardown can abort at interpreter exit (known SDK issue)
