@@ -242,6 +242,7 @@ def build_workers(
                     acts.deliver_callback,
                     acts.claim_key,
                     acts.release_key,
+                    acts.release_route,
                     acts.follow,
                     acts.take_token,
                 ],

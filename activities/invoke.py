@@ -31,6 +31,7 @@ from reach.invocation import (
     ACTIVITY_DELIVER_CALLBACK,
     ACTIVITY_FOLLOW,
     ACTIVITY_RELEASE_KEY,
+    ACTIVITY_RELEASE_ROUTE,
     ACTIVITY_RESOLVE,
     ACTIVITY_TAKE_TOKEN,
     STALE_ROUTE,
@@ -104,6 +105,13 @@ class ReachActivities:
             raise to_application_error(err) from err
         except Exception as exc:
             raise _internal("resolve", exc) from exc
+
+    @activity.defn(name=ACTIVITY_RELEASE_ROUTE)
+    async def release_route(self, request_id: str) -> bool:
+        """Attempt 1 was routed at the door but its call never began (the deadline came
+        first, the idempotency key answered): free the in-flight slot the door counted."""
+        self.resolver.release(request_id)
+        return True
 
     @activity.defn(name=ACTIVITY_CLAIM_KEY)
     async def claim_key(self, inp: ClaimInput) -> ClaimOutcome:

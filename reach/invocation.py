@@ -25,6 +25,7 @@ ACTIVITY_CLAIM_KEY = "reach.claim_key"
 ACTIVITY_FOLLOW = "reach.follow"
 ACTIVITY_TAKE_TOKEN = "reach.take_token"
 ACTIVITY_RELEASE_KEY = "reach.release_key"
+ACTIVITY_RELEASE_ROUTE = "reach.release_route"
 # Late answers arrive as an update (validated, refused without a trace once the result is final);
 # the signal stays registered for requests accepted before the update existed.
 UPDATE_LATE_ANSWER = "submit_late_answer"

@@ -94,7 +94,11 @@ class Resolver:
         # probe slot is never taken for a request that may only attach to a running one.
         if view is None or view.breaker.status != "closed":
             return None
-        if self.router.reads_loads(snap) and not self.router.inflight.recent(inp.capability):
+        if self.router.reads_loads(snap) and (
+            # Loads are only right when the pick is counted here until its call begins: a
+            # door whose calls run elsewhere (no worker, queue mode) leaves it to the worker.
+            not reserve or not self.router.inflight.recent(inp.capability)
+        ):
             return None
         try:
             self._check(inp, snap)

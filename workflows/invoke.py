@@ -43,6 +43,7 @@ with workflow.unsafe.imports_passed_through():
         ACTIVITY_CLAIM_KEY,
         ACTIVITY_FOLLOW,
         ACTIVITY_RELEASE_KEY,
+        ACTIVITY_RELEASE_ROUTE,
         ACTIVITY_RESOLVE,
         ACTIVITY_TAKE_TOKEN,
         SIGNAL_LATE_ANSWER,
@@ -180,6 +181,7 @@ class InvokeWorkflow:
         self._unknown: _Failed | None = None
         self._start_ms = 0  # when the request may go: acceptance, or its token (queue)
         self._plan = CallPlan(timeout_ms=1, idempotent=False, max_retries=0)  # set by _invoke
+        self._door_used = False  # whether the call to the instance chosen at the door began
 
     @workflow.update(name=UPDATE_LATE_ANSWER)
     def submit_late_answer(self, answer: LateAnswer) -> str:
@@ -230,6 +232,8 @@ class InvokeWorkflow:
                 ),
             )
         self._final = response
+        if inp.endpoint is not None and not self._door_used and inp.plan.mode == "inline":
+            await self._release_door_route(inp)
         changed = self._outcome_attributes(inp, response)
         if changed:
             workflow.upsert_search_attributes(changed)
@@ -245,6 +249,21 @@ class InvokeWorkflow:
             else:
                 await self._deliver(inp, inp.callback, response)
         return response
+
+    async def _release_door_route(self, inp: InvokeInput) -> None:
+        """The door counted attempt 1 in flight on its instance until the call begins; this
+        request ended without that call (deadline, idempotency key): free the slot now rather
+        than when the count lapses (a few seconds), in the process that made it."""
+        try:
+            await workflow.execute_local_activity(
+                ACTIVITY_RELEASE_ROUTE,
+                inp.request_id,
+                result_type=bool,
+                schedule_to_close_timeout=STORE_STEP,
+                retry_policy=ONE_ATTEMPT,
+            )
+        except (ActivityError, ApplicationError, TimeoutError):
+            workflow.logger.warning("the door's in-flight count was not freed; it lapses")
 
     @staticmethod
     def _outcome_attributes(inp: InvokeInput, response: InvokeResponse) -> list[Any]:
@@ -700,6 +719,8 @@ class InvokeWorkflow:
         sent_before = self._sent
         if name == ACTIVITY_CALL:
             self._sent = self._in_flight = True
+            # The call takes the door's in-flight count over as it begins, whatever follows.
+            self._door_used = self._door_used or bool(getattr(arg, "check_first", False))
         try:
             if inp.plan.mode == "queue":
                 return await workflow.execute_activity(

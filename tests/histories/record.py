@@ -77,6 +77,11 @@ async def release_key(inp: ClaimInput) -> bool:
     return True
 
 
+@activity.defn(name="reach.release_route")
+async def release_route(request_id: str) -> bool:
+    return True
+
+
 @activity.defn(name="reach.take_token")
 async def take_token(inp: TakeInput) -> float:
     return 0.2 if first_time(f"take-{inp.buckets[0].key}") else 0.0
@@ -154,6 +159,7 @@ CASES = {
     "door-routed": ("query", DOOR),
     "door-stale": ("stale", DOOR),
     "door-retry": ("flaky", DOOR),
+    "door-deadline": ("query", {**DOOR, "timeout_ms": 1}),
 }
 
 
@@ -167,7 +173,15 @@ async def main(names: list[str]) -> None:
             client,
             task_queue=QUEUE,
             workflows=[InvokeWorkflow, DeliverCallbackWorkflow],
-            activities=[resolve, call, deliver_callback, claim_key, release_key, take_token],
+            activities=[
+                resolve,
+                call,
+                deliver_callback,
+                claim_key,
+                release_key,
+                take_token,
+                release_route,
+            ],
         ):
             for name in names:
                 operation, extra = CASES[name]

@@ -745,3 +745,33 @@ async def test_a_join_and_an_eviction_reach_the_other_gateways_routing_quickly(
         first.instance_id: 10
     }
     assert len(second.calls) == calls
+
+
+async def test_requests_that_never_call_hold_no_in_flight_slot(
+    temporal_server: str,
+    tmp_path: Path,
+    redis_prefix: str,
+    http: httpx.AsyncClient,
+    instances: Any,
+) -> None:
+    """The door counts attempt 1 in flight until its call begins. A request that ends before
+    (its deadline came first, its idempotency key answered) frees that count at once: found
+    by review, two such requests left both instances 'at max_inflight' for 2 s."""
+    capability = name("never-calls")
+    extra = routing_config(
+        **{capability: {"routing": {"strategy": "least_request", "max_inflight": 1}}}
+    )
+    [gateway] = await gateways(*stacks(temporal_server, tmp_path, redis_prefix, 1, extra))
+    await instances(gateway, capability, [f"{capability}-{i}" for i in range(2)])
+    for _ in range(3):  # the door's views are warm
+        await served_by(http, gateway, capability)
+    tiny = await asyncio.gather(*(invoke(http, gateway, capability, timeout_ms=1) for _ in (1, 2)))
+    assert [r.status_code for r in tiny] == [504, 504], [r.text for r in tiny]
+    await served_by(http, gateway, capability, idempotency_key="once", request_id=rid())
+    replays = await asyncio.gather(
+        *(invoke(http, gateway, capability, idempotency_key="once") for _ in (1, 2))
+    )
+    assert all(r.json().get("replayed_from") for r in replays), [r.text for r in replays]
+    detail = (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).json()
+    assert detail["routing"]["inflight"] == {}
+    await served_by(http, gateway, capability)  # not 503 "at its max_inflight"

@@ -23,7 +23,7 @@ def test_there_are_histories_to_replay() -> None:
     assert {"success", "retry", "timeout", "late-answer", "callback"} <= names
     # Today's paths, beside the ones requests accepted by older versions still take.
     assert {"late-answer-update", "callback-workflow"} <= names
-    assert {"door-routed", "door-stale", "door-retry"} <= names
+    assert {"door-routed", "door-stale", "door-retry", "door-deadline"} <= names
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
@@ -92,3 +92,9 @@ def test_a_retry_elsewhere_updates_the_instance_the_start_named() -> None:
         (1, "door"),
         (2, "i1"),
     ]
+
+
+def test_a_request_that_ends_before_its_door_route_is_called_frees_the_door_s_count() -> None:
+    events = _events("door-deadline")
+    assert _steps(events) == ["reach.release_route", "upsert ReachStatus"]
+    assert _result(events)["status"] == "timeout"
