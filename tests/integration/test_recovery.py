@@ -92,6 +92,7 @@ async def test_a_write_routed_at_the_door_goes_elsewhere_if_its_instance_left_be
             },
         )
         assert r.status_code == 202, r.text
+        first.proc.kill()  # gone for good (a live agent would join again at its next beat)
         left = await http.delete(f"{api.url}/reach/agents/{first.instance_id}")
         assert left.status_code in (200, 204), left.text
         second = await Agent(api, "w-02", "writes", "--ledger", str(ledger)).ready()
