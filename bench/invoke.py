@@ -189,28 +189,25 @@ async def main(args: argparse.Namespace) -> None:
         REACH_CAPABILITIES='{"bench-queue": {"mode": "queue"}}',
         REACH_CONFIG=str(ROOT / "reach.yaml"),
     )
-    # A second gateway, same settings but the workflow sandbox on, on its own task queue.
-    gw2_port = free_port()
-    gw2 = f"http://127.0.0.1:{gw2_port}"
-    env2 = dict(
-        env,
-        REACH_LISTEN_PORT=str(gw2_port),
-        REACH_TEMPORAL__TASK_QUEUE=f"bench-{uuid.uuid4().hex[:6]}",
-        REACH_TEMPORAL__WORKFLOW_SANDBOX="true",
-        REACH_TRANSPORT__PORTS__GRPC="-1",
-        REACH_CAPABILITIES="{}",  # reach-cap-* queues are per namespace: leave them to gateway 1
-    )
-    # A third gateway, same settings on the Redis registry (its own key prefix and queue).
-    gw3_port = free_port()
-    gw3 = f"http://127.0.0.1:{gw3_port}"
-    env3 = dict(
-        env,
-        REACH_LISTEN_PORT=str(gw3_port),
-        REACH_TEMPORAL__TASK_QUEUE=f"bench-{uuid.uuid4().hex[:6]}",
-        REACH_TRANSPORT__PORTS__GRPC="-1",
-        REACH_CAPABILITIES="{}",
-        REACH_REGISTRY__TYPE="redis",
-        REACH_REGISTRY__KEY_PREFIX=f"bench-{uuid.uuid4().hex[:6]}",
+
+    def other_gateway(**changes: str) -> tuple[str, dict[str, str]]:
+        """Another gateway: gateway 1's settings with `changes`, on its own port and task
+        queue, no gRPC front, no queue-mode capabilities (reach-cap-* queues are per
+        namespace: they stay gateway 1's)."""
+        port = free_port()
+        return f"http://127.0.0.1:{port}", dict(
+            env,
+            REACH_LISTEN_PORT=str(port),
+            REACH_TEMPORAL__TASK_QUEUE=f"bench-{uuid.uuid4().hex[:6]}",
+            REACH_TRANSPORT__PORTS__GRPC="-1",
+            REACH_CAPABILITIES="{}",
+            **changes,
+        )
+
+    # The same with the workflow sandbox on; and on the Redis registry (its own key prefix).
+    gw2, env2 = other_gateway(REACH_TEMPORAL__WORKFLOW_SANDBOX="true")
+    gw3, env3 = other_gateway(
+        REACH_REGISTRY__TYPE="redis", REACH_REGISTRY__KEY_PREFIX=f"bench-{uuid.uuid4().hex[:6]}"
     )
     broker_port = free_port()
     (tmp / "mosquitto.conf").write_text(
