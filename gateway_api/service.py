@@ -256,7 +256,6 @@ class Gateway:
             plan=plan,
             payload_bytes=len(payload_json),
             endpoint=endpoint,
-            instance_at_start=endpoint is not None,
             # What nearly every such request ends as: then its end writes no search attribute.
             status_at_start="success"
             if endpoint is not None and plan.mode == "inline" and not req.callback
@@ -345,7 +344,7 @@ class Gateway:
                     ]
                     + (
                         [SearchAttributePair(SA_INSTANCE, inp.endpoint.instance_id)]
-                        if inp.instance_at_start and inp.endpoint is not None
+                        if inp.endpoint is not None
                         else []
                     )
                 ),

@@ -146,13 +146,8 @@ class InvokeInput(BaseModel):
     payload_bytes: int = 0
     endpoint: Endpoint | None = Field(
         default=None,
-        description="Attempt 1's instance, chosen at the door from the local registry view; "
-        "None: the workflow resolves it.",
-    )
-    instance_at_start: bool = Field(
-        default=False,
-        description="Whether the start set ReachInstance (to `endpoint`): the end then updates "
-        "it only when the outcome names another instance.",
+        description="Attempt 1's instance, chosen at the door from the local registry view "
+        "(the start set ReachInstance to it); None: the workflow resolves it.",
     )
     status_at_start: str = Field(
         default="running",

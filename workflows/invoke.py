@@ -273,10 +273,10 @@ class InvokeWorkflow:
         if response.status != inp.status_at_start:
             updates.append(SA_STATUS.value_set(response.status))
         instance = response.instance_id
-        if not inp.instance_at_start:
+        if inp.endpoint is None:
             if instance:
                 updates.append(SA_INSTANCE.value_set(instance))
-        elif inp.endpoint is None or instance != inp.endpoint.instance_id:
+        elif instance != inp.endpoint.instance_id:
             updates.append(
                 SA_INSTANCE.value_set(instance) if instance else SA_INSTANCE.value_unset()
             )

@@ -139,7 +139,6 @@ DOOR: dict[str, Any] = {
     "endpoint": Endpoint(
         instance_id="door", capability="knowledge-retriever", protocol="http", address="x"
     ),
-    "instance_at_start": True,
     "status_at_start": "success",
 }
 
