@@ -109,7 +109,8 @@ class Resolver:
         return self._endpoint(inp, snap, route, chosen, declared, CLOSED, door=True)
 
     def release(self, request_id: str) -> None:
-        """The request was already running (a repeat attached): its door route is unused."""
+        """Attempt 1's door route will not be called (a repeat attached to a running request,
+        or the request ended first): free the in-flight count it made."""
         self.router.inflight.cancel(f"{request_id}:1")
 
     async def check_first(

@@ -720,7 +720,7 @@ class InvokeWorkflow:
         if name == ACTIVITY_CALL:
             self._sent = self._in_flight = True
             # The call takes the door's in-flight count over as it begins, whatever follows.
-            self._door_used = self._door_used or bool(getattr(arg, "check_first", False))
+            self._door_used = self._door_used or (isinstance(arg, CallInput) and arg.check_first)
         try:
             if inp.plan.mode == "queue":
                 return await workflow.execute_activity(

@@ -4,6 +4,7 @@ trail, callback delivery that survives a failing receiver, keyed retries."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from pathlib import Path
 
@@ -59,6 +60,9 @@ async def test_search_attributes_and_cli_audit_trail(
     gateway: Gateway, http: httpx.AsyncClient, capability: str, temporal_server: str
 ) -> None:
     agents = await start_agents(gateway, capability, 1)
+    # The first request of a capability reads its policy view (the door does not wait for it).
+    warm = {"target": capability, "operation": "query", "payload": {}}
+    assert (await http.post(f"{gateway.url}/reach/invoke", json=warm)).status_code == 200
     rid = f"req-{uuid.uuid4().hex}"
     r = await http.post(
         f"{gateway.url}/reach/invoke",
@@ -99,6 +103,32 @@ async def test_search_attributes_and_cli_audit_trail(
     shown = out.decode()
     for step in ("WorkflowExecutionStarted", "MarkerRecorded", "WorkflowExecutionCompleted"):
         assert step in shown, shown
+
+    # Routed at the door: the choice is in the input, the call is the only step, and a plain
+    # success writes no search attribute at its end (the start set them).
+    history = await client.get_workflow_handle(rid).fetch_history()
+    started = history.events[0].workflow_execution_started_event_attributes
+    assert json.loads(started.input.payloads[0].data)["endpoint"]["instance_id"] == (
+        agents[0].instance_id
+    )
+    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
+    assert len(markers) == 1
+    upserts = [
+        e
+        for e in history.events
+        if e.HasField("upsert_workflow_search_attributes_event_attributes")
+    ]
+    assert upserts == []
+    # An outcome other than the one the start assumed is written at the end.
+    failed = f"req-{uuid.uuid4().hex}"
+    r = await http.post(
+        f"{gateway.url}/reach/invoke",
+        json={"request_id": failed, "target": capability, "operation": "fail", "payload": {}},
+    )
+    assert r.status_code == 502, r.text
+    sa = (await client.get_workflow_handle(failed).describe()).typed_search_attributes
+    assert sa.get(SA_STATUS) == "error"
+    assert sa.get(SA_INSTANCE) == agents[0].instance_id
 
 
 async def test_callback_is_retried_until_the_receiver_accepts(
