@@ -206,7 +206,9 @@ def build_services(settings: ReachSettings, *, sweep: bool = True) -> Services:
             return None
         return {e.instance_id for e in snap.entries} if snap else set()
 
-    connectors = ConnectorSet(settings.transport, live_instances=live_instances)
+    connectors = ConnectorSet(
+        settings.transport, live_instances=live_instances, security=settings.security
+    )
     check_routing(settings)
     inflight = create_inflight(
         store,

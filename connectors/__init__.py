@@ -12,7 +12,7 @@ from importlib.metadata import entry_points
 
 from connectors._pools import ConnectionStats
 from connectors.base import Connector
-from reach.config import TransportSettings
+from reach.config import SecuritySettings, TransportSettings
 
 ENTRY_POINT_GROUP = "agent_reach.connectors"
 
@@ -60,8 +60,10 @@ class ConnectorSet:
         *,
         live_instances: LiveInstances | None = None,
         sweep_s: float = 1.0,
+        security: SecuritySettings | None = None,
     ) -> None:
         self.transport = transport
+        self.security = security
         self.stats = ConnectionStats()
         self._live: dict[str, Connector] = {}
         self._live_instances = live_instances
@@ -71,7 +73,7 @@ class ConnectorSet:
     def get(self, protocol: str) -> Connector:
         connector = self._live.get(protocol)
         if connector is None:
-            connector = load(protocol)(self.transport, stats=self.stats)
+            connector = load(protocol)(self.transport, stats=self.stats, security=self.security)
             self._live[protocol] = connector
         if self._sweeper is None and self._live_instances is not None:
             with contextlib.suppress(RuntimeError):  # no running loop: the next call starts it

@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any, ClassVar, Self, TypeVar
 
 from connectors._pools import ConnectionStats, Pools
-from reach.config import TransportSettings
+from reach.config import SecuritySettings, TransportSettings
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply
 
@@ -32,10 +32,16 @@ class Connector(ABC):
     protocol: ClassVar[str]
 
     def __init__(
-        self, transport: TransportSettings | None = None, *, stats: ConnectionStats | None = None
+        self,
+        transport: TransportSettings | None = None,
+        *,
+        stats: ConnectionStats | None = None,
+        security: SecuritySettings | None = None,
     ) -> None:
         self.transport = transport if transport is not None else TransportSettings()
         self.stats = stats if stats is not None else ConnectionStats()
+        # mTLS to agents and the allowed networks (reach.security); defaults: off, global only.
+        self.security = security if security is not None else SecuritySettings()
 
     @classmethod
     def check_address(cls, address: str) -> str:

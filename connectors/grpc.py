@@ -100,7 +100,7 @@ from connectors._answers import reply_for_status, too_large
 from connectors._pools import ConnectionStats, Entry, Pools
 from connectors.base import PooledConnector
 from reach.acceptance import check_json, parse_json
-from reach.config import TransportSettings
+from reach.config import SecuritySettings, TransportSettings
 from reach.errors import (
     AgentError,
     AgentFault,
@@ -392,9 +392,13 @@ class GrpcConnector(PooledConnector):
     protocol = "grpc"
 
     def __init__(
-        self, transport: TransportSettings | None = None, *, stats: ConnectionStats | None = None
+        self,
+        transport: TransportSettings | None = None,
+        *,
+        stats: ConnectionStats | None = None,
+        security: SecuritySettings | None = None,
     ) -> None:
-        super().__init__(transport, stats=stats)
+        super().__init__(transport, stats=stats, security=security)
         idle_ms = min(max(MIN_CLIENT_IDLE_MS, int(self.transport.idle_timeout_s * 2000)), INT32_MAX)
 
         def make_channel(target: str) -> _Channel:

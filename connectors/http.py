@@ -31,7 +31,7 @@ from connectors._address import check_http_address
 from connectors._answers import reply_for_status, too_large
 from connectors._pools import ConnectionStats, Pools
 from connectors.base import PooledConnector
-from reach.config import TransportSettings
+from reach.config import SecuritySettings, TransportSettings
 from reach.errors import (
     AgentError,
     DeadlineExceeded,
@@ -184,9 +184,10 @@ class HttpConnector(PooledConnector):
         transport: TransportSettings | None = None,
         *,
         stats: ConnectionStats | None = None,
+        security: SecuritySettings | None = None,
         max_connections_per_instance: int = 64,
     ) -> None:
-        super().__init__(transport, stats=stats)
+        super().__init__(transport, stats=stats, security=security)
         expiry = self.transport.idle_timeout_s
 
         def make_client(address: str) -> _Client:

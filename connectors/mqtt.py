@@ -124,7 +124,7 @@ from connectors._address import check_characters, check_host, check_port, refuse
 from connectors._answers import reply_for_status, too_large
 from connectors._pools import ConnectionStats, Counter, Pools
 from connectors.base import PooledConnector
-from reach.config import TransportSettings
+from reach.config import SecuritySettings, TransportSettings
 from reach.errors import (
     AgentError,
     DeadlineExceeded,
@@ -607,9 +607,13 @@ class MqttConnector(PooledConnector):
     protocol = "mqtt"
 
     def __init__(
-        self, transport: TransportSettings | None = None, *, stats: ConnectionStats | None = None
+        self,
+        transport: TransportSettings | None = None,
+        *,
+        stats: ConnectionStats | None = None,
+        security: SecuritySettings | None = None,
     ) -> None:
-        super().__init__(transport, stats=stats)
+        super().__init__(transport, stats=stats, security=security)
         self.reply_topic = f"{REPLY_PREFIX}{secrets.token_hex(12)}"
         self._calls = itertools.count(1)
 

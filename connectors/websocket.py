@@ -122,7 +122,7 @@ from connectors._address import check_http_address
 from connectors._answers import reply_for_status
 from connectors._pools import ConnectionStats, Pools
 from connectors.base import PooledConnector
-from reach.config import TransportSettings
+from reach.config import SecuritySettings, TransportSettings
 from reach.errors import (
     AgentError,
     DeadlineExceeded,
@@ -561,9 +561,13 @@ class WebSocketConnector(PooledConnector):
     protocol = "websocket"
 
     def __init__(
-        self, transport: TransportSettings | None = None, *, stats: ConnectionStats | None = None
+        self,
+        transport: TransportSettings | None = None,
+        *,
+        stats: ConnectionStats | None = None,
+        security: SecuritySettings | None = None,
     ) -> None:
-        super().__init__(transport, stats=stats)
+        super().__init__(transport, stats=stats, security=security)
 
         def make_link(address: str) -> _Link:
             return _Link(address, self.protocol, self.stats)

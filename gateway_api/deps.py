@@ -86,3 +86,11 @@ CapabilityPath = Annotated[
     str,
     Path(pattern=CAPABILITY_PATTERN, description="A capability", examples=["knowledge-retriever"]),
 ]
+
+
+async def require_admin(request: Request) -> None:
+    """An admin token (filled in by the security work; a stub until then)."""
+    return None
+
+
+AdminDep = Annotated[None, Depends(require_admin)]
