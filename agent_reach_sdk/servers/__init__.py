@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from agent_reach_sdk.wire import Dispatch
+from reach.security.certs import TlsFiles
 
 SERVERS = {
     "http": "agent_reach_sdk.servers.http:HttpAgentServer",
@@ -34,14 +35,18 @@ class AgentServer(ABC):
         advertise: str,
         instance_id: str,
         max_body_bytes: int,
+        tls: TlsFiles | None = None,
     ) -> None:
         """`listen`: where to bind (host:port; port 0 picks one). `advertise`: the service
-        address the agent asked to be called at (its port may be 0 until `start`)."""
+        address the agent asked to be called at (its port may be 0 until `start`). `tls`: serve
+        mTLS with this certificate, requiring a client certificate signed by `tls.ca` (the
+        HTTP, gRPC and WebSocket servers; `service_address` then names a TLS address)."""
         self.dispatch = dispatch
         self.listen = listen
         self.advertise = advertise
         self.instance_id = instance_id
         self.max_body_bytes = max_body_bytes  # updated after Join to the negotiated size
+        self.tls = tls
 
     @abstractmethod
     async def start(self) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -44,6 +45,7 @@ from google.protobuf.message import DecodeError
 from agent_reach_proto.agent_pb2 import InvokeReply, InvokeRequest
 from agent_reach_sdk.servers import AgentServer, split_hostport
 from agent_reach_sdk.wire import INTERNAL_ERROR, Answer, Dispatch, Inbound, error_answer
+from reach.security.certs import CertificateError, TlsFiles, reach_identity_for
 
 log = logging.getLogger("agent_reach_sdk.server")
 
@@ -121,6 +123,23 @@ def _bind_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _is_peer(context: grpc.aio.ServicerContext[bytes, bytes], identity: str) -> bool:
+    """Whether the client's certificate names `identity` (its SAN: gRPC's peer identities)."""
+    wanted = identity.encode()
+    return any(found == wanted for found in context.peer_identities() or ())
+
+
+def _credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    """mTLS: this agent's certificate, and a client certificate from the CA required."""
+    try:
+        chain, key, ca = (Path(p).read_bytes() for p in (tls.cert, tls.key, tls.ca))
+    except OSError as exc:
+        raise CertificateError(f"the agent's TLS files cannot be read: {exc}") from None
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=ca, require_client_auth=True
+    )
+
+
 class GrpcAgentServer(AgentServer):
     protocol = "grpc"
 
@@ -128,6 +147,8 @@ class GrpcAgentServer(AgentServer):
         super().__init__(dispatch, **kwargs)
         self._server: grpc.aio.Server | None = None
         self.port = 0
+        # mTLS: the one client identity served (Reach's); None: any certificate from the CA.
+        self.client_id = None if self.tls is None else reach_identity_for(self.tls.cert)
 
     async def start(self) -> None:
         host, port = split_hostport(self.listen)
@@ -145,8 +166,12 @@ class GrpcAgentServer(AgentServer):
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Invoke": handler}),)
         )
+        bind = f"{_bind_host(host)}:{port}"
         try:
-            self.port = server.add_insecure_port(f"{_bind_host(host)}:{port}")
+            if self.tls is None:
+                self.port = server.add_insecure_port(bind)
+            else:
+                self.port = server.add_secure_port(bind, _credentials(self.tls))
         except RuntimeError as exc:  # grpcio's words for "cannot bind"
             raise OSError(f"gRPC agent server cannot listen on {self.listen}: {exc}") from exc
         await server.start()
@@ -187,6 +212,9 @@ class GrpcAgentServer(AgentServer):
     async def _answer(
         self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> Answer:
+        if self.client_id is not None and not _is_peer(context, self.client_id):
+            log.warning("refused a TLS client that is not %s", self.client_id)
+            return error_answer(403, "forbidden", f"only {self.client_id} may call this agent")
         try:
             message = InvokeRequest.FromString(request)
         except DecodeError:

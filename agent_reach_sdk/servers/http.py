@@ -19,6 +19,7 @@ import h11
 
 from agent_reach_sdk.servers import AgentServer, split_hostport
 from agent_reach_sdk.wire import INTERNAL_ERROR, Answer, Dispatch, Inbound, error_answer
+from reach.security.certs import peer_spiffe_ids, reach_identity_for, server_context
 
 log = logging.getLogger("agent_reach_sdk.server")
 
@@ -32,6 +33,8 @@ IDLE_TIMEOUT_S = 300.0
 # Once a request has begun, its head must be complete, and every read of its body arrive,
 # within this (a client trickling bytes cannot hold a connection and a task for good).
 REQUEST_TIMEOUT_S = 30.0
+# With mTLS: the whole handshake, so a client that connects and says nothing is let go.
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class _TooLarge(Exception):
@@ -52,16 +55,28 @@ class HttpAgentServer(AgentServer):
         self._busy: set[asyncio.Task[None]] = set()
         self._closing = False
         self.port = 0
+        # mTLS: the one client identity served (Reach's); None: any certificate from the CA.
+        self.client_id = None if self.tls is None else reach_identity_for(self.tls.cert)
 
     async def start(self) -> None:
         host, port = split_hostport(self.listen)
-        self._server = await asyncio.start_server(self._serve, host, port, limit=READ_CHUNK)
+        tls = self.tls
+        self._server = await asyncio.start_server(
+            self._serve,
+            host,
+            port,
+            limit=READ_CHUNK,
+            # mTLS: a client without a certificate from the CA fails the handshake.
+            ssl=None if tls is None else server_context(tls.ca, tls.cert, tls.key),
+            ssl_handshake_timeout=None if tls is None else TLS_HANDSHAKE_TIMEOUT_S,
+        )
         self.port = self._server.sockets[0].getsockname()[1]
 
     @property
     def service_address(self) -> str:
         host, port = split_hostport(self.advertise)
-        return f"{host}:{port or self.port}"
+        hostport = f"{host}:{port or self.port}"
+        return hostport if self.tls is None else f"https://{hostport}"
 
     async def close(self, grace_s: float = 5.0) -> None:
         if self._server is None:
@@ -89,13 +104,14 @@ class HttpAgentServer(AgentServer):
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        refusal = self._refusal(writer)  # once per connection: its certificate is its own
         try:
             while not self._closing or task in self._busy:
                 event = await self._next(conn, reader, new_request=True)
                 if isinstance(event, h11.Request):
                     self._busy.add(task)
                     try:
-                        answer, close = await self._request(conn, reader, writer, event)
+                        answer, close = await self._request(conn, reader, writer, event, refusal)
                     finally:
                         self._busy.discard(task)
                     if not await self._send(conn, writer, answer, close=close):
@@ -114,6 +130,16 @@ class HttpAgentServer(AgentServer):
         finally:
             self._conns.pop(task, None)
             writer.close()
+
+    def _refusal(self, writer: asyncio.StreamWriter) -> Answer | None:
+        """The 403 for every request on a connection whose client certificate (from the CA,
+        the handshake saw to that) is not Reach's, e.g. another agent's; None to serve it."""
+        if self.client_id is None:
+            return None
+        if self.client_id in peer_spiffe_ids(writer.get_extra_info("peercert")):
+            return None
+        log.warning("refused a TLS client that is not %s", self.client_id)
+        return error_answer(403, "forbidden", f"only {self.client_id} may call this agent")
 
     def route(self, method: str, path: str) -> str | None:
         """The operation a request names: `POST /reach/{operation}`, else none."""
@@ -156,6 +182,7 @@ class HttpAgentServer(AgentServer):
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         request: h11.Request,
+        refusal: Answer | None = None,
     ) -> tuple[Answer, bool]:
         """The answer, and whether the connection must close after it (the body was not read,
         or the request was framed ambiguously)."""
@@ -174,6 +201,8 @@ class HttpAgentServer(AgentServer):
         except _TooLarge:
             message = f"the body passes the limit of {self.max_body_bytes}"
             return error_answer(413, "payload_too_large", message), True
+        if refusal is not None:
+            return refusal, True
         operation = self.route(method, path)
         if operation is None:
             return error_answer(404, "invalid_request", f"no route {method} {path}"), False

@@ -15,9 +15,11 @@ websockets writes each message whole, so concurrent replies never interleave on 
 asyncio's transports set TCP_NODELAY on every TCP socket, so no reply waits for Nagle's
 algorithm (the tests check both: twenty replies at once on one connection, and the option).
 
-TLS is not served here: behind a proxy that terminates it, advertise
-`wss://public-name[:port]/path`. The server serves the advertised URL's path (`/reach` when the
-address has none), so the proxy forwards that path unchanged.
+TLS: with `tls` (mTLS, `reach.security.certs`) the server serves wss:// itself, requires a
+client certificate from the CA and advertises `wss://host:port/path`. Behind a proxy that
+terminates TLS instead, advertise `wss://public-name[:port]/path`. The server serves the
+advertised URL's path (`/reach` when the address has none), so the proxy forwards that path
+unchanged.
 
 Closing (`close(grace_s)`): the listening socket closes at once (a handshake in progress is
 refused with 503), request frames still arriving on open connections are answered with a
@@ -42,6 +44,7 @@ from websockets.http11 import Request, Response
 from agent_reach_sdk.servers import AgentServer, split_hostport
 from agent_reach_sdk.wire import INTERNAL_ERROR, REQUEST_ID, Answer, Dispatch, Inbound, error_answer
 from reach.messages import dumps
+from reach.security.certs import peer_spiffe_ids, reach_identity_for, server_context
 
 log = logging.getLogger("agent_reach_sdk.server")
 
@@ -149,6 +152,8 @@ class WebSocketAgentServer(AgentServer):
         self._connections: set[ServerConnection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        # mTLS: the one client identity served (Reach's); None: any certificate from the CA.
+        self.client_id = None if self.tls is None else reach_identity_for(self.tls.cert)
 
     @property
     def connection_count(self) -> int:
@@ -158,6 +163,7 @@ class WebSocketAgentServer(AgentServer):
     async def start(self) -> None:
         host, port = split_hostport(self.listen)
         self._closing = False
+        tls = self.tls
         self._server = await serve(
             self._serve,
             host,
@@ -168,6 +174,8 @@ class WebSocketAgentServer(AgentServer):
             ping_interval=PING_INTERVAL_S,
             ping_timeout=PING_TIMEOUT_S,
             close_timeout=CLOSE_TIMEOUT_S,
+            # mTLS: a client without a certificate from the CA fails the handshake.
+            ssl=None if tls is None else server_context(tls.ca, tls.cert, tls.key),
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -177,6 +185,8 @@ class WebSocketAgentServer(AgentServer):
         shown = f"[{host}]" if ":" in host else host
         hostport = f"{shown}:{port or self.port}"
         scheme, sep, _ = self.advertise.partition("://")
+        if self.tls is not None:
+            return f"wss://{hostport}{self.path}"
         return f"{scheme.lower()}://{hostport}{self.path}" if sep else hostport
 
     async def close(self, grace_s: float = 5.0) -> None:
@@ -200,6 +210,13 @@ class WebSocketAgentServer(AgentServer):
         self._server = None
 
     def _check_path(self, connection: ServerConnection, request: Request) -> Response | None:
+        if self.client_id is not None and self.client_id not in peer_spiffe_ids(
+            connection.transport.get_extra_info("peercert")
+        ):
+            log.warning("refused a TLS client that is not %s", self.client_id)
+            return connection.respond(
+                HTTPStatus.FORBIDDEN, f"only {self.client_id} may call this agent\n"
+            )
         path = request.path.split("?", 1)[0]
         if path != self.path:
             return connection.respond(
