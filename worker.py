@@ -30,13 +30,13 @@ from temporalio.api.operatorservice.v1 import (
 )
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
 from temporalio.service import RPCError
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
 from activities import ReachActivities
+from activities.codec import data_converter
 from connectors import ConnectorSet
 from reach.config import ConfigError, ReachSettings, load_settings
 from reach.errors import ReachError
@@ -96,11 +96,14 @@ async def connect_temporal(settings: ReachSettings, *, wait_s: float = 0.0) -> C
     config = ClientConfig.load_client_connect_config()
     config.setdefault("target_host", settings.temporal.address)
     config.setdefault("namespace", settings.temporal.namespace)
+    # Payloads encrypted when security.encryption is on: the gateway and every worker
+    # connect here, so they all read and write history the same way.
+    converter = data_converter(settings)
     deadline = asyncio.get_running_loop().time() + wait_s
     announced = False
     while True:
         try:
-            return await Client.connect(**config, data_converter=pydantic_data_converter)
+            return await Client.connect(**config, data_converter=converter)
         except RuntimeError as exc:
             if not announced and wait_s > 0:
                 log.warning(
@@ -217,7 +220,9 @@ def build_services(settings: ReachSettings, *, sweep: bool = True) -> Services:
     )
     router = Router.from_settings(settings, inflight)
     policy = PolicyEngine(settings.policy, create_policy_state(store))
-    activities = ReachActivities(registry, router, connectors, policy, view=view)
+    activities = ReachActivities(
+        registry, router, connectors, policy, view=view, security=settings.security
+    )
     return Services(settings, store, registry, view, router, connectors, activities)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -18,6 +19,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from connectors import ConnectorSet
+from connectors._guard import GuardedTransport, refusal_in
+from reach.config import SecuritySettings
 from reach.errors import (
     AgentError,
     DeadlineExceeded,
@@ -50,6 +53,8 @@ from reach.registry import Registry
 from reach.registry.view import RegistryView
 from reach.resolve import Resolver, StaleRoute
 from reach.routing import Router
+from reach.security.netguard import AddressGuard
+from reach.security.webhooks import caller_secret, message_id, webhook_headers
 
 log = logging.getLogger("reach.activities")
 
@@ -82,6 +87,7 @@ class ReachActivities:
         policy: PolicyEngine,
         http: httpx.AsyncClient | None = None,
         view: RegistryView | None = None,
+        security: SecuritySettings | None = None,
     ) -> None:
         self.registry = registry
         # A view that is not started (unit tests) reads the store on every resolve.
@@ -92,7 +98,17 @@ class ReachActivities:
         self.resolver = Resolver(registry, self.view, policy, router)
         self.client: Client | None = None  # set by the worker: following another request
         self._recording: set[asyncio.Task[None]] = set()
-        self._http = http or httpx.AsyncClient(trust_env=False)
+        # Callbacks go only where the address guard allows (global unicast, else
+        # security.allow_networks), to the address it checked, and follow no redirect.
+        security = security if security is not None else SecuritySettings()
+        self._http = http or httpx.AsyncClient(
+            transport=GuardedTransport(AddressGuard(security.allow_networks)),
+            trust_env=False,
+            follow_redirects=False,
+        )
+        key = security.webhook_key
+        self._webhook_key = key.get_secret_value() if key is not None else None
+        self._secrets: dict[str, str] = {}  # caller -> its webhook secret
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -213,26 +229,42 @@ class ReachActivities:
 
     @activity.defn(name=ACTIVITY_DELIVER_CALLBACK)
     async def deliver_callback(self, inp: CallbackInput) -> int:
-        """POST the envelope; return the attempt that was delivered (failures carry theirs)."""
+        """POST the envelope; return the attempt that was delivered (failures carry theirs).
+
+        Signed (Standard Webhooks) when `security.webhook_key` is set: the id is the same on
+        every attempt, the timestamp is this attempt's, the signature covers the bytes sent."""
         info = activity.info()
         response = inp.response
+        body = response.model_dump_json(exclude_none=True).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "X-Reach-Request-Id": response.request_id,
+            "X-Reach-Delivery-Attempt": str(info.attempt),
+        }
+        secret = self._webhook_secret(inp.caller)
+        if secret is not None:
+            headers |= webhook_headers(secret, message_id(response.request_id), body, time.time())
         try:
             # Streamed and never read: only the status matters, whatever the receiver sends.
             async with self._http.stream(
                 "POST",
                 inp.url,
-                content=response.model_dump_json(exclude_none=True),
-                headers={
-                    "Content-Type": "application/json",
-                    "X-Reach-Request-Id": response.request_id,
-                    "X-Reach-Delivery-Attempt": str(info.attempt),
-                },
+                content=body,
+                headers=headers,
                 timeout=info.start_to_close_timeout.total_seconds()
                 if info.start_to_close_timeout
                 else 10.0,
             ) as r:
                 pass
         except httpx.HTTPError as exc:
+            refused = refusal_in(exc)
+            if refused is not None:  # nothing was sent, and never will be: not retried
+                raise ApplicationError(
+                    f"callback {inp.url}: {refused}",
+                    {"attempt": info.attempt},
+                    type="callback_rejected",
+                    non_retryable=True,
+                ) from exc
             raise ApplicationError(
                 f"callback {inp.url} unreachable: {exc!r}",
                 {"attempt": info.attempt},
@@ -240,13 +272,28 @@ class ReachActivities:
             ) from exc
         if r.is_success:
             return info.attempt
-        permanent = 400 <= r.status_code < 500 and r.status_code not in (408, 425, 429)
+        # A redirect is never followed, so it would answer the same every time: permanent.
+        permanent = 300 <= r.status_code < 500 and r.status_code not in (408, 425, 429)
         raise ApplicationError(
             f"callback {inp.url} answered HTTP {r.status_code}",
             {"attempt": info.attempt},
             type="callback_rejected" if permanent else "callback_failed",
             non_retryable=permanent,
         )
+
+    def _webhook_secret(self, caller: str | None) -> str | None:
+        """The caller's signing secret, when callbacks are signed (None: send unsigned)."""
+        if self._webhook_key is None:
+            return None
+        if caller is None:  # an input recorded before callbacks named their caller
+            log.warning("callback of an unknown caller sent unsigned")
+            return None
+        secret = self._secrets.get(caller)
+        if secret is None:
+            if len(self._secrets) >= 10_000:
+                self._secrets.clear()
+            secret = self._secrets[caller] = caller_secret(self._webhook_key, caller)
+        return secret
 
 
 def _runs_local() -> bool:

@@ -51,6 +51,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -67,6 +68,7 @@ from agent_reach_sdk.servers import AgentServer, server_class
 from agent_reach_sdk.wire import Answer, Inbound, error_answer
 from reach.limits import DEFAULT_MAX_MESSAGE_BYTES
 from reach.messages import MAX_TIMEOUT_MS, dumps
+from reach.security.certs import TlsFiles, identity_of
 
 log = logging.getLogger("agent_reach_sdk")
 
@@ -110,6 +112,52 @@ def default_instance_id(capability: str) -> str:
     return f"{capability}-{host}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
+def _tls_files(protocol: str, cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
+    """The agent's mTLS files, from the arguments or else the environment; None without."""
+    given = {
+        "tls_cert": cert or os.environ.get("REACH_AGENT_TLS_CERT") or None,
+        "tls_key": key or os.environ.get("REACH_AGENT_TLS_KEY") or None,
+        "tls_ca": ca or os.environ.get("REACH_AGENT_TLS_CA") or None,
+    }
+    if not any(given.values()):
+        return None
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise ValueError(
+            f"mTLS needs tls_cert, tls_key and tls_ca (or $REACH_AGENT_TLS_CERT/KEY/CA); "
+            f"missing: {', '.join(missing)}"
+        )
+    if protocol == "mqtt":
+        raise ValueError(
+            "mTLS is not served by the MQTT agent server: Reach reaches MQTT agents through "
+            "the broker, which authenticates both sides (configure TLS on the broker)"
+        )
+    return TlsFiles(
+        Path(str(given["tls_ca"])), Path(str(given["tls_cert"])), Path(str(given["tls_key"]))
+    )
+
+
+def _certified_id(tls: TlsFiles | None) -> str | None:
+    """The instance id in the agent's certificate (spiffe://<td>/agent/<id>), if any."""
+    if tls is None:
+        return None
+    try:
+        identity = identity_of(tls.cert)
+    except OSError as exc:
+        raise ValueError(f"cannot read the agent certificate {tls.cert}: {exc}") from None
+    return identity[1] if identity else None
+
+
+def _check_certified(tls: TlsFiles | None, instance_id: str) -> None:
+    certified = _certified_id(tls)
+    if tls is not None and certified != instance_id:
+        raise ValueError(
+            f"the certificate {tls.cert} is for agent {certified!r}, not {instance_id!r}: "
+            "Reach would refuse the Join (issue one with `reach certs issue --agent "
+            f"{instance_id}`)"
+        )
+
+
 class AgentRuntime:
     def __init__(
         self,
@@ -129,6 +177,9 @@ class AgentRuntime:
         remember_bytes: int = DEFAULT_REMEMBER_BYTES,
         weight: int = 1,
         max_inflight: int | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         """`service_address` is where Reach calls this instance: `host:port` for http, grpc
         and websocket (port 0 = any free port, filled in before joining); for mqtt, the
@@ -140,7 +191,15 @@ class AgentRuntime:
         `max_inflight` (1 to 1,000,000, or None for no limit) is the number of requests in
         flight at which routing passes this instance over until it drains. Both are sent at
         Join, each only when it differs from its default, so a gateway that predates them
-        still accepts the Join. An out-of-range value raises `ValueError` here."""
+        still accepts the Join. An out-of-range value raises `ValueError` here.
+
+        mTLS (R18): `tls_cert` and `tls_key` (this instance's certificate, from
+        `reach certs issue --agent ID`) and `tls_ca` (the CA that signed Reach's), or
+        `$REACH_AGENT_TLS_CERT`, `$REACH_AGENT_TLS_KEY` and `$REACH_AGENT_TLS_CA`: the server
+        then serves TLS (http, grpc, websocket), refuses clients without a certificate from the
+        CA, and joins with a TLS address (https://, wss://; host:port for grpc). The instance id
+        defaults to the one in the certificate, and another id is refused here (`ValueError`):
+        Reach would refuse it at Join."""
         _check_int("weight", weight, MAX_WEIGHT)
         if max_inflight is not None:
             _check_int("max_inflight", max_inflight, MAX_INFLIGHT)
@@ -148,11 +207,14 @@ class AgentRuntime:
         install_request_id_logging()
         self.reach_url = _url(reach_address or os.environ.get("REACH_ADDRESS", "127.0.0.1:7600"))
         self.capability = capability
-        self.instance_id = instance_id or default_instance_id(capability)
+        self.tls = _tls_files(protocol, tls_cert, tls_key, tls_ca)
+        self.instance_id = instance_id or _certified_id(self.tls) or default_instance_id(capability)
+        _check_certified(self.tls, self.instance_id)
         self.protocol = protocol
         self.service_address = service_address or self._server_class.default_address
         self.heartbeat_interval = heartbeat_interval
-        self.token = token
+        # The agent token (R18): Join, heartbeats, leave and late answers carry it.
+        self.token = token or os.environ.get("REACH_AGENT_TOKEN") or None
         self.health_check = health_check
         self.max_message_bytes = max_message_bytes
         self.async_callback = async_callback
@@ -246,6 +308,7 @@ class AgentRuntime:
             advertise=self.service_address,
             instance_id=self.instance_id,
             max_body_bytes=self.max_message_bytes,
+            tls=self.tls,
         )
         await self._server.start()
         self.service_address = self._server.service_address

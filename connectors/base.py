@@ -17,12 +17,14 @@ there rather than failing every request routed to it.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, ClassVar, Self, TypeVar
 
 from connectors._pools import ConnectionStats, Pools
+from connectors._tls import ReachTls
 from reach.config import SecuritySettings, TransportSettings
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply
@@ -51,6 +53,22 @@ class Connector(ABC):
         """
         return address
 
+    @functools.cached_property
+    def tls(self) -> ReachTls:
+        """Reach's side of mTLS (`security.tls`): its client context and the name each agent
+        instance must prove (`connectors._tls`)."""
+        return ReachTls(self.security)
+
+    async def verify_identity(self, address: str, instance_id: str) -> None:
+        """At Join, with mTLS on: prove that the agent at `address` holds a certificate from
+        Reach's CA for `instance_id`, by the handshake a call would make. Raises
+        `reach.errors.Forbidden` (wrong CA, wrong identity, no TLS) or `InvalidRequest` (an id
+        mTLS cannot name, a plaintext address, or nobody there to ask).
+
+        `address` is the one `check_address` returned. The default does nothing: a protocol
+        that does not reach agents directly (MQTT: the broker does) has nothing to check."""
+        return None
+
     @abstractmethod
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         """Deliver `message` to `endpoint` and return its answer within `timeout_s`."""
@@ -77,6 +95,14 @@ class Connector(ABC):
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+    @classmethod
+    def address_host_port(cls, address: str) -> tuple[str, int] | None:
+        """The host and port a (checked) service address connects to, for the address guard
+        (`reach.security.netguard`) to vet when the agent joins: every address the host
+        resolves to must be allowed. None: the address names no TCP host to vet (the default,
+        for a protocol whose address syntax this base class cannot know)."""
+        return None
 
 
 T = TypeVar("T")

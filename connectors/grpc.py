@@ -1,7 +1,9 @@
 """gRPC connector: one unary call, `reach.agent.v1.Agent/Invoke`, per request.
 
 Wire contract (what a non-SDK agent implements; the service is `protos/agent_reach_proto/
-agent.proto`, package `reach.agent.v1`, plaintext HTTP/2, no TLS):
+agent.proto`, package `reach.agent.v1`, plaintext HTTP/2; with `security.tls.enabled`, mTLS:
+Reach presents its certificate and the agent's must be from Reach's CA for the name
+`<instance id>.agent.<trust domain>`, see `connectors._tls`):
 
     service Agent { rpc Invoke(InvokeRequest) returns (InvokeReply); }
     InvokeRequest { string operation = 1; bytes payload = 2; }
@@ -112,6 +114,7 @@ from reach.errors import (
 )
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
+from reach.security.netguard import host_port
 
 METHOD = "/reach.agent.v1.Agent/Invoke"
 
@@ -151,6 +154,9 @@ _TOO_BIG = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
 _HTTP_STATUS = re.compile(r"[1-5][0-9][0-9]")
 # gRPC metadata values: visible ASCII and space (anything else fails inside grpc core).
 _METADATA_VALUE = re.compile(r"[\x20-\x7e]*")
+# How grpc core words a failed TLS handshake, and one whose peer certificate did not verify.
+_TLS_FAILURE = re.compile(r"(?i)handshake failed|verification check failed|peer name")
+_TLS_UNVERIFIED = re.compile(r"(?i)CERTIFICATE_VERIFY_FAILED|verification check failed|peer name")
 
 Kind = Literal["ok", "timeout", "transport", "agent"]
 
@@ -402,38 +408,61 @@ class GrpcConnector(PooledConnector):
         idle_ms = min(max(MIN_CLIENT_IDLE_MS, int(self.transport.idle_timeout_s * 2000)), INT32_MAX)
 
         def make_channel(target: str) -> _Channel:
-            limit, address = target.split(" ", 1)
+            limit, address, *tls_name = target.split(" ", 2)
             receive_limit = int(limit) + REPLY_OVERHEAD_BYTES
-            channel = grpc.aio.insecure_channel(
-                address,
-                options=[
-                    ("grpc.max_receive_message_length", receive_limit),
-                    ("grpc.max_metadata_size", MAX_METADATA_BYTES),
-                    # Reach checked the payload against the smallest limit before sending.
-                    ("grpc.max_send_message_length", -1),
-                    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-                    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-                    ("grpc.keepalive_permit_without_calls", 0),
-                    ("grpc.http2.max_pings_without_data", 0),
-                    ("grpc.client_idle_timeout_ms", idle_ms),
-                    ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
-                    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
-                    ("grpc.primary_user_agent", "agent-reach"),
-                    # Its own connection: grpc would otherwise share one among channels to the
-                    # same address, and closing an instance's channel would close nothing.
-                    ("grpc.use_local_subchannel_pool", 1),
-                ],
-            )
+            options: list[tuple[str, str | int]] = [
+                ("grpc.max_receive_message_length", receive_limit),
+                ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+                # Reach checked the payload against the smallest limit before sending.
+                ("grpc.max_send_message_length", -1),
+                ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                ("grpc.keepalive_permit_without_calls", 0),
+                ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.client_idle_timeout_ms", idle_ms),
+                ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+                ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+                ("grpc.primary_user_agent", "agent-reach"),
+                # Its own connection: grpc would otherwise share one among channels to the
+                # same address, and closing an instance's channel would close nothing.
+                ("grpc.use_local_subchannel_pool", 1),
+            ]
+            if tls_name:
+                # mTLS: Reach's certificate; the agent's must be from the CA and carry this
+                # instance's name (checked in place of the address's host).
+                options.append(("grpc.ssl_target_name_override", tls_name[0]))
+                channel = grpc.aio.secure_channel(address, self._credentials(), options=options)
+            else:
+                channel = grpc.aio.insecure_channel(address, options=options)
             # Bytes in and out: the connector encodes and decodes, so a reply that is not an
             # InvokeReply is this request's typed error, not grpcio's logged exception.
             invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(METHOD)
             return _Channel(channel, invoke, receive_limit)
 
+        self._tls_credentials: tuple[tuple[bytes, bytes, bytes], grpc.ChannelCredentials] | None
+        self._tls_credentials = None
         self._pools: Pools[_Channel] = self._new_pools(make_channel, _close_channel)
 
     @classmethod
     def check_address(cls, address: str) -> str:
         return check_grpc_address(address)
+
+    def _credentials(self) -> grpc.ChannelCredentials:
+        """Reach's mTLS credentials, made again when its files change on disk."""
+        pem = self.tls.pem()
+        if self._tls_credentials is None or self._tls_credentials[0] != pem:
+            ca, key, chain = pem
+            credentials = grpc.ssl_channel_credentials(ca, key, chain)
+            self._tls_credentials = (pem, credentials)
+        return self._tls_credentials[1]
+
+    async def verify_identity(self, address: str, instance_id: str) -> None:
+        if not self.tls.enabled:
+            return
+        hostport = check_grpc_address(address)
+        host, _, port = hostport.rpartition(":")
+        # gRPC servers speak first (HTTP/2 SETTINGS) once h2 is agreed: no request is needed.
+        await self.tls.probe(host, int(port), instance_id, address, alpn=["h2"])
 
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         limit = endpoint.max_message_bytes or self.transport.max_message_bytes
@@ -463,11 +492,13 @@ class GrpcConnector(PooledConnector):
         request = InvokeRequest(
             operation=message.header.operation, payload=payload
         ).SerializeToString()
+        # mTLS: the name the agent's certificate must carry, passed on to the channel.
+        tls_name = f" {self.tls.server_name(endpoint.instance_id)}" if self.tls.enabled else ""
         # Per instance, address and reply limit: a re-join with either changed gets a fresh one.
         entry = self._pools.acquire(
             f"{endpoint.instance_id} {address} {limit}",
             endpoint.capability,
-            f"{limit} {address}",
+            f"{limit} {address}{tls_name}",
             instance_id=endpoint.instance_id,
         )
         try:
@@ -499,10 +530,31 @@ class GrpcConnector(PooledConnector):
                         raw = await channel.invoke(request, timeout=timeout, metadata=metadata)
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
+                    if self.tls.enabled:
+                        self._tls_refusal(exc, endpoint, connected=channel.up)
                     raise
         finally:
             self._observe(entry, code)
         return reply_of(endpoint, raw, limit)
+
+    def _tls_refusal(
+        self, exc: grpc.aio.AioRpcError, endpoint: Endpoint, *, connected: bool
+    ) -> None:
+        """Raise the `TransportError` for a failed mTLS handshake, naming the identity
+        expected; return for any other failure. `connected`: the channel was READY before."""
+        details = exc.details() or ""
+        if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+            return
+        reason = details.rpartition("last error: ")[2].strip() or details
+        address, instance_id = endpoint.address, endpoint.instance_id
+        if _TLS_UNVERIFIED.search(details):
+            raise TransportError(self.tls.unproven(address, instance_id, reason)) from exc
+        if _TLS_FAILURE.search(details):
+            raise TransportError(self.tls.handshake_failed(address, instance_id, reason)) from exc
+        if not connected and "failed to connect" in details and "Socket closed" in details:
+            # Under TLS 1.3 an agent that refuses Reach's certificate just closes the socket.
+            reason += " (the agent closed the connection)"
+            raise TransportError(self.tls.handshake_failed(address, instance_id, reason)) from exc
 
     def _observe(self, entry: Entry[_Channel], code: grpc.StatusCode) -> None:
         """Count a failed connection or a reconnect, from the channel's state after a call."""
@@ -516,3 +568,8 @@ class GrpcConnector(PooledConnector):
             # a READY one).
             channel.up, channel.broken = False, True
             self.stats.count(entry.capability, self.protocol, "failed")
+
+    @classmethod
+    def address_host_port(cls, address: str) -> tuple[str, int] | None:
+        """A gRPC address is `host:port` (checked): that host and port."""
+        return host_port(address, {})

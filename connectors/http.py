@@ -15,6 +15,11 @@ Every other status means what `connectors._answers` says (the table every protoc
 504 is a `timeout`, 429 and 5xx are retryable `agent_error`s, the rest are not. The whole call,
 reading the reply included, ends at the request's deadline.
 
+mTLS (`security.tls.enabled`, `connectors._tls`): `host:port` is called as https://host:port,
+http:// is refused, and every connection presents Reach's certificate and requires the agent's
+to be from Reach's CA for the name `<instance id>.agent.<trust domain>` (sent as SNI with each
+request; the address's host only says where to connect).
+
 Connections: one httpx client (its own keep-alive pool) per instance, opened on first use,
 closed when idle past `transport.idle_timeout_s` or when the instance leaves the registry.
 """
@@ -23,23 +28,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 
 from connectors._address import check_http_address
 from connectors._answers import reply_for_status, too_large
+from connectors._guard import GuardedTransport, refusal_in
 from connectors._pools import ConnectionStats, Pools
+from connectors._tls import http_poke
 from connectors.base import PooledConnector
 from reach.config import SecuritySettings, TransportSettings
 from reach.errors import (
     AgentError,
     DeadlineExceeded,
     InternalError,
+    InvalidRequest,
     TransportError,
 )
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
+from reach.security.netguard import AddressGuard, host_port
 
 HEADER_REQUEST_ID = "X-Reach-Request-Id"
 HEADER_CALLER = "X-Reach-Caller"
@@ -52,6 +62,13 @@ MAX_ERROR_BODY_BYTES = 64 * 1024
 
 def base_url(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address.rstrip('/')}"
+
+
+def tls_base_url(address: str) -> str | None:
+    """The URL to call an agent at under mTLS: `host:port` is https; None for `http://`."""
+    if "://" not in address:
+        return f"https://{address.rstrip('/')}"
+    return address.rstrip("/") if address[:8].lower() == "https://" else None
 
 
 def wire_headers(message: Message) -> dict[str, str]:
@@ -91,6 +108,9 @@ def map_httpx_exceptions(address: str) -> Iterator[None]:
             f"cannot send this request to agent at {address}: {exc!r}", retryable=False
         ) from exc
     except (httpx.ConnectError, httpx.ProxyError) as exc:  # nothing was sent
+        refused = refusal_in(exc)
+        if refused is not None:  # the address guard: the same address is refused every time
+            raise TransportError(f"agent at {address}: {refused}", retryable=False) from exc
         raise TransportError(f"cannot reach agent at {address}: {exc!r}") from exc
     except httpx.TransportError as exc:  # read, write, close, remote protocol: mid-call
         raise TransportError(
@@ -189,13 +209,30 @@ class HttpConnector(PooledConnector):
     ) -> None:
         super().__init__(transport, stats=stats, security=security)
         expiry = self.transport.idle_timeout_s
+        # Connections only where the address guard allows (reach.security.netguard), vetted
+        # once per new connection. A connector built without security settings (tests,
+        # embedding code) has no guard; Reach's processes always pass theirs (ConnectorSet).
+        guard = AddressGuard(self.security.allow_networks) if security is not None else None
 
         def make_client(address: str) -> _Client:
+            # mTLS: Reach's certificate and CA; each request names the agent to verify (SNI).
+            url = base_url(address)
+            verify: ssl.SSLContext | bool = True
+            if self.tls.enabled:
+                url, verify = tls_base_url(address) or url, self.tls.context()
+
             def shard(size: int) -> httpx.AsyncClient:
                 limits = httpx.Limits(
                     max_connections=size, max_keepalive_connections=size, keepalive_expiry=expiry
                 )
-                return httpx.AsyncClient(base_url=base_url(address), limits=limits, trust_env=False)
+                # A client given a transport ignores its own limits and TLS: the guarded
+                # transport takes both.
+                guarded = (
+                    None if guard is None else GuardedTransport(guard, verify=verify, limits=limits)
+                )
+                return httpx.AsyncClient(
+                    base_url=url, limits=limits, trust_env=False, verify=verify, transport=guarded
+                )
 
             return _Client(shard, max_connections_per_instance)
 
@@ -205,8 +242,24 @@ class HttpConnector(PooledConnector):
     def check_address(cls, address: str) -> str:
         return check_http_address(address)
 
+    async def verify_identity(self, address: str, instance_id: str) -> None:
+        if not self.tls.enabled:
+            return
+        url = tls_base_url(address)
+        if url is None:
+            raise InvalidRequest(self.tls.plaintext(address, instance_id).message)
+        parsed = httpx.URL(url)
+        await self.tls.probe(
+            parsed.host, parsed.port or 443, instance_id, address, poke=http_poke(parsed.host)
+        )
+
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         limit = endpoint.max_message_bytes or self.transport.max_message_bytes
+        sni: str | None = None  # mTLS: the name the agent's certificate must carry
+        if self.tls.enabled:
+            if tls_base_url(endpoint.address) is None:
+                raise self.tls.plaintext(endpoint.address, endpoint.instance_id)
+            sni = self.tls.server_name(endpoint.instance_id)
         with map_httpx_exceptions(endpoint.address):
             body = dumps(message.payload)
             # Per instance and address: a re-join at a new address gets a fresh client.
@@ -226,6 +279,7 @@ class HttpConnector(PooledConnector):
                         content=body,
                         headers=wire_headers(message),
                         timeout=max(timeout_s, 0.001),
+                        extensions=None if sni is None else {"sni_hostname": sni},
                     )
                     response = await http.send(request, stream=True)
                     try:
@@ -235,9 +289,21 @@ class HttpConnector(PooledConnector):
                             raw = await _read_some(response, MAX_ERROR_BODY_BYTES)
                     finally:
                         await response.aclose()
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
                 self.stats.count(endpoint.capability, self.protocol, "failed")
+                if sni is not None:
+                    sent = not isinstance(exc, httpx.ConnectError)  # past the handshake
+                    refused = self.tls.refused(
+                        exc, endpoint.address, endpoint.instance_id, sent=sent
+                    )
+                    if refused is not None:
+                        raise refused from exc
                 raise
             finally:
                 self._pools.release(pool)
         return reply_for_status(endpoint, response.status_code, raw, limit)
+
+    @classmethod
+    def address_host_port(cls, address: str) -> tuple[str, int] | None:
+        """Where a (checked) address connects: `host:port`, or the URL's host and port."""
+        return host_port(address, {"http": 80, "https": 443})

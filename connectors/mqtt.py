@@ -668,3 +668,9 @@ class MqttConnector(PooledConnector):
                     reply.cancel()
                 self._pools.release(entry)
         return answer_of(endpoint, answer, limit)
+
+    @classmethod
+    def address_host_port(cls, address: str) -> tuple[str, int] | None:
+        """The broker's host and port: Reach connects to the broker, never to the agent."""
+        host, port, _ = split_address(address)
+        return host, port

@@ -9,6 +9,10 @@ The agent is the WebSocket server (RFC 6455); Reach is the client. Its service a
     ws://host[:port][/path]         the path as given, /reach when there is none
     wss://host[:port][/path]        the same over TLS (the system's trust store)
 
+With mTLS on (`security.tls.enabled`, `connectors._tls`), `host:port` means wss://host:port/reach,
+ws:// is refused, and every connection presents Reach's certificate and requires the agent's
+to be from Reach's CA for `<instance id>.agent.<trust domain>`.
+
 Reach offers no subprotocol and no extension (no permessage-deflate): frames carry the bytes
 Reach measured. It follows no redirect (a 3xx is a refused handshake, as is a 4xx; a 5xx or 429
 is worth another attempt). A handshake for any other path should be refused (the SDK answers
@@ -106,11 +110,13 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import (
     ConnectionClosed,
     ConnectionClosedOK,
     InvalidHandshake,
+    InvalidMessage,
     InvalidStatus,
     InvalidURI,
     WebSocketException,
@@ -121,6 +127,7 @@ from websockets.protocol import State
 from connectors._address import check_http_address
 from connectors._answers import reply_for_status
 from connectors._pools import ConnectionStats, Pools
+from connectors._tls import ReachTls, http_poke
 from connectors.base import PooledConnector
 from reach.config import SecuritySettings, TransportSettings
 from reach.errors import (
@@ -133,6 +140,7 @@ from reach.errors import (
 )
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
+from reach.security.netguard import host_port
 
 log = logging.getLogger("connectors.websocket")
 
@@ -197,6 +205,11 @@ def ws_url(address: str) -> str:
         if slash and path
         else f"{scheme}://{authority}{DEFAULT_PATH}"
     )
+
+
+def wss_url(address: str) -> str:
+    """The URL Reach connects to under mTLS: `host:port` is wss:// (ws:// is refused)."""
+    return ws_url(address if "://" in address else f"wss://{address}")
 
 
 def frame_limit(limit: int) -> int:
@@ -461,9 +474,24 @@ class _Link:
     together open one connection, and a caller giving up does not abort it for the others.
     """
 
-    def __init__(self, address: str, protocol: str, stats: ConnectionStats) -> None:
+    def __init__(
+        self,
+        address: str,
+        protocol: str,
+        stats: ConnectionStats,
+        *,
+        instance_id: str = "",
+        tls: ReachTls | None = None,
+    ) -> None:
         self.address = address
         self.url = ws_url(address)
+        self.instance_id = instance_id
+        # mTLS: wss:// with Reach's certificate; the agent must prove `server_hostname`.
+        self.tls = tls
+        self.server_hostname = ""
+        if tls is not None:
+            self.url = wss_url(address)
+            self.server_hostname = tls.server_name(instance_id)
         self.protocol = protocol
         self.stats = stats
         self.socket: _Socket | None = None
@@ -507,6 +535,9 @@ class _Link:
     async def _open(self, capability: str, max_size: int) -> _Socket:
         try:
             try:
+                tls: dict[str, Any] = {}
+                if self.tls is not None:  # the context anew: renewed files are picked up
+                    tls = {"ssl": self.tls.context(), "server_hostname": self.server_hostname}
                 with map_websocket_exceptions(self.address):
                     ws = await _connect(
                         self.url,
@@ -517,11 +548,24 @@ class _Link:
                         ping_timeout=PING_TIMEOUT_S,
                         close_timeout=CLOSE_TIMEOUT_S,
                         max_size=max_size,
+                        **tls,
                     )
             except DeadlineExceeded as exc:  # open_timeout, not the request's deadline
                 raise TransportError(
                     f"agent at {self.address} did not accept a WebSocket in {OPEN_TIMEOUT_S}s"
                 ) from exc.__cause__
+            except TransportError as exc:
+                tls_error = self.tls and self.tls.refused(exc, self.address, self.instance_id)
+                if tls_error:  # a failed mTLS handshake, in words naming the identity
+                    raise tls_error from exc.__cause__
+                if self.tls and isinstance(exc.__cause__, InvalidMessage | ConnectionResetError):
+                    # Under TLS 1.3 an agent that refuses Reach's certificate just closes it;
+                    # a server without TLS drops the handshake.
+                    why = f"{exc.__cause__!r} (the agent closed the connection)"
+                    raise TransportError(
+                        self.tls.handshake_failed(self.address, self.instance_id, why)
+                    ) from exc.__cause__
+                raise
         except ReachError as exc:
             self.failures += 1
             self.retry_at = time.monotonic() + backoff_s(self.failures)
@@ -569,14 +613,26 @@ class WebSocketConnector(PooledConnector):
     ) -> None:
         super().__init__(transport, stats=stats, security=security)
 
-        def make_link(address: str) -> _Link:
-            return _Link(address, self.protocol, self.stats)
+        def make_link(target: str) -> _Link:
+            instance_id, _, address = target.partition(" ")
+            tls = self.tls if self.tls.enabled else None
+            return _Link(address, self.protocol, self.stats, instance_id=instance_id, tls=tls)
 
         self._pools: Pools[_Link] = self._new_pools(make_link, _close_link)
 
     @classmethod
     def check_address(cls, address: str) -> str:
         return check_ws_address(address)
+
+    async def verify_identity(self, address: str, instance_id: str) -> None:
+        if not self.tls.enabled:
+            return
+        if address[:5].lower() == "ws://":
+            raise InvalidRequest(self.tls.plaintext(address, instance_id).message)
+        url = httpx.URL(wss_url(address).replace("wss://", "https://", 1))
+        await self.tls.probe(
+            url.host, url.port or 443, instance_id, address, poke=http_poke(url.host)
+        )
 
     def waiting(self) -> int:
         """Requests waiting for a reply, over every connection held (none leak: a request
@@ -590,14 +646,12 @@ class WebSocketConnector(PooledConnector):
 
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         limit = endpoint.max_message_bytes or self.transport.max_message_bytes
+        if self.tls.enabled and endpoint.address[:5].lower() == "ws://":
+            raise self.tls.plaintext(endpoint.address, endpoint.instance_id)
         frame = request_frame(message)
         # Per instance and address: a re-join at a new address gets a fresh connection.
-        entry = self._pools.acquire(
-            f"{endpoint.instance_id} {endpoint.address}",
-            endpoint.capability,
-            endpoint.address,
-            instance_id=endpoint.instance_id,
-        )
+        key = f"{endpoint.instance_id} {endpoint.address}"
+        entry = self._pools.acquire(key, endpoint.capability, key, instance_id=endpoint.instance_id)
         try:
             with map_websocket_exceptions(endpoint.address):
                 async with asyncio.timeout(max(timeout_s, 0.001)):
@@ -610,6 +664,11 @@ class WebSocketConnector(PooledConnector):
         finally:
             self._pools.release(entry)
         return read_reply(endpoint, answer, limit)
+
+    @classmethod
+    def address_host_port(cls, address: str) -> tuple[str, int] | None:
+        """`host:port`, or the ws(s) URL's host and port."""
+        return host_port(address, {"ws": 80, "wss": 443})
 
 
 async def _close_link(link: _Link) -> None:

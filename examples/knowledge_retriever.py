@@ -79,6 +79,9 @@ def build(args: argparse.Namespace) -> AgentRuntime:
         max_message_bytes=args.max_message_bytes,
         weight=args.weight,
         max_inflight=args.max_inflight,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
     )
     ledger = Path(args.ledger) if args.ledger else None
     pending: set[asyncio.Task[None]] = set()
@@ -202,6 +205,9 @@ def main() -> None:
         default=None,
         help="requests in flight at which routing passes this instance over, at Join",
     )
+    p.add_argument("--tls-cert", help="mTLS: this instance's certificate (reach certs issue)")
+    p.add_argument("--tls-key", help="mTLS: its key")
+    p.add_argument("--tls-ca", help="mTLS: the CA that signs Reach's certificate (ca.pem)")
     p.add_argument("--health-file")
     p.add_argument("--ledger")
     p.add_argument("--fail-first", type=int, default=0, help="fail the first N query/create calls")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI
 from temporalio.client import Client
@@ -16,10 +17,12 @@ import reach
 from gateway_api import grpc_front
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath
-from gateway_api.routes import agents, health, invoke
+from gateway_api.routes import admin, agents, codec, health, invoke
 from gateway_api.service import Gateway
-from reach.config import ReachSettings
+from reach.config import ConfigError, ReachSettings
 from reach.limits import Limits
+from reach.security.auth import exposure_problem
+from reach.security.door import ConfigWatcher, Door
 from worker import (
     announce_retention,
     build_services,
@@ -31,9 +34,16 @@ from worker import (
 log = logging.getLogger("reach.gateway")
 
 
-def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = True) -> FastAPI:
+def create_app(
+    settings: ReachSettings,
+    client: Client,
+    *,
+    run_worker: bool = True,
+    config_path: Path | None = None,
+) -> FastAPI:
     """The gateway app over a connected Temporal `client` (connect first, so an unreachable
-    server is one clear error before anything serves)."""
+    server is one clear error before anything serves). With `config_path`, a change to that
+    file is applied without a restart (rules, limits, auth; R26)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -41,6 +51,24 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
         await announce_retention(client, client.namespace)
         services = build_services(settings)
         await services.start()
+        door = Door(settings, services.registry.store)
+        await door.start()
+        problem = exposure_problem(settings.auth.mode, settings.listen_host, door.auth.required)
+        if problem is not None:
+            await door.aclose()
+            await services.aclose()
+            raise ConfigError(problem)
+        if not door.auth.required:
+            log.warning(
+                "no tokens: any process on this machine may invoke, register and answer; the "
+                "gateway serves loopback only (%s). Issue tokens: reach tokens issue",
+                settings.listen_host,
+            )
+        services.registry.on_evicted(
+            lambda capability, instance: door.audit.record(
+                "evicted", capability=capability, instance=instance
+            )
+        )
         # A memory registry is invisible to other processes, so queue-mode capabilities are
         # served here too; with Redis, `worker.py --capability` processes serve them.
         queue_caps = (
@@ -58,7 +86,14 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
             services.router,
             services.activities.resolver,
             calls_here=run_worker,
+            door=door,
+            connectors=services.connectors,
         )
+        watcher = None
+        if config_path is not None:
+            watcher = ConfigWatcher(door, config_path, on_apply=gateway.reconfigure)
+            watcher.start()
+        app.state.config_watcher = watcher
         app.state.connectors = services.connectors
         try:
             # The gRPC front stops before the workers: its in-flight invokes need them.
@@ -72,6 +107,9 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
                 )
                 yield
         finally:
+            if watcher is not None:
+                await watcher.aclose()
+            await door.aclose()
             await services.aclose()
 
     app = FastAPI(
@@ -90,4 +128,7 @@ def create_app(settings: ReachSettings, client: Client, *, run_worker: bool = Tr
     app.include_router(invoke.router)
     app.include_router(agents.router)
     app.include_router(health.router)
+    app.include_router(admin.router)
+    if settings.security.encryption.enabled:
+        app.include_router(codec.router(settings.security.encryption))
     return app

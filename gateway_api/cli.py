@@ -4,6 +4,7 @@ reach up        the whole stack in the foreground: Temporal dev server, gateway 
                 two demo knowledge-retriever agents (memory registry). Ctrl-C stops it all.
 reach gateway   the gateway alone (with its invoke worker), against an existing Temporal.
 reach worker    a worker alone (same as `python worker.py`).
+reach certs     a development CA for mTLS to agents: `certs init`, `certs issue --agent ID`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import Any
 import httpx
 import uvicorn
 
+from gateway_api import cli_certs, cli_tokens
 from gateway_api.app import create_app
 from gateway_api.devserver import DevServer, PortInUse, dies_with_parent, require_free
 from gateway_api.grpc_front import grpc_port
-from reach.config import ConfigError, ReachSettings, load_settings
+from reach.config import CONFIG_ENV_VAR, ConfigError, ReachSettings, config_file, load_settings
+from reach.security.tokens import FileTokenStore, issue
 from worker import configure_logging, connect_temporal, exit_now, run
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -39,7 +42,7 @@ async def _serve(
     """Connect to Temporal first (a clear error, no traceback), then serve."""
     client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
     config = uvicorn.Config(
-        create_app(settings, client, run_worker=run_worker),
+        create_app(settings, client, run_worker=run_worker, config_path=config_file()),
         host=settings.listen_host,
         port=settings.listen_port,
         log_config=None,
@@ -81,7 +84,21 @@ def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
     run(_serve(settings, run_worker=run_worker), settings)
 
 
-def _start_agent(gateway: str, instance_id: str, log_dir: Path) -> subprocess.Popen[bytes]:
+def _demo_agent_env(settings: ReachSettings) -> dict[str, str]:
+    """With tokens required, the demo agents get an agent token of their own (a day long)."""
+    store = FileTokenStore(settings.auth.tokens_file)
+    if settings.auth.mode == "open" or (settings.auth.mode == "auto" and not store.read()):
+        return {}
+    token, record = issue(
+        "demo-agents", "agent", ["knowledge-retriever"], ttl_s=86_400, note="reach up demo agents"
+    )
+    store.write(record)
+    return {"REACH_AGENT_TOKEN": token}
+
+
+def _start_agent(
+    gateway: str, instance_id: str, log_dir: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     with open(log_dir / f"{instance_id}.log", "ab") as out:
         return subprocess.Popen(
             dies_with_parent(
@@ -97,6 +114,7 @@ def _start_agent(gateway: str, instance_id: str, log_dir: Path) -> subprocess.Po
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
 
 
@@ -191,8 +209,9 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
     agents: list[subprocess.Popen[bytes]] = []
     try:
         if demo:
+            env = _demo_agent_env(settings)
             agents = [
-                _start_agent(settings.gateway_url, f"retriever-0{i}", log_dir) for i in (1, 2)
+                _start_agent(settings.gateway_url, f"retriever-0{i}", log_dir, env) for i in (1, 2)
             ]
         run(
             _serve(
@@ -215,6 +234,11 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
         print("stopped.", flush=True)
 
 
+def cmd_certs(settings: ReachSettings, args: argparse.Namespace) -> int:
+    """`reach certs init | issue`: the development CA (`gateway_api.cli_certs`)."""
+    return cli_certs.cmd_certs(settings, args)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="reach", description="Agent-Reach")
     parser.add_argument(
@@ -233,11 +257,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     worker = sub.add_parser("worker", help="a worker (see worker.py --help)")
     worker.add_argument("--capability", action="append", default=[], metavar="NAME")
     worker.add_argument("--invoke", action="store_true")
+    cli_tokens.add_parser(sub)
+    cli_certs.add_parser(sub)  # reach certs init | issue (mTLS, R18)
     args = parser.parse_args(argv)
 
     configure_logging(args.verbose)
+    if args.config:
+        # The gateway re-reads this file when it changes (R26), as `reach --config` named it.
+        os.environ[CONFIG_ENV_VAR] = args.config
     try:
         settings = load_settings(args.config)
+        if args.command == "tokens":
+            exit_now(cli_tokens.main(settings, args))
+        if args.command == "certs":
+            exit_now(cmd_certs(settings, args))
         if args.command == "up":
             cmd_up(settings, demo=not args.no_demo)
         elif args.command == "gateway":

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Depends, Header, Path, Request
+from fastapi import Depends, Header, Path, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
 from gateway_api.service import Gateway
 from reach import acceptance
+from reach.errors import Unauthorized
 from reach.messages import EXAMPLE_REQUEST_ID, REQUEST_ID_PATTERN
+from reach.security.tokens import Principal
 
 CAPABILITY_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 
@@ -29,14 +32,53 @@ TRACEPARENT_SCHEMA = {
 }
 
 
+# Declares the bearer scheme in the OpenAPI document; the header itself is read raw below, so a
+# malformed one gets Reach's own message (and envelope) instead of the framework's.
+BEARER = HTTPBearer(
+    auto_error=False,
+    description="A token from `reach tokens issue` (R18); required once any token exists "
+    "(auth.mode). Its principal is the caller.",
+)
+AuthorizationHeader = Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]
+
+
+def _authorization(request: Request) -> str | None:
+    return request.headers.get("authorization")
+
+
 async def get_caller(
+    request: Request,
+    _scheme: AuthorizationHeader,
     x_reach_caller: Annotated[
         str | None,
-        Header(description="Who calls (visible ASCII)", json_schema_extra=CALLER_SCHEMA),
+        Header(
+            description="Who calls (visible ASCII); with a token, it may only repeat the "
+            "token's principal",
+            json_schema_extra=CALLER_SCHEMA,
+        ),
     ] = None,
 ) -> str:
-    # Until per-principal tokens arrive (security step), the caller names itself.
-    return acceptance.caller_header(x_reach_caller) or "anonymous"
+    gateway: Gateway = request.app.state.gateway
+    claimed = acceptance.caller_header(x_reach_caller)
+    if gateway.door is None:
+        return claimed or "anonymous"
+    return gateway.door.auth.caller(_authorization(request), claimed).name
+
+
+async def get_reader(
+    request: Request, authorization: AuthorizationHeader = None
+) -> Principal | None:
+    """Any valid token (None when tokens are not required)."""
+    gateway: Gateway = request.app.state.gateway
+    return gateway.door.auth.anyone(_authorization(request)) if gateway.door else None
+
+
+async def get_agent(
+    request: Request, authorization: AuthorizationHeader = None
+) -> Principal | None:
+    """An agent (or admin) token (None when tokens are not required)."""
+    gateway: Gateway = request.app.state.gateway
+    return gateway.door.auth.agent(_authorization(request)) if gateway.door else None
 
 
 async def get_traceparent(
@@ -88,9 +130,14 @@ CapabilityPath = Annotated[
 ]
 
 
-async def require_admin(request: Request) -> None:
-    """An admin token (filled in by the security work; a stub until then)."""
-    return None
+async def require_admin(request: Request, _scheme: AuthorizationHeader) -> Principal:
+    """An admin token, always (the admin API and the codec endpoints are never open)."""
+    gateway: Gateway = request.app.state.gateway
+    if gateway.door is None:
+        raise Unauthorized("this gateway has no token store")
+    return gateway.door.auth.admin(_authorization(request))
 
 
-AdminDep = Annotated[None, Depends(require_admin)]
+AdminDep = Annotated[Principal, Depends(require_admin)]
+ReaderDep = Annotated[Principal | None, Depends(get_reader)]
+AgentDep = Annotated[Principal | None, Depends(get_agent)]

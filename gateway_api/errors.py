@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -106,6 +107,22 @@ def reach_error_of_rpc(exc: RPCError) -> ReachError:
     return InternalError(f"workflow engine error ({exc.status.name}): {exc.message}")
 
 
+def _methods_on(request: Request) -> list[str]:
+    """Every method the API documents on the request's path (from the OpenAPI document: the
+    framework's router keeps included routes in private structures)."""
+    paths: list[tuple[re.Pattern[str], list[str]]] | None = getattr(
+        request.app.state, "allowed_methods", None
+    )
+    if paths is None:
+        paths = [
+            (compile_path(template)[0], [m.upper() for m in ops])
+            for template, ops in request.app.openapi().get("paths", {}).items()
+        ]
+        request.app.state.allowed_methods = paths
+    found = {m for regex, methods in paths if regex.match(request.url.path) for m in methods}
+    return sorted(found)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ReachError)
     async def _reach_error(request: Request, exc: ReachError) -> JSONResponse:
@@ -133,6 +150,9 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         message = f"{request.method} {request.url.path}: {exc.detail}"
         headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names only the first route on the path; list every route's methods.
+            headers["Allow"] = ", ".join(_methods_on(request))
         return JSONResponse(
             error_body(_request_id(request), error_type, message, False),
             status_code=http_status_for(error_type),

@@ -48,7 +48,13 @@ class InvokeFastPath:
         try:
             # Headers first, as the route's dependencies check them before the body.
             headers = _headers(scope)
-            caller = acceptance.caller_header(headers.get(b"x-reach-caller")) or "anonymous"
+            claimed = acceptance.caller_header(headers.get(b"x-reach-caller"))
+            door = self.state.gateway.door
+            caller = (
+                door.auth.caller(headers.get(b"authorization"), claimed).name
+                if door is not None
+                else claimed or "anonymous"
+            )
             traceparent = acceptance.traceparent_header(headers.get(b"traceparent"))
             idempotency_key = acceptance.idempotency_key_header(headers.get(b"idempotency-key"))
             raw = await _body(receive)

@@ -16,8 +16,9 @@ JSON-in-a-string fields are parsed first under the same rules, and refusals name
 heartbeat `status` is `ok`. Join's `declared_operations` are the object entries of the HTTP
 body's `operations`, after its plain names (so a refusal names one as `operations.N`).
 
-**Metadata** `x-reach-caller`, `traceparent` and `idempotency-key` mean what the HTTP headers
-of the same names mean, and are checked by the same rules.
+**Metadata** `authorization`, `x-reach-caller`, `traceparent` and `idempotency-key` mean what
+the HTTP headers of the same names mean, and are checked by the same rules (the same tokens,
+rules and audit: `Gateway.invoke`, `Gateway.join`, `Gateway.heartbeat`).
 
 **Errors.** A request HTTP would refuse ends with a gRPC status instead: Reach's error type
 decides the HTTP status (`reach.errors`), and the HTTP status the gRPC code (`GRPC_CODES`, the
@@ -80,8 +81,7 @@ from temporalio.service import RPCError
 
 from agent_reach_proto import gateway_pb2 as pb
 from gateway_api.errors import error_body, reach_error_of_rpc
-from gateway_api.routes.invoke import status_code_of
-from gateway_api.service import Gateway
+from gateway_api.service import Gateway, status_code_of
 from reach import acceptance
 from reach.acceptance import describe_validation_error
 from reach.config import ConfigError, ReachSettings
@@ -95,6 +95,7 @@ from reach.errors import (
 )
 from reach.limits import MAX_DEPTH
 from reach.messages import InstanceId, dumps, new_request_id
+from reach.security.tokens import Principal
 
 log = logging.getLogger("reach.gateway")
 
@@ -108,6 +109,7 @@ HEALTH_EVERY_S = 1.0
 ERROR_KEY = "x-reach-error-bin"
 REQUEST_ID_KEY = "x-reach-request-id"
 CALLER_KEY = "x-reach-caller"
+AUTHORIZATION_KEY = "authorization"
 TRACEPARENT_KEY = "traceparent"
 IDEMPOTENCY_KEY = "idempotency-key"
 PUSHBACK_KEY = "grpc-retry-pushback-ms"
@@ -388,7 +390,13 @@ class ReachService:
         try:
             request = parse(pb.InvokeRequest, raw)
             headers = _metadata(context)
-            caller = acceptance.caller_header(headers.get(CALLER_KEY)) or "anonymous"
+            claimed = acceptance.caller_header(headers.get(CALLER_KEY))
+            door = gateway.door
+            caller = (
+                door.auth.caller(headers.get(AUTHORIZATION_KEY), claimed).name
+                if door is not None
+                else claimed or "anonymous"
+            )
             traceparent = acceptance.traceparent_header(headers.get(TRACEPARENT_KEY))
             key = acceptance.idempotency_key_header(headers.get(IDEMPOTENCY_KEY))
             raw = _body(_invoke_fields(request), "payload_json")
@@ -424,9 +432,10 @@ class ReachService:
 
     async def join(self, raw: bytes, context: JoinContext) -> pb.JoinAck:
         try:
+            agent = self._agent(context)
             request = parse(pb.JoinRequest, raw)
             body = acceptance.join_request(_body(_join_fields(request)), self.gateway.limits)
-            ack = await self.gateway.join(body)
+            ack = await self.gateway.join(body, agent)
         except Exception as exc:
             await refusal_of(exc, "Join", None).end(context)
         return pb.JoinAck(
@@ -443,10 +452,21 @@ class ReachService:
     ) -> AsyncIterator[pb.HeartbeatAck]:
         """One ack per report; a refused report (a malformed one too) is acked with its error
         and the stream goes on (`unknown_instance`: join again)."""
+        try:
+            agent = self._agent(context)
+        except Exception as exc:
+            await refusal_of(exc, "Heartbeat", None).end(context)
         async for raw in requests:
-            yield await self._beat(raw)
+            yield await self._beat(raw, agent)
 
-    async def _beat(self, raw: bytes) -> pb.HeartbeatAck:
+    def _agent(self, context: grpc.aio.ServicerContext[Any, Any]) -> Principal | None:
+        """The agent token in the call's `authorization` metadata (None: tokens are off)."""
+        door = self.gateway.door
+        if door is None:
+            return None
+        return door.auth.agent(_metadata(context).get(AUTHORIZATION_KEY))
+
+    async def _beat(self, raw: bytes, agent: Principal | None = None) -> pb.HeartbeatAck:
         instance_id = ""
         try:
             report = parse(pb.HeartbeatRequest, raw)
@@ -461,7 +481,7 @@ class ReachService:
             if report.checks_json:
                 fields["checks"] = _json_text(report.checks_json, "checks_json")
             body = acceptance.health_report(_body(fields, "checks_json"), self.gateway.limits)
-            record = await self.gateway.registry.heartbeat(instance_id, body)
+            record = await self.gateway.heartbeat(instance_id, body, agent)
         except Exception as exc:
             refusal = refusal_of(exc, "Heartbeat", None)
             error = refusal.envelope["error"]

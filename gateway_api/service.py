@@ -41,17 +41,23 @@ from temporalio.exceptions import TimeoutError as TemporalTimeout
 from temporalio.service import RPCError, RPCStatusCode
 
 import connectors
-from reach.config import ReachSettings, RoutingSettings
+from connectors import ConnectorSet
+from connectors.base import Connector
+from reach.config import LimitSettings, ReachSettings, RoutingSettings
 from reach.errors import (
+    Forbidden,
     InvalidRequest,
     RateLimited,
+    ReachError,
     RequestClosed,
     RequestConflict,
     Unavailable,
     UnknownCapability,
     UnknownRequest,
+    http_status_for,
 )
 from reach.invocation import (
+    BucketPlan,
     CallbackPlan,
     CallPlan,
     DeliveryOutcome,
@@ -76,10 +82,15 @@ from reach.messages import (
 )
 from reach.policy import plan_call
 from reach.policy.engine import PolicyEngine, capability_bucket, limit_buckets
-from reach.registry import Ack, JoinRequest, Registry
+from reach.registry import Ack, HealthReport, InstanceRecord, JoinRequest, Registry
 from reach.registry.view import RegistryView
 from reach.resolve import Resolver
 from reach.routing import Router, hash_key
+from reach.security.auth import may_serve
+from reach.security.door import Door
+from reach.security.netguard import AddressGuard
+from reach.security.rules import Decision
+from reach.security.tokens import Principal
 from workflows.invoke import (
     SA_CALLER,
     SA_CAPABILITY,
@@ -113,15 +124,28 @@ class Gateway:
     # runs the invoke worker, so an inline call runs here next (eager start).
     resolver: Resolver | None = None
     calls_here: bool = False
+    # Tokens, rules and audit (reach.security); None: a bare gateway (unit tests).
+    door: Door | None = None
+    # The live connectors (the Join-time mTLS identity probe); None: no probe.
+    connectors: ConnectorSet | None = None
     limits: Limits = field(init=False)
     rpc_timeout: timedelta = field(init=False)
     _routing: dict[str, RoutingSettings] = field(init=False, default_factory=dict)
     _callback_plan: CallbackPlan = field(init=False)
+    _guard: tuple[list[str], AddressGuard] | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._callback_plan = CallbackPlan(**self.settings.callback.model_dump())
         self.limits = Limits(max_message_bytes=self.settings.transport.max_message_bytes)
         self.rpc_timeout = timedelta(seconds=self.settings.temporal.rpc_timeout_s)
+
+    def reconfigure(self, settings: ReachSettings) -> None:
+        """A reloaded configuration (validated): the door's plans, limits and rules use it
+        from the next request on. Connections, workers and the registry keep theirs until a
+        restart (the reload says which sections that concerns)."""
+        self.settings = settings
+        self._routing = {}
+        self._callback_plan = CallbackPlan(**settings.callback.model_dump())
 
     def _routing_for(self, capability: str) -> RoutingSettings:
         found = self._routing.get(capability)
@@ -136,15 +160,79 @@ class Gateway:
 
     # -- agents and readiness (shared by the HTTP routes and the gRPC front) ------------------
 
-    async def join(self, body: JoinRequest) -> Ack:
-        """Register an instance whose protocol has a connector and whose address it accepts."""
+    async def join(self, body: JoinRequest, principal: Principal | None = None) -> Ack:
+        """Register an instance whose protocol has a connector and whose address it accepts.
+
+        With tokens required, `principal` is the agent token's: it must be allowed to serve
+        the capability, and an instance_id another principal holds is not taken over."""
+        may_serve(principal, body.capability)
         known = connectors.available()
         if body.protocol not in known:
             raise InvalidRequest(
                 f"protocol {body.protocol!r} has no connector; known: {', '.join(sorted(known))}"
             )
-        body.service_address = connectors.load(body.protocol).check_address(body.service_address)
-        return await self.registry.join(body)
+        connector = connectors.load(body.protocol)
+        body.service_address = connector.check_address(body.service_address)
+        await self._vet_address(connector, body.service_address)
+        if self.connectors is not None and self.settings.security.tls.enabled:
+            # mTLS: the agent must hold a certificate from the CA for this instance_id (403).
+            live = self.connectors.get(body.protocol)
+            await live.verify_identity(body.service_address, body.instance_id)
+        owner = principal.name if principal is not None and principal.kind == "agent" else None
+        ack = await self.registry.join(body, owner)
+        if self.door is not None:
+            self.door.audit.record(
+                "join",
+                principal=principal.name if principal else None,
+                capability=body.capability,
+                instance=body.instance_id,
+                protocol=body.protocol,
+                address=body.service_address,
+            )
+        return ack
+
+    async def heartbeat(
+        self, instance_id: str, report: HealthReport, principal: Principal | None = None
+    ) -> InstanceRecord:
+        if principal is not None and principal.kind == "agent":
+            await self.registry.owned(instance_id, principal.name)
+        return await self.registry.heartbeat(instance_id, report)
+
+    async def leave(self, instance_id: str, principal: Principal | None = None) -> bool:
+        if principal is not None and principal.kind == "agent":
+            await self.registry.owned(instance_id, principal.name)
+        left = await self.registry.leave(instance_id)
+        if left and self.door is not None:
+            self.door.audit.record(
+                "leave", principal=principal.name if principal else None, instance=instance_id
+            )
+        return left
+
+    # -- the address guard against request forgery (reach.security.netguard) ----------------
+
+    def address_guard(self) -> AddressGuard:
+        """The guard for the settings in force (built again when a reload changes them)."""
+        networks = self.settings.security.allow_networks
+        if self._guard is None or self._guard[0] is not networks:
+            self._guard = (networks, AddressGuard(networks))
+        return self._guard[1]
+
+    async def _vet_address(self, connector: type[Connector], address: str) -> None:
+        """Every address a joining agent's host resolves to must be allowed, else 422."""
+        target = connector.address_host_port(address)
+        if target is None:
+            return
+        try:
+            await self.address_guard().resolve_checked(*target)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"service address {address!r}: {exc.message}") from None
+
+    async def _vet_callback(self, url: str) -> None:
+        """A callback URL must be http(s) and its host resolve to allowed addresses, else 422."""
+        try:
+            await self.address_guard().check_url(url)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"callback {url[:200]!r}: {exc.message}") from None
 
     async def readiness(self) -> dict[str, bool]:
         """Whether Temporal and the registry store answer, each bounded in time."""
@@ -206,10 +294,61 @@ class Gateway:
     ) -> InvokeResponse:
         """Start (or attach to) the request's workflow; sync: its verdict, async: accepted.
 
+        `caller` is the principal the door authenticated (or the self-named caller when auth
+        is off). The rules decide first (403 names the rule; nothing is started), and one
+        audit record tells how the request left the door.
+
         A sync answer still `running` after the deadline (no worker took the request) comes
         back as such: the caller gets a 504 and can ask again by RequestID.
         """
+        door = self.door
+        if door is None:
+            return await self._invoke(req, payload_json, caller, traceparent, None)
+        t0 = time.perf_counter()
+        decision = door.decide(caller, req.target, req.operation)
+        try:
+            response = await self._invoke(req, payload_json, caller, traceparent, decision)
+        except ReachError as exc:
+            door.audit.record(
+                "invoke",
+                request_id=req.request_id,
+                caller=caller,
+                capability=req.target,
+                operation=req.operation,
+                duration_ms=round((time.perf_counter() - t0) * 1000, 3),
+                status=exc.http_status,
+                outcome="error",
+                error_type=exc.type,
+                rule=decision.rule,
+            )
+            raise
+        door.audit.record(
+            "invoke",
+            request_id=response.request_id,
+            caller=caller,
+            capability=req.target,
+            operation=req.operation,
+            instance=response.instance_id,
+            duration_ms=round((time.perf_counter() - t0) * 1000, 3),
+            status=status_code_of(response, running=504),
+            outcome=response.status,
+            error_type=response.error.type if response.error else None,
+            attempts=len(response.attempts) if response.attempts else None,
+            rule=decision.rule,
+        )
+        return response
+
+    async def _invoke(
+        self,
+        req: InvokeRequest,
+        payload_json: bytes,
+        caller: str,
+        traceparent: str | None,
+        decision: Decision | None,
+    ) -> InvokeResponse:
         request_id = req.request_id or new_request_id()
+        if req.callback:  # request forgery: the callback's host must resolve to allowed IPs
+            await self._vet_callback(str(req.callback))
         if not await self._known(req.target) and not await self._exists(request_id):
             raise UnknownCapability(f"no agent has registered capability {req.target!r}")
         plan = plan_call(
@@ -222,6 +361,8 @@ class Gateway:
         )
         plan.idempotency_ttl_s = self.settings.policy.idempotency_retention_s
         now_ms = int(time.time() * 1000)
+        if decision is not None and decision.rate_limit_per_minute is not None:
+            await self._rule_limit(req, caller, decision)
         await self._rate_limit(req, caller, plan, now_ms)
         routing_key = hash_key(self._routing_for(req.target), req.payload, req.routing_key)
         endpoint = None
@@ -287,6 +428,22 @@ class Gateway:
                     f"is still tracked: GET /reach/requests/{request_id}",
                     retryable=True,
                 ),
+            )
+
+    async def _rule_limit(self, req: InvokeRequest, caller: str, decision: Decision) -> None:
+        """The allowing rule's rate_limit_per_minute (R19), per caller and capability: 429."""
+        per_minute = decision.rate_limit_per_minute or 0.0
+        bucket = BucketPlan(
+            key=f"rule:{decision.rule}:{req.target}:{caller}",
+            per_minute=per_minute,
+            capacity=LimitSettings(per_minute=per_minute).capacity,
+        )
+        wait_s = await self.policy.take([bucket])
+        if wait_s > 0 and not await self._calls_no_agent(req, caller):
+            raise RateLimited(
+                f"rule {decision.rule!r} allows caller {caller!r} {per_minute:g} calls a minute "
+                f"to {req.target!r}; a token frees in {wait_s:.1f}s",
+                retry_after_s=max(1, math.ceil(wait_s)),
             )
 
     async def _rate_limit(
@@ -393,7 +550,9 @@ class Gateway:
             return inp if isinstance(inp, InvokeInput) else None
         return None
 
-    async def status(self, request_id: str) -> InvokeResponse:
+    async def status(self, request_id: str, principal: Principal | None = None) -> InvokeResponse:
+        """A request's state. With tokens required only its caller (or an admin) may read it;
+        anyone else is told it does not exist (a 403 would confirm that it does)."""
         handle = self.client.get_workflow_handle_for(InvokeWorkflow.run, request_id)
         try:
             desc = await handle.describe(rpc_timeout=self.rpc_timeout)
@@ -401,6 +560,9 @@ class Gateway:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise UnknownRequest(f"no request with id {request_id!r}") from exc
             raise
+        owner = desc.typed_search_attributes.get(SA_CALLER)
+        if principal is not None and principal.kind != "admin" and owner != principal.name:
+            raise UnknownRequest(f"no request with id {request_id!r}")
         if desc.status == WorkflowExecutionStatus.RUNNING:
             response = InvokeResponse(
                 request_id=request_id,
@@ -462,12 +624,20 @@ class Gateway:
 
     # -- late answers -------------------------------------------------------------------------
 
-    async def late_answer(self, request_id: str, answer: LateAnswer) -> str:
+    async def late_answer(
+        self, request_id: str, answer: LateAnswer, principal: Principal | None = None
+    ) -> str:
         """Hand an agent's late answer to its request: 'received' (also for a resend of it).
 
         The update's id is the answer's content, so a resend (after a 503, a lost reply) is the
         same update, never another one carrying the same payload again.
         """
+        if principal is not None and principal.kind == "agent":
+            # Only the instance the request was sent to answers it (the workflow checks the
+            # instance_id; here, that this principal registered that instance).
+            if answer.instance_id is None:
+                raise InvalidRequest("instance_id: required in a late answer when tokens are on")
+            await self.registry.owned(answer.instance_id, principal.name)
         handle = self.client.get_workflow_handle_for(InvokeWorkflow.run, request_id)
         # Twice the RPC timeout: the update waits for a worker to run its validator.
         wait = 2 * self.rpc_timeout
@@ -482,6 +652,8 @@ class Gateway:
             cause = exc.cause
             if isinstance(cause, ApplicationError) and cause.type == "duplicate":
                 return "received"
+            if isinstance(cause, ApplicationError) and cause.type == "forbidden":
+                raise Forbidden(f"request {request_id!r}: {cause.message}") from exc
             reason = cause.message if isinstance(cause, ApplicationError) else str(exc)
             raise RequestClosed(f"request {request_id!r}: {reason}") from exc
         except WorkflowUpdateRPCTimeoutOrCancelledError:
@@ -505,6 +677,19 @@ class Gateway:
         raise RequestClosed(
             f"request {handle.id!r} already ended ({final.status}); its result is final"
         )
+
+
+def status_code_of(response: InvokeResponse, *, running: int = 200) -> int:
+    """The HTTP status of an envelope: only Reach's own error types decide it."""
+    if response.status == "accepted":
+        return 202
+    if response.status == "running":
+        return running
+    if response.status == "timeout":
+        return 504
+    if response.status == "error" and response.error:
+        return http_status_for(response.error.type)
+    return 200
 
 
 def check_repeat(request_id: str, first: InvokeInput, repeat: InvokeInput) -> None:

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -402,7 +410,18 @@ class TemporalSettings(_Section):
     dev_server: DevServerSettings = Field(default_factory=DevServerSettings)
 
 
-SECRET_KEY_NAMES = ("password", "token", "secret", "api_key", "authorization", "credentials")
+SECRET_KEY_NAMES = (
+    "password",
+    "token",
+    "secret",
+    "api_key",
+    "authorization",
+    "credentials",
+    "passwd",
+    "passphrase",
+    "private_key",
+    "cookie",
+)
 
 
 class AuthSettings(_Section):
@@ -474,11 +493,29 @@ class EncryptionSettings(_Section):
         description="key id -> base64 of 32 random bytes; keep old ids to read old requests. "
         'Set through REACH_SECURITY__ENCRYPTION__KEYS=\'{"k1": "..."}\', not in the file.',
     )
+    codec_cors_origins: list[str] = Field(
+        default_factory=lambda: ["http://localhost:8233", "http://127.0.0.1:8233"],
+        description="Browser origins (the Temporal UI) allowed to call /codec/encode and "
+        "/codec/decode.",
+    )
 
     @model_validator(mode="after")
     def _active_key_known(self) -> EncryptionSettings:
         if self.enabled and (self.active_key is None or self.active_key not in self.keys):
             raise ValueError("encryption.enabled needs active_key naming one of keys")
+        return self
+
+    @model_validator(mode="after")
+    def _keys_are_aes256(self) -> EncryptionSettings:
+        if not self.keys:
+            return self
+        from reach.security.crypto import decode_key  # cryptography loads only when used
+
+        for key_id, secret in self.keys.items():
+            try:
+                decode_key(secret.get_secret_value())
+            except ValueError as exc:  # the message names the key id, never its value
+                raise ValueError(f"keys.{key_id} {exc}") from None
         return self
 
 
@@ -495,6 +532,15 @@ class SecuritySettings(_Section):
         description="Master secret for signing callbacks; each caller's secret derives from it "
         "(`reach tokens webhook-secret CALLER`). None: callbacks are sent unsigned.",
     )
+
+    @field_validator("allow_networks")
+    @classmethod
+    def _networks_are_cidrs(cls, value: list[str]) -> list[str]:
+        # Imported here: reach.security's package may import this module.
+        from reach.security.netguard import parse_networks
+
+        parse_networks(value)
+        return value
 
 
 class ReachSettings(BaseSettings):
@@ -591,16 +637,22 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return dict(raw["reach"])
 
 
-def load_settings(path: str | Path | None = None, **overrides: Any) -> ReachSettings:
-    """Load settings from `path` (or $REACH_CONFIG, or ./reach.yaml if present) and the env."""
+def config_file(path: str | Path | None = None) -> Path | None:
+    """The configuration file in use: `path`, or $REACH_CONFIG, or ./reach.yaml if present."""
     chosen = path or os.environ.get(CONFIG_ENV_VAR)
-    file_path: Path | None = None
     if chosen:
         file_path = Path(chosen)
         if not file_path.is_file():
             raise ConfigError(f"configuration file {file_path} does not exist")
-    elif Path(DEFAULT_CONFIG_FILE).is_file():
-        file_path = Path(DEFAULT_CONFIG_FILE)
+        return file_path
+    if Path(DEFAULT_CONFIG_FILE).is_file():
+        return Path(DEFAULT_CONFIG_FILE)
+    return None
+
+
+def load_settings(path: str | Path | None = None, **overrides: Any) -> ReachSettings:
+    """Load settings from `path` (or $REACH_CONFIG, or ./reach.yaml if present) and the env."""
+    file_path = config_file(path)
     data = read_yaml(file_path) if file_path else {}
     data.update(overrides)
     source = str(file_path) if file_path else "environment/defaults"

@@ -229,6 +229,11 @@ class CallbackInput(BaseModel):
     url: str
     response: InvokeResponse
     plan: CallbackPlan = Field(default_factory=CallbackPlan)
+    caller: str | None = Field(
+        default=None,
+        description="Whose callback this is: its webhook signature uses the caller's secret "
+        "(None in inputs recorded before signing: sent unsigned).",
+    )
 
 
 class DeliveryOutcome(BaseModel):

@@ -110,6 +110,9 @@ class Stack:
             "REACH_CONFIG": str(ROOT / "reach.yaml"),
             # Many gateways per session: each gRPC front on a free port of its own.
             "REACH_TRANSPORT__PORTS__GRPC": "0",
+            # Each stack its own tokens and audit trail (never the checkout's .reach/).
+            "REACH_AUTH__TOKENS_FILE": str(self.tmp / "tokens.json"),
+            "REACH_AUDIT__FILE": str(self.tmp / "audit.jsonl"),
             **self.extra,
         }
         if port is not None:
@@ -173,6 +176,7 @@ class Agent:
         capability: str,
         *flags: str,
         heartbeat_interval: float = 0.5,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.proc = spawn(
@@ -189,7 +193,7 @@ class Agent:
                 str(heartbeat_interval),
                 *flags,
             ],
-            {},
+            dict(env or {}),
             gateway.stack.tmp / f"agent-{instance_id}.log",
         )
 

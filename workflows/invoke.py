@@ -171,6 +171,7 @@ def _error_of(exc: FailureError, instance_id: str | None) -> _Failed:
 class InvokeWorkflow:
     def __init__(self) -> None:
         self._late: LateAnswer | None = None
+        self._sent_to: set[str] = set()  # instances this run has called (a late answer's senders)
         self._final: InvokeResponse | None = None
         self._attempts: list[AttemptInfo] = []
         self._waited_ms: int | None = None
@@ -201,6 +202,13 @@ class InvokeWorkflow:
             raise ApplicationError(
                 f"the request already ended ({self._final.status}); its result is final",
                 type="request_closed",
+            )
+        # Only an instance the request was sent to answers it (an answer naming none is the
+        # gateway's to allow: it requires instance_id when tokens are on).
+        sender = answer.instance_id
+        if sender is not None and sender not in self._sent_to:
+            raise ApplicationError(
+                f"this request was not sent to instance {sender!r}", type="forbidden"
             )
 
     @workflow.query(name=QUERY_ATTEMPTS)
@@ -286,7 +294,7 @@ class InvokeWorkflow:
         """Start the callback's own workflow; it outlives this one (parent close: abandon)."""
         await workflow.start_child_workflow(
             DeliverCallbackWorkflow.run,
-            CallbackInput(url=url, response=response, plan=inp.callback_plan),
+            CallbackInput(url=url, response=response, plan=inp.callback_plan, caller=inp.caller),
             id=delivery_workflow_id(inp.request_id),
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
             # Each run of a request starts its delivery once, so a closed one already under this
@@ -297,7 +305,9 @@ class InvokeWorkflow:
 
     async def _deliver(self, inp: InvokeInput, url: str, response: InvokeResponse) -> None:
         """Inline delivery: only for requests accepted before `PATCH_DELIVERY_WORKFLOW`."""
-        await deliver(CallbackInput(url=url, response=response, plan=inp.callback_plan))
+        await deliver(
+            CallbackInput(url=url, response=response, plan=inp.callback_plan, caller=inp.caller)
+        )
 
     def _now_ms(self) -> int:
         return int(workflow.now().timestamp() * 1000)
@@ -511,6 +521,7 @@ class InvokeWorkflow:
                         None,
                     )
                 instance_id = endpoint.instance_id
+                self._sent_to.add(instance_id)
                 breaker = endpoint.breaker
                 self._plan, self._deadline_ms = refine_plan(
                     self._plan,

@@ -6,7 +6,14 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
 from connectors import ConnectorSet
-from gateway_api.deps import CapabilityPath, GatewayDep, InstanceIdPath, json_body
+from gateway_api.deps import (
+    AgentDep,
+    CapabilityPath,
+    GatewayDep,
+    InstanceIdPath,
+    ReaderDep,
+    json_body,
+)
 from reach import acceptance
 from reach.errors import UnknownCapability, UnknownInstance
 from reach.messages import ErrorResponse
@@ -85,6 +92,9 @@ class CapabilityDetail(BaseModel):
 _ERR: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in {
+        401: "Missing, invalid, expired or revoked token (when tokens are required)",
+        403: "The token may not serve this capability, or another principal holds the "
+        "instance_id, or it is not an agent token",
         404: "Unknown instance (join again) or capability",
         413: "Body larger than the limit",
         422: "Invalid body, path parameter, address or protocol",
@@ -101,9 +111,9 @@ _ERR: dict[int | str, dict[str, Any]] = {
     summary="Join: register an instance",
     openapi_extra=json_body(JoinRequest, "The instance's proposal (R8)"),
 )
-async def join(request: Request, gateway: GatewayDep) -> Ack:
+async def join(request: Request, gateway: GatewayDep, agent: AgentDep) -> Ack:
     body = acceptance.join_request(await request.body(), gateway.limits)
-    return await gateway.join(body)
+    return await gateway.join(body, agent)
 
 
 @router.put(
@@ -116,10 +126,10 @@ async def join(request: Request, gateway: GatewayDep) -> Ack:
     ),
 )
 async def heartbeat(
-    instance_id: InstanceIdPath, request: Request, gateway: GatewayDep
+    instance_id: InstanceIdPath, request: Request, gateway: GatewayDep, agent: AgentDep
 ) -> HeartbeatAck:
     body = acceptance.health_report(await request.body(), gateway.limits)
-    record = await gateway.registry.heartbeat(instance_id, body)
+    record = await gateway.heartbeat(instance_id, body, agent)
     return HeartbeatAck(
         instance_id=instance_id, status=record.status, heartbeat_interval=record.heartbeat_interval
     )
@@ -128,8 +138,8 @@ async def heartbeat(
 @router.delete(
     "/agents/{instance_id}", status_code=204, responses=_ERR, summary="Leave: deregister"
 )
-async def leave(instance_id: InstanceIdPath, gateway: GatewayDep) -> Response:
-    if not await gateway.registry.leave(instance_id):
+async def leave(instance_id: InstanceIdPath, gateway: GatewayDep, agent: AgentDep) -> Response:
+    if not await gateway.leave(instance_id, agent):
         raise UnknownInstance(f"instance {instance_id!r} is not registered")
     return Response(status_code=204)
 
@@ -137,10 +147,10 @@ async def leave(instance_id: InstanceIdPath, gateway: GatewayDep) -> Response:
 @router.get(
     "/capabilities",
     response_model=CapabilityList,
-    responses={500: _ERR[500], 503: _ERR[503]},
+    responses={401: _ERR[401], 403: _ERR[403], 500: _ERR[500], 503: _ERR[503]},
     summary="Capabilities and instances",
 )
-async def list_capabilities(gateway: GatewayDep) -> CapabilityList:
+async def list_capabilities(gateway: GatewayDep, reader: ReaderDep) -> CapabilityList:
     out = []
     for name in await gateway.registry.capabilities():
         instances = await gateway.registry.instances(name)
@@ -161,7 +171,7 @@ async def list_capabilities(gateway: GatewayDep) -> CapabilityList:
     summary="One capability",
 )
 async def get_capability(
-    name: CapabilityPath, gateway: GatewayDep, request: Request
+    name: CapabilityPath, gateway: GatewayDep, request: Request, reader: ReaderDep
 ) -> CapabilityDetail:
     if not await gateway.registry.known(name):
         raise UnknownCapability(f"no agent has ever registered capability {name!r}")

@@ -7,18 +7,19 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from gateway_api.deps import (
+    AgentDep,
     CallerDep,
     GatewayDep,
     IdempotencyKeyDep,
+    ReaderDep,
     RequestIdPath,
     TraceparentDep,
     json_body,
 )
 from gateway_api.errors import envelope_response
-from gateway_api.service import Gateway
+from gateway_api.service import Gateway, status_code_of
 from reach import acceptance
 from reach.acceptance import LateAnswerBody
-from reach.errors import http_status_for
 from reach.messages import ErrorResponse, InvokeRequest, InvokeResponse, new_request_id
 
 router = APIRouter(prefix="/reach", tags=["invoke"])
@@ -26,6 +27,9 @@ router = APIRouter(prefix="/reach", tags=["invoke"])
 _TEXT = {
     200: "The request's envelope",
     202: "Accepted: the result will be POSTed to the callback URL",
+    401: "Missing, invalid, expired or revoked token (when tokens are required)",
+    403: "Denied by a rule (named), a caller header that is not the token's, or a token of "
+    "the wrong kind",
     404: "Unknown capability or request",
     409: "A repeated request_id with another body, or a late answer after the end",
     413: "Body or payload larger than the limit",
@@ -49,23 +53,10 @@ class LateAnswerAck(BaseModel):
     status: str
 
 
-def status_code_of(response: InvokeResponse, *, running: int = 200) -> int:
-    """The HTTP status of an envelope: only Reach's own error types decide it."""
-    if response.status == "accepted":
-        return 202
-    if response.status == "running":
-        return running
-    if response.status == "timeout":
-        return 504
-    if response.status == "error" and response.error:
-        return http_status_for(response.error.type)
-    return 200
-
-
 @router.post(
     "/invoke",
     response_model=InvokeResponse,
-    responses=_codes(202, 404, 409, 413, 422, 500, 502, 503, 504),
+    responses=_codes(202, 401, 403, 404, 409, 413, 422, 500, 502, 503, 504),
     summary="Invoke a capability by name (sync without callback, 202 with one)",
     openapi_extra=json_body(InvokeRequest, "The standard request (R9)"),
 )
@@ -105,11 +96,13 @@ async def answer_invoke(
 @router.get(
     "/requests/{request_id}",
     response_model=InvokeResponse,
-    responses=_codes(404, 422, 500, 502, 503, 504),
+    responses=_codes(401, 403, 404, 422, 500, 502, 503, 504),
     summary="Status and result of any request, and its callback delivery",
 )
-async def get_request(request_id: RequestIdPath, gateway: GatewayDep) -> Response:
-    response = await gateway.status(request_id)
+async def get_request(
+    request_id: RequestIdPath, gateway: GatewayDep, reader: ReaderDep
+) -> Response:
+    response = await gateway.status(request_id, reader)
     return envelope_response(response, status_code_of(response))
 
 
@@ -117,13 +110,13 @@ async def get_request(request_id: RequestIdPath, gateway: GatewayDep) -> Respons
     "/requests/{request_id}/result",
     status_code=202,
     response_model=LateAnswerAck,
-    responses=_codes(404, 409, 413, 422, 500, 503),
+    responses=_codes(401, 403, 404, 409, 413, 422, 500, 503),
     summary="An agent's late (asynchronous) answer to a request it accepted with 202",
     openapi_extra=json_body(LateAnswerBody, "The agent's answer"),
 )
 async def post_late_result(
-    request_id: RequestIdPath, request: Request, gateway: GatewayDep
+    request_id: RequestIdPath, request: Request, gateway: GatewayDep, agent: AgentDep
 ) -> LateAnswerAck:
     answer = acceptance.late_answer(await request.body(), gateway.limits)
-    verdict = await gateway.late_answer(request_id, answer)
+    verdict = await gateway.late_answer(request_id, answer, agent)
     return LateAnswerAck(request_id=request_id, status=verdict)

@@ -35,7 +35,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from reach.config import RegistrySettings, TransportSettings
-from reach.errors import ReachError, UnknownInstance
+from reach.errors import Forbidden, ReachError, UnknownInstance
 from reach.messages import MAX_TIMEOUT_MS, CapabilityName, InstanceId, JsonInt, OperationName
 from reach.store import Record, Store
 
@@ -228,6 +228,9 @@ class InstanceRecord(BaseModel):
     inflight: int = 0
     joined_at: float
     last_seen: float
+    # The principal whose agent token registered it (None: auth off): only it may heartbeat,
+    # leave, answer late or join again under this instance_id.
+    principal: str | None = None
 
     @field_validator("declared", mode="before")
     @classmethod
@@ -320,11 +323,16 @@ class Registry:
         # Never forget a capability before its last instance record has expired.
         self._retention_s = max(settings.capability_retention_s, settings.heartbeat_timeout)
         self._listeners: list[ChangeListener] = []
+        self._evict_listeners: list[ChangeListener] = []
 
     def on_change(self, listener: ChangeListener) -> None:
         """Call `listener(capability, instance_id)` after each change made through this
         registry, before the change is announced to other processes (read-your-writes)."""
         self._listeners.append(listener)
+
+    def on_evicted(self, listener: ChangeListener) -> None:
+        """Call `listener(capability, instance_id)` for each eviction this process makes."""
+        self._evict_listeners.append(listener)
 
     async def _announce(self, capability: str, instance_id: str) -> None:
         for listener in self._listeners:
@@ -350,7 +358,11 @@ class Registry:
             async_callback=join.async_callback,
         )
 
-    async def join(self, join: JoinRequest) -> Ack:
+    async def join(self, join: JoinRequest, principal: str | None = None) -> Ack:
+        """Register (or re-register) an instance. With a `principal`, an instance_id held by
+        another principal is refused (403), also when the other Join lands in between."""
+        if principal is not None:
+            self._check_owner(await self.get(join.instance_id), principal)
         ack = self.negotiate(join)
         now = time.time()
         record = InstanceRecord(
@@ -368,6 +380,7 @@ class Registry:
             max_inflight=join.max_inflight,
             joined_at=now,
             last_seen=now,
+            principal=principal,
         )
         previous = await self.store.put_record(
             join.instance_id,
@@ -376,6 +389,21 @@ class Registry:
             ttl_s=self.settings.heartbeat_timeout,
             group_ttl_s=self._retention_s,
         )
+        before = self._parse(previous) if principal is not None else None
+        if (
+            previous is not None
+            and before is not None
+            and before.principal not in (None, principal)
+        ):
+            # Another principal's Join landed between the check and this write: put it back.
+            await self.store.put_record(
+                join.instance_id,
+                previous.group,
+                previous.fields,
+                ttl_s=self.settings.heartbeat_timeout,
+                group_ttl_s=self._retention_s,
+            )
+            self._check_owner(before, principal or "")
         log.info(
             "joined capability=%s instance=%s protocol=%s address=%s%s",
             join.capability,
@@ -388,6 +416,22 @@ class Registry:
             await self._announce(previous.group, join.instance_id)
         await self._announce(join.capability, join.instance_id)
         return ack
+
+    @staticmethod
+    def _check_owner(record: InstanceRecord | None, principal: str) -> None:
+        if record is not None and record.principal is not None and record.principal != principal:
+            raise Forbidden(
+                f"instance_id {record.instance_id!r} is held by another principal; "
+                "choose another instance_id"
+            )
+
+    async def owned(self, instance_id: str, principal: str) -> InstanceRecord | None:
+        """The instance's record if `principal` may act for it (None: not registered);
+        Forbidden when another principal registered it."""
+        record = await self.get(instance_id)
+        if record is not None and record.principal != principal:
+            raise Forbidden(f"instance {instance_id!r} was registered by another principal")
+        return record
 
     async def heartbeat(self, instance_id: str, report: HealthReport) -> InstanceRecord:
         health = {
@@ -486,6 +530,8 @@ class Registry:
                 instance_id,
                 self.settings.heartbeat_timeout,
             )
+            for listener in self._evict_listeners:
+                listener(capability, instance_id)
             await self._announce(capability, instance_id)
 
     @staticmethod

@@ -128,6 +128,14 @@ class Store(ABC):
         """Call `listener` (in this event loop) with each message published on `channel`, and
         with None first and after every reconnection."""
 
+    @abstractmethod
+    async def hash_set(self, key: str, field: str, value: str) -> None:
+        """Set one field of a long-lived hash (no TTL): small shared documents, e.g. tokens."""
+
+    @abstractmethod
+    async def hash_all(self, key: str) -> dict[str, str]:
+        """Every field of a long-lived hash (empty when there is none)."""
+
     async def ping(self) -> bool:
         return True
 

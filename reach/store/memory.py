@@ -28,6 +28,7 @@ class MemoryStore(Store):
         self._group_expiry: dict[str, float] = {}
         self._counters: dict[str, tuple[int, float | None]] = {}
         self._channels: dict[str, list[Listener]] = {}
+        self._hashes: dict[str, dict[str, str]] = {}
 
     def _live(self, record_id: str) -> Record | None:
         item = self._records.get(record_id)
@@ -128,6 +129,12 @@ class MemoryStore(Store):
             del self._group_expiry[group]
             self._members.pop(group, None)
         return forgotten
+
+    async def hash_set(self, key: str, field: str, value: str) -> None:
+        self._hashes.setdefault(key, {})[field] = value
+
+    async def hash_all(self, key: str) -> dict[str, str]:
+        return dict(self._hashes.get(key, {}))
 
     async def publish(self, channel: str, message: str) -> None:
         for listener in list(self._channels.get(channel, ())):

@@ -320,6 +320,15 @@ class RedisStore(Store):
         ttl = _ms(ttl_s) if ttl_s is not None else 0
         return int(await self._run(self._incr, [self._k(f"ctr:{key}")], [ttl]))
 
+    async def hash_set(self, key: str, field: str, value: str) -> None:
+        with _mapped(self._p):
+            await self._r.hset(self._k(f"h:{key}"), field, value)
+
+    async def hash_all(self, key: str) -> dict[str, str]:
+        with _mapped(self._p):
+            found = await self._r.hgetall(self._k(f"h:{key}"))
+        return {str(k): str(v) for k, v in found.items()}
+
     async def publish(self, channel: str, message: str) -> None:
         with _mapped(self._p):
             await self._r.publish(self._k(f"ch:{channel}"), message)

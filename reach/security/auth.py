@@ -1,0 +1,117 @@
+"""Who may pass the door, decided the same way on every front (HTTP, gRPC) from local copies.
+
+`Auth` answers three questions from a request's `Authorization` header: which caller invokes,
+which agent registers/heartbeats/answers, whether an admin acts. Whether tokens are required
+follows `auth.mode`: `tokens` always, `open` never, `auto` as soon as any token record exists
+(revoked and expired ones count: revoking the last token never reopens the door).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+from reach.config import AuthSettings
+from reach.errors import Forbidden, Unauthorized
+from reach.security.tokens import (
+    ANY,
+    Principal,
+    TokenCache,
+    bearer,
+    check_claimed_caller,
+)
+
+ANONYMOUS = "anonymous"
+
+
+class Auth:
+    def __init__(self, settings: AuthSettings, cache: TokenCache | None) -> None:
+        self.settings = settings
+        self.cache = cache
+
+    @property
+    def required(self) -> bool:
+        if self.settings.mode == "open":
+            return False
+        if self.settings.mode == "tokens":
+            return True
+        return self.cache is not None and len(self.cache.book) > 0
+
+    def _verify(self, authorization: str | None) -> Principal:
+        book = self.cache.book if self.cache is not None else None
+        token = bearer(authorization)
+        if book is None:
+            raise Unauthorized("no token store is configured on this gateway")
+        return book.verify(token)
+
+    def caller(self, authorization: str | None, claimed: str | None) -> Principal:
+        """The invoking principal. Without required tokens the caller names itself."""
+        if not self.required:
+            return Principal(name=claimed or ANONYMOUS, kind="caller")
+        principal = self._verify(authorization)
+        check_claimed_caller(principal, claimed)
+        return principal
+
+    def anyone(self, authorization: str | None) -> Principal | None:
+        """Any valid token (reads: capabilities, request status); None when not required."""
+        if not self.required:
+            return None
+        return self._verify(authorization)
+
+    def agent(self, authorization: str | None) -> Principal | None:
+        """An agent's (or an admin's) principal for Join, heartbeat, leave and late answers;
+        None when tokens are not required."""
+        if not self.required:
+            return None
+        principal = self._verify(authorization)
+        if principal.kind not in ("agent", "admin"):
+            raise Forbidden(
+                f"token {principal.token_id} of {principal.name!r} is a {principal.kind} token; "
+                "agents register and answer with an agent token (reach tokens issue --agent)"
+            )
+        return principal
+
+    def admin(self, authorization: str | None) -> Principal:
+        """An admin principal, always required (the admin API is never open)."""
+        principal = self._verify(authorization)
+        if principal.kind != "admin":
+            raise Forbidden(f"the admin API needs an admin token, not a {principal.kind} token")
+        return principal
+
+
+def may_serve(principal: Principal | None, capability: str) -> None:
+    """An agent token serves only the capabilities it names (admins: any)."""
+    if principal is None or principal.kind == "admin" or ANY in principal.capabilities:
+        return
+    if capability not in principal.capabilities:
+        raise Forbidden(
+            f"the token of {principal.name!r} may serve "
+            f"{', '.join(sorted(principal.capabilities)) or 'no capability'}, not {capability!r}"
+        )
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether binding `host` serves this machine only."""
+    if host in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def exposure_problem(mode: str, host: str, required: bool) -> str | None:
+    """Why the gateway must not start on `host` (None: it may). No tokens and not `open` ->
+    loopback only."""
+    if required or mode == "open" or is_loopback_host(host):
+        return None
+    return (
+        f"refusing to serve {host} without authentication: no token exists yet. Issue one "
+        "(`reach tokens issue --principal NAME`), set auth.mode: tokens, or write "
+        "auth.mode: open in the configuration to serve it open on purpose"
+    )

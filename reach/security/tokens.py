@@ -1,0 +1,348 @@
+"""Bearer tokens for callers, agents and admins (R18): issued one by one, revocable one by one.
+
+A token reads `reach_<id>_<secret>`: the id names its record (and shows in lists and audit), the
+secret is 32 random bytes. Only the SHA-256 of the whole token is stored; a presented token is
+hashed and compared in constant time. The secret is shown once, when issued.
+
+Where records live (`TokenStore`):
+- `FileTokenStore`: a JSON file (mode 0600), with the memory registry (`reach up`, one host);
+  the CLI writes it and every gateway on the host sees the change within `FILE_POLL_S`.
+- `SharedTokenStore`: a hash in the registry's store (Redis), with a change notice published
+  on every write, so a revocation reaches every gateway at once (and a full re-read every
+  `auth.resync_s` covers a notice lost while a subscription reconnected).
+
+Gateways verify from a local copy (`TokenCache`): no store round trip per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from reach.errors import Forbidden, ReachError, Unauthorized
+from reach.store import Store
+
+log = logging.getLogger("reach.auth")
+
+Kind = Literal["caller", "agent", "admin"]
+TOKEN_PATTERN = re.compile(r"^reach_([a-z0-9]{12})_([A-Za-z0-9_-]{43})$")
+PRINCIPAL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
+FILE_POLL_S = 0.2
+HASH_KEY = "auth:tokens"
+CHANNEL = "auth:tokens"
+ANY = "*"
+
+
+class TokenRecord(BaseModel):
+    """What is stored of a token: never the token itself."""
+
+    id: str
+    principal: str = Field(pattern=PRINCIPAL_PATTERN)
+    kind: Kind = "caller"
+    capabilities: list[str] = Field(
+        default_factory=list, description="agent tokens: the capabilities it may serve (* any)"
+    )
+    sha256: str
+    created_at: float
+    expires_at: float | None = None
+    revoked_at: float | None = None
+    note: str | None = None
+
+    def state(self, now: float) -> Literal["active", "expired", "revoked"]:
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and now >= self.expires_at:
+            return "expired"
+        return "active"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request comes from: named by its token, never by a header it chose."""
+
+    name: str
+    kind: Kind
+    token_id: str | None = None  # None: auth is off and the caller named itself
+    capabilities: frozenset[str] = frozenset()
+
+    def may_serve(self, capability: str) -> bool:
+        return ANY in self.capabilities or capability in self.capabilities
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def issue(
+    principal: str,
+    kind: Kind = "caller",
+    capabilities: Iterable[str] = (),
+    *,
+    ttl_s: float | None = None,
+    note: str | None = None,
+    now: float | None = None,
+) -> tuple[str, TokenRecord]:
+    """A new token and its record; the token itself is returned here and nowhere else."""
+    now = time.time() if now is None else now
+    caps = sorted(set(capabilities))
+    if kind == "agent" and not caps:
+        raise ValueError("an agent token needs the capabilities it may serve (--capability)")
+    if kind != "agent" and caps:
+        raise ValueError("only agent tokens are scoped to capabilities")
+    token_id = secrets.token_hex(6)
+    token = f"reach_{token_id}_{secrets.token_urlsafe(32)}"
+    record = TokenRecord(
+        id=token_id,
+        principal=principal,
+        kind=kind,
+        capabilities=caps,
+        sha256=digest(token),
+        created_at=now,
+        expires_at=now + ttl_s if ttl_s is not None else None,
+        note=note,
+    )
+    return token, record
+
+
+def bearer(authorization: str | None) -> str:
+    """The token of an `Authorization: Bearer …` header, or Unauthorized naming what is wrong."""
+    if not authorization:
+        raise Unauthorized("missing credentials: send Authorization: Bearer <token>")
+    scheme, _, value = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        raise Unauthorized("the Authorization header must read 'Bearer <token>'")
+    return value.strip()
+
+
+class TokenBook:
+    """An immutable snapshot of the token records, indexed by id."""
+
+    def __init__(self, records: Iterable[TokenRecord] = ()) -> None:
+        self.records: dict[str, TokenRecord] = {r.id: r for r in records}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def verify(self, token: str, now: float | None = None) -> Principal:
+        """The principal of a valid token, or Unauthorized (401) saying which check failed."""
+        found = TOKEN_PATTERN.match(token)
+        record = self.records.get(found.group(1)) if found else None
+        # Hash and compare even when the id is unknown: the time taken does not tell.
+        expected = record.sha256 if record is not None else "0" * 64
+        if not hmac.compare_digest(digest(token), expected) or record is None:
+            raise Unauthorized("invalid token")
+        state = record.state(time.time() if now is None else now)
+        if state != "active":
+            raise Unauthorized(f"token {record.id} is {state}")
+        return Principal(
+            name=record.principal,
+            kind=record.kind,
+            token_id=record.id,
+            capabilities=frozenset(record.capabilities),
+        )
+
+
+# -- stores ---------------------------------------------------------------------------------
+
+
+class TokenStore(ABC):
+    @abstractmethod
+    async def load(self) -> list[TokenRecord]: ...
+
+    @abstractmethod
+    async def save(self, record: TokenRecord) -> None:
+        """Create or replace the record with this id, and tell every watcher."""
+
+    @abstractmethod
+    async def watch(self, on_change: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+        """Call `on_change` whenever the records may have changed; returns a stopper."""
+
+    async def get(self, token_id: str) -> TokenRecord | None:
+        return next((r for r in await self.load() if r.id == token_id), None)
+
+    async def revoke(self, token_id: str, now: float | None = None) -> TokenRecord:
+        record = await self.get(token_id)
+        if record is None:
+            raise LookupError(f"no token with id {token_id!r}")
+        if record.revoked_at is None:
+            record = record.model_copy(update={"revoked_at": time.time() if now is None else now})
+            await self.save(record)
+        return record
+
+
+def _parse(raw: str, where: str) -> TokenRecord | None:
+    try:
+        return TokenRecord.model_validate_json(raw)
+    except ValidationError as exc:
+        log.error("unreadable token record in %s ignored: %s", where, exc.errors()[0]["msg"])
+        return None
+
+
+class FileTokenStore(TokenStore):
+    """Token records in a JSON file (0600), written whole and atomically under a lock."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def read(self) -> list[TokenRecord]:
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            raise ReachError(f"cannot read token file {self.path}: {exc}") from exc
+        items = raw.get("tokens", []) if isinstance(raw, dict) else []
+        parsed = (_parse(json.dumps(item), str(self.path)) for item in items)
+        return [r for r in parsed if r is not None]
+
+    def write(self, record: TokenRecord) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock = self.path.with_name(self.path.name + ".lock")
+        with open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            records = {r.id: r for r in self.read()}
+            records[record.id] = record
+            body = {"tokens": [r.model_dump(mode="json") for r in records.values()]}
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                json.dump(body, out, indent=1)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, self.path)
+
+    async def load(self) -> list[TokenRecord]:
+        return await asyncio.to_thread(self.read)
+
+    async def save(self, record: TokenRecord) -> None:
+        await asyncio.to_thread(self.write, record)
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    async def watch(self, on_change: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+        async def poll() -> None:
+            seen = self._stamp()
+            while True:
+                await asyncio.sleep(FILE_POLL_S)
+                now = self._stamp()
+                if now != seen:
+                    seen = now
+                    on_change()
+
+        task = asyncio.get_running_loop().create_task(poll())
+
+        async def stop() -> None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        return stop
+
+
+class SharedTokenStore(TokenStore):
+    """Token records in the shared store (a Redis hash); every write is announced."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def load(self) -> list[TokenRecord]:
+        raw = await self.store.hash_all(HASH_KEY)
+        parsed = (_parse(v, "the shared store") for v in raw.values())
+        return [r for r in parsed if r is not None]
+
+    async def save(self, record: TokenRecord) -> None:
+        await self.store.hash_set(HASH_KEY, record.id, record.model_dump_json())
+        await self.store.publish(CHANNEL, record.id)
+
+    async def watch(self, on_change: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+        subscription = await self.store.subscribe(CHANNEL, lambda _message: on_change())
+        return subscription.aclose
+
+
+# -- the gateway's local copy ---------------------------------------------------------------
+
+
+class TokenCache:
+    """The records as this process last read them; re-read on every change notice (coalesced)
+    and every `resync_s`. A failed re-read keeps the last good copy."""
+
+    def __init__(self, store: TokenStore, *, resync_s: float = 30.0) -> None:
+        self.store = store
+        self.resync_s = resync_s
+        self.book = TokenBook()
+        self.loaded_at = 0.0
+        self._stop: Callable[[], Awaitable[None]] | None = None
+        self._resync: asyncio.Task[None] | None = None
+        self._pending: asyncio.Task[None] | None = None
+        self._again = False
+
+    async def start(self) -> None:
+        await self.reload()
+        self._stop = await self.store.watch(self.changed)
+        self._resync = asyncio.get_running_loop().create_task(self._resync_forever())
+
+    def changed(self) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._again = True  # a reload is on its way: read once more after it
+            return
+        self._pending = asyncio.get_running_loop().create_task(self._reload_until_quiet())
+
+    async def _reload_until_quiet(self) -> None:
+        while True:
+            self._again = False
+            await self.reload()
+            if not self._again:
+                return
+
+    async def reload(self) -> None:
+        try:
+            records = await self.store.load()
+        except (ReachError, OSError) as exc:
+            log.warning("could not re-read tokens (keeping the last copy): %s", exc)
+            return
+        self.book = TokenBook(records)
+        self.loaded_at = time.time()
+
+    async def _resync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_s)
+            await self.reload()
+
+    async def aclose(self) -> None:
+        if self._stop is not None:
+            await self._stop()
+        for task in (self._resync, self._pending):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+
+def check_claimed_caller(principal: Principal, claimed: str | None) -> None:
+    """`X-Reach-Caller`, when a token names the caller, may only repeat that name."""
+    if claimed and claimed != principal.name:
+        raise Forbidden(
+            f"X-Reach-Caller {claimed!r} does not match the token's principal "
+            f"{principal.name!r}; drop the header or send the caller's own token"
+        )
