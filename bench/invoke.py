@@ -64,6 +64,7 @@ from connectors import ConnectorSet  # noqa: E402
 from gateway_api.devserver import DevServer, free_port  # noqa: E402
 from reach.invocation import Endpoint  # noqa: E402
 from reach.messages import Header, Message  # noqa: E402
+from reach.security.tokens import FileTokenStore, issue  # noqa: E402
 
 PAYLOAD = {"text": "durable retries", "top_k": 2}
 PROTOCOLS = ("grpc", "websocket", "mqtt")
@@ -158,9 +159,14 @@ def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
         return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-async def wait_http(url: str, ok: Callable[[httpx.Response], bool], timeout_s: float = 60) -> None:
+async def wait_http(
+    url: str,
+    ok: Callable[[httpx.Response], bool],
+    timeout_s: float = 60,
+    headers: dict[str, str] | None = None,
+) -> None:
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(trust_env=False) as c:
+    async with httpx.AsyncClient(trust_env=False, headers=headers) as c:
         while time.monotonic() < deadline:
             try:
                 if ok(await c.get(url, timeout=1)):
@@ -188,6 +194,9 @@ async def main(args: argparse.Namespace) -> None:
         REACH_TEMPORAL__TASK_QUEUE=f"bench-{uuid.uuid4().hex[:6]}",
         REACH_CAPABILITIES='{"bench-queue": {"mode": "queue"}}',
         REACH_CONFIG=str(ROOT / "reach.yaml"),
+        # The bench's own (empty) token file: auth off, as `make up` runs; audit on, to a file.
+        REACH_AUTH__TOKENS_FILE=str(tmp / "tokens.json"),
+        REACH_AUDIT__FILE=str(tmp / "audit.jsonl"),
     )
 
     def other_gateway(**changes: str) -> tuple[str, dict[str, str]]:
@@ -209,6 +218,23 @@ async def main(args: argparse.Namespace) -> None:
     gw3, env3 = other_gateway(
         REACH_REGISTRY__TYPE="redis", REACH_REGISTRY__KEY_PREFIX=f"bench-{uuid.uuid4().hex[:6]}"
     )
+    # Auth on: a token file with the caller's and the agent's tokens, and one R19 rule.
+    caller_token, caller_record = issue("bench", "caller")
+    agent_token, agent_record = issue("bench-agent", "agent", ["bench-inline"])
+    for record in (caller_record, agent_record):
+        FileTokenStore(tmp / "tokens-auth.json").write(record)
+    gw4, env4 = other_gateway(
+        REACH_AUTH__TOKENS_FILE=str(tmp / "tokens-auth.json"),
+        REACH_RULES=json.dumps(
+            [
+                {
+                    "caller": "bench",
+                    "target_capability": "bench-inline",
+                    "allowed_operations": ["query"],
+                }
+            ]
+        ),
+    )
     broker_port = free_port()
     (tmp / "mosquitto.conf").write_text(
         f"listener {broker_port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n"
@@ -218,7 +244,8 @@ async def main(args: argparse.Namespace) -> None:
         procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env, tmp / "gw.log"))
         procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env2, tmp / "gw2.log"))
         procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env3, tmp / "gw3.log"))
-        for base in (gw, gw2, gw3):
+        procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env4, tmp / "gw4.log"))
+        for base in (gw, gw2, gw3, gw4):
             await wait_http(f"{base}/readyz", lambda r: r.status_code == 200)
         for cap in ("bench-inline", "bench-queue"):
             procs.append(
@@ -237,7 +264,7 @@ async def main(args: argparse.Namespace) -> None:
                     tmp / f"{cap}.log",
                 )
             )
-        for n, base in ((2, gw2), (3, gw3)):
+        for n, base in ((2, gw2), (3, gw3), (4, gw4)):
             procs.append(
                 spawn(
                     [
@@ -250,7 +277,7 @@ async def main(args: argparse.Namespace) -> None:
                         "--instance-id",
                         f"bench-inline-0{n}",
                     ],
-                    env,
+                    dict(env, REACH_AGENT_TOKEN=agent_token) if base == gw4 else env,
                     tmp / f"bench-inline-{n}.log",
                 )
             )
@@ -275,10 +302,11 @@ async def main(args: argparse.Namespace) -> None:
                     tmp / f"bench-{protocol}.log",
                 )
             )
-        for base in (gw2, gw3):
+        for base in (gw2, gw3, gw4):
             await wait_http(
                 f"{base}/reach/capabilities/bench-inline",
                 lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
+                headers={"Authorization": f"Bearer {caller_token}"},
             )
         for cap in ("bench-inline", "bench-queue", *(f"bench-{p}" for p in PROTOCOLS)):
             await wait_http(
@@ -387,11 +415,14 @@ async def main(args: argparse.Namespace) -> None:
             if r.status != "success":
                 raise RuntimeError(r)
 
-        def reach(cap: str, base: str = gw) -> Callable[[], Awaitable[None]]:
+        def reach(
+            cap: str, base: str = gw, token: str | None = None
+        ) -> Callable[[], Awaitable[None]]:
             body = {"target": cap, "operation": "query", "payload": PAYLOAD, "timeout_ms": 10000}
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
 
             async def call() -> None:
-                async with caller.post(f"{base}/reach/invoke", json=body) as r:
+                async with caller.post(f"{base}/reach/invoke", json=body, headers=headers) as r:
                     text = await r.read()
                     if r.status != 200:
                         raise RuntimeError(text)
@@ -406,6 +437,7 @@ async def main(args: argparse.Namespace) -> None:
             QUEUE_FLOOR: raw_queue,
             "reach inline": reach("bench-inline"),
             "reach inline, Redis registry": reach("bench-inline", gw3),
+            "reach inline, auth on": reach("bench-inline", gw4, caller_token),
             **{f"reach inline via {NAMES[p]} agent": reach(f"bench-{p}") for p in PROTOCOLS},
             "reach inline, gRPC front": front,
             "reach inline, sandboxed": reach("bench-inline", gw2),
