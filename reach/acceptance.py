@@ -29,6 +29,7 @@ import math
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic.json_schema import SkipJsonSchema
 
 from reach.errors import InvalidRequest, PayloadTooLarge
 from reach.invocation import LateAnswer
@@ -75,6 +76,8 @@ class LateAnswerBody(LateAnswer):
     instance_id: InstanceId | None = None
     error_type: ErrorTypeName | None = None
     error_message: ErrorText | None = None
+    # Who answers comes from the token, never from the body.
+    principal: SkipJsonSchema[None] = None
 
 
 # -- JSON ---------------------------------------------------------------------------------------

@@ -109,6 +109,9 @@ class Endpoint(BaseModel):
     joined_at: float | None = Field(
         default=None, description="When the instance joined (a restart is another instance)."
     )
+    principal: str | None = Field(
+        default=None, description="Whose agent token registered it: only it may answer late."
+    )
     # What resolve met and learnt, for the workflow's plan and the request's record.
     breaker: str = "closed"
     probe: bool = False
@@ -298,6 +301,8 @@ class LateAnswer(BaseModel):
     """
 
     instance_id: str | None = None
+    # Set by the gateway from the answering agent's token (never read from the body).
+    principal: str | None = None
     status: Literal["success", "error"] = "success"
     result: dict[str, Any] | None = None
     error_type: str | None = None

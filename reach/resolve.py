@@ -228,6 +228,7 @@ class Resolver:
             address=chosen.address,
             max_message_bytes=chosen.max_message_bytes,
             joined_at=chosen.joined_at,
+            principal=chosen.principal,
             breaker=admission.status,
             probe=admission.probe,
             declared_idempotent=declared.idempotent if declared else None,

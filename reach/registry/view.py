@@ -64,6 +64,7 @@ class RouteEntry:
     max_inflight: int | None
     joined_at: float
     declared: Mapping[str, OperationDeclaration]
+    principal: str | None = None  # whose agent token registered it (None: auth off)
 
     @property
     def routable(self) -> bool:
@@ -152,6 +153,7 @@ class _Interned:
             max_inflight=record.max_inflight,
             joined_at=record.joined_at,
             declared=self.declared(record.declared),
+            principal=record.principal,
         )
 
 

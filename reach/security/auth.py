@@ -28,14 +28,21 @@ class Auth:
     def __init__(self, settings: AuthSettings, cache: TokenCache | None) -> None:
         self.settings = settings
         self.cache = cache
+        self._once_required = False  # `auto` never reopens in this process once it closed
 
     @property
     def required(self) -> bool:
-        if self.settings.mode == "open":
+        return self.required_under(self.settings)
+
+    def required_under(self, settings: AuthSettings) -> bool:
+        """Whether tokens are required with these settings (a reload is judged before use)."""
+        if settings.mode == "open":
             return False
-        if self.settings.mode == "tokens":
+        if settings.mode == "tokens" or self._once_required:
             return True
-        return self.cache is not None and len(self.cache.book) > 0
+        if self.cache is not None and len(self.cache.book) > 0:
+            self._once_required = True
+        return self._once_required
 
     def _verify(self, authorization: str | None) -> Principal:
         book = self.cache.book if self.cache is not None else None

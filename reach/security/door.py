@@ -19,12 +19,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from reach.config import ConfigError, ReachSettings, RuleSettings, load_settings
 from reach.errors import Forbidden, ReachError
 from reach.security.audit import AuditLog
-from reach.security.auth import Auth
+from reach.security.auth import Auth, exposure_problem
 from reach.security.rules import Decision, RuleBook
 from reach.security.tokens import (
     FileTokenStore,
@@ -42,7 +43,7 @@ CONFIG_POLL_S = 0.5
 _RULES = TypeAdapter(list[RuleSettings])
 
 # Sections a running gateway applies at once; the rest need a restart (and say so).
-LIVE_SECTIONS = frozenset({"rules", "auth", "audit", "policy"})
+LIVE_SECTIONS = frozenset({"rules", "auth", "policy"})
 
 
 def token_store(settings: ReachSettings, store: Store | None) -> TokenStore:
@@ -204,18 +205,25 @@ class ConfigWatcher:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        settling: tuple[int, int] | None = None
         while True:
             await asyncio.sleep(CONFIG_POLL_S)
             stamp = self._stamp()
             if stamp == self._seen or stamp is None:
+                settling = None
                 continue
-            self._seen = stamp
+            if stamp != settling:
+                # Changed since the last look: read it once it has stayed the same for a poll
+                # (an editor or `cat >` passes through empty and half-written states).
+                settling = stamp
+                continue
+            self._seen, settling = stamp, None
             self.check()
 
     def check(self, principal: str | None = None) -> bool:
         """Read the file now; apply it if valid. True when applied."""
         try:
-            new = load_settings(self.path, **self.overrides)
+            new = self._read()
         except ConfigError as exc:
             self.last_problem = str(exc)
             self.door.refuse(str(self.path), str(exc), principal)
@@ -225,6 +233,29 @@ class ConfigWatcher:
         if self.on_apply is not None:
             self.on_apply(new)
         return True
+
+    def _read(self) -> ReachSettings:
+        """The file's settings, refused when it cannot be what was meant: no `reach:` mapping
+        (empty, comments only), or serving beyond loopback without tokens."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read {self.path}: {exc.strerror}") from exc
+        try:
+            raw = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{self.path} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict) or not isinstance(raw.get("reach"), dict):
+            raise ConfigError(
+                f"{self.path} holds no 'reach:' mapping (empty or half-written?); "
+                "a running gateway does not reset itself to the defaults"
+            )
+        new = load_settings(self.path, **self.overrides)
+        running = self.door.settings.listen_host
+        problem = exposure_problem(new.auth.mode, running, self.door.auth.required_under(new.auth))
+        if problem is not None:
+            raise ConfigError(problem.replace("refusing to serve", "refusing to keep serving"))
+        return new
 
     async def aclose(self) -> None:
         if self._task is not None:

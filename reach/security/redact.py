@@ -212,3 +212,22 @@ def _redactor(keys: tuple[str, ...], max_string: int) -> Redactor:
 def redact(value: Any, *, keys: Iterable[str] = SECRET_KEY_NAMES, max_string: int = 256) -> Any:
     """A redacted copy of `value` (the input is never changed); the rules are the module's."""
     return _redactor(tuple(keys), max_string)(value)
+
+
+def safe_url(url: str, limit: int = 200) -> str:
+    """`url` fit for a log line or an error message: no userinfo, query or fragment (they may
+    carry credentials), cut to `limit` characters."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{host}:{parts.port}" if parts.port is not None else host
+        cleaned = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        if parts.query or parts.fragment or "@" in parts.netloc:
+            cleaned += " (credentials, query and fragment not shown)"
+    except ValueError:
+        cleaned = "(an unparseable URL)"
+    return cleaned[:limit]

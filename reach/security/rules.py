@@ -53,7 +53,8 @@ class _Rule:
             label=rule.label,
             order=order,
             allowed=frozenset(rule.allowed_operations),
-            denied=frozenset(rule.denied_operations),
+            # Denials match in any case: `DELETE_INDEX` is denied with `delete_index`.
+            denied=frozenset(op.casefold() for op in rule.denied_operations),
             rate_limit_per_minute=rule.rate_limit_per_minute,
         )
 
@@ -103,7 +104,7 @@ class RuleBook:
                 continue
             seen.add(pair)
             for rule in self._index.get(pair, ()):
-                if operation in rule.denied or WILDCARD in rule.denied:
+                if operation.casefold() in rule.denied or WILDCARD in rule.denied:
                     return Decision(
                         allowed=False,
                         rule=rule.label,

@@ -298,7 +298,9 @@ class TokenCache:
         self._again = False
 
     async def start(self) -> None:
-        await self.reload()
+        # Unreadable at start: refuse to start (an empty book would leave the door open).
+        self.book = TokenBook(await self.store.load())
+        self.loaded_at = time.time()
         self._stop = await self.store.watch(self.changed)
         self._resync = asyncio.get_running_loop().create_task(self._resync_forever())
 
@@ -321,6 +323,15 @@ class TokenCache:
         except (ReachError, OSError) as exc:
             log.warning("could not re-read tokens (keeping the last copy): %s", exc)
             return
+        if not records and len(self.book) > 0:
+            # Records are revoked, never deleted: a store that reads back empty lost them
+            # (a moved file, a flushed Redis), and must not turn the door open.
+            log.error(
+                "the token store reads back empty after holding %d tokens; keeping them "
+                "(restore the store, or restart the gateway to start afresh)",
+                len(self.book),
+            )
+            return
         self.book = TokenBook(records)
         self.loaded_at = time.time()
 
@@ -342,7 +353,8 @@ class TokenCache:
 def check_claimed_caller(principal: Principal, claimed: str | None) -> None:
     """`X-Reach-Caller`, when a token names the caller, may only repeat that name."""
     if claimed and claimed != principal.name:
+        # The claimed name is not repeated: it may be anything, a pasted secret too.
         raise Forbidden(
-            f"X-Reach-Caller {claimed!r} does not match the token's principal "
-            f"{principal.name!r}; drop the header or send the caller's own token"
+            f"X-Reach-Caller does not match the token's principal {principal.name!r}; drop the "
+            "header or send the caller's own token"
         )

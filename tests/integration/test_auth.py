@@ -227,7 +227,7 @@ async def test_an_agent_token_cannot_hijack(
     stack, gw, tokens, _ = secured
     mine, _ = issue_cli(stack, "--principal", "owner", "--agent", "--capability", capability)
     other, _ = issue_cli(stack, "--principal", "thief", "--agent", "--capability", capability)
-    agent = await start_agent(gw, capability, mine, "deferring", "--defer")
+    agent = await start_agent(gw, capability, mine, "deferring", "--defer", "--delay-ms", "3000")
     # A Join for a capability the token does not name.
     join = {
         "instance_id": "thief-1",
@@ -276,6 +276,24 @@ async def test_an_agent_token_cannot_hijack(
     r = await http.post(f"{gw.url}/reach/requests/{rid}/result", json=answer, headers=bearer(other))
     assert r.status_code == 403, r.text
     await http.delete(f"{gw.url}/reach/agents/thief-2", headers=bearer(other))
+    # The owner's instance goes away; another principal takes its name and answers as it:
+    # the request was sent to the owner's instance, so only the owner's token answers.
+    agent.proc.kill()
+    r = await http.delete(f"{gw.url}/reach/agents/{agent.instance_id}", headers=bearer(mine))
+    assert r.status_code == 204
+    r = await http.post(f"{gw.url}/reach/requests/{rid}/result", json=answer, headers=bearer(other))
+    assert r.status_code == 403, r.text  # not registered: join first
+    join = {
+        "instance_id": agent.instance_id,
+        "capability": capability,
+        "service_address": "127.0.0.1:9",
+    }
+    r = await http.post(f"{gw.url}/reach/agents", json=join, headers=bearer(other))
+    assert r.status_code == 200, r.text
+    r = await http.post(f"{gw.url}/reach/requests/{rid}/result", json=answer, headers=bearer(other))
+    assert r.status_code == 403, r.text
+    assert "not sent to an instance of 'thief'" in r.json()["error"]["message"]
+    await http.delete(f"{gw.url}/reach/agents/{agent.instance_id}", headers=bearer(other))
 
 
 # -- rules ----------------------------------------------------------------------------------
@@ -337,6 +355,13 @@ async def test_rules_decide_and_change_without_restart(
     r = await http.post(url, json=body(capability, "delete_index"), headers=orch)
     assert r.status_code == 403
     assert (await http.post(url, json=body(capability), headers=orch)).status_code == 200
+    # An empty (or half-written) file is refused too: a gateway never resets to defaults.
+    config.write_text("")
+    await asyncio.sleep(1.5)
+    config.write_text("# nothing yet\n")
+    await asyncio.sleep(1.5)
+    r = await http.post(url, json=body(capability, "delete_index"), headers=orch)
+    assert r.status_code == 403
     # Back to no rules: everything is allowed again.
     write_rules(config, "      []\n")
     await wait_until(lambda: _not_denied(http, url, capability, orch), 10)
@@ -389,6 +414,22 @@ async def test_admin_api_issues_and_revokes(
     assert made["token"] not in (stack.tmp / "audit.jsonl").read_text()
 
 
+async def test_an_emptied_token_store_does_not_open_the_door(
+    secured: Any, http: httpx.AsyncClient
+) -> None:
+    stack, gw, tokens, _ = secured
+    store = stack.tmp / "tokens.json"
+    kept = store.with_suffix(".kept")
+    store.replace(kept)
+    try:
+        await asyncio.sleep(1.0)  # the gateway has looked at the (missing) file by now
+        assert (await http.get(f"{gw.url}/reach/capabilities")).status_code == 401
+        r = await http.get(f"{gw.url}/reach/capabilities", headers=bearer(tokens["intruder"]))
+        assert r.status_code == 200  # the last good copy is kept
+    finally:
+        kept.replace(store)
+
+
 # -- revocation across gateways (Redis) -----------------------------------------------------
 
 
@@ -423,6 +464,27 @@ async def test_revoked_on_one_gateway_is_refused_on_another_within_a_second(
 
 
 # -- safe by default ------------------------------------------------------------------------
+
+
+async def test_a_reload_cannot_open_a_public_gateway(temporal_server: str, tmp_path: Path) -> None:
+    config = tmp_path / "reach.yaml"
+    text = (ROOT / "reach.yaml").read_text()
+    config.write_text(text.replace("    mode: auto ", "    mode: tokens "))
+    stack = new_stack(
+        temporal_server,
+        tmp_path,
+        extra={"REACH_LISTEN_HOST": "0.0.0.0", "REACH_CONFIG": str(config)},
+    )
+    gw = await Gateway(stack).ready()
+    try:
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
+            assert (await http.get(f"{gw.url}/reach/capabilities")).status_code == 401
+            config.write_text(text)  # mode: auto, and no token exists
+            await wait_until(lambda: _event(stack, "config_rejected"), 10)
+            assert (await http.get(f"{gw.url}/reach/capabilities")).status_code == 401
+        assert "refusing to keep serving" in gw.proc.output()
+    finally:
+        gw.proc.stop()
 
 
 async def test_no_tokens_means_loopback_only(temporal_server: str, tmp_path: Path) -> None:

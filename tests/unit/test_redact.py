@@ -20,7 +20,7 @@ from pydantic import BaseModel, SecretStr
 
 from reach.config import SECRET_KEY_NAMES, AuditSettings
 from reach.security.audit import AuditLog
-from reach.security.redact import MASK, Redactor, digest, normalise_key, redact
+from reach.security.redact import MASK, Redactor, digest, normalise_key, redact, safe_url
 
 MARKER = f"SECRET{uuid.uuid4().hex}"  # appears nowhere but under secret keys
 _DEFAULT = Redactor()
@@ -334,3 +334,11 @@ def test_the_same_object_twice_on_different_paths_is_not_a_cycle() -> None:
 def test_digest_matches_hashlib() -> None:
     assert digest("é" * 3) == {"len": 3, "sha256": hashlib.sha256("ééé".encode()).hexdigest()}
     assert re.fullmatch(r"[0-9a-f]{64}", digest(b"")["sha256"])
+
+
+def test_safe_url_drops_credentials_query_and_fragment() -> None:
+    shown = safe_url("http://user:SECRET1@example.com:8080/cb?token=SECRET2#SECRET3")
+    assert "SECRET" not in shown
+    assert shown.startswith("http://example.com:8080/cb")
+    assert safe_url("https://[::1]:9/x") == "https://[::1]:9/x"
+    assert safe_url("http://plain.example/cb") == "http://plain.example/cb"

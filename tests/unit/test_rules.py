@@ -197,3 +197,19 @@ def test_validate_rules() -> None:
         "rules 3 and 4 are both labelled 'e->f': 403s and audit records cannot tell them apart",
     ]
     assert validate_rules([R19]) == []
+
+
+def test_a_denial_matches_in_any_case() -> None:
+    book = RuleBook(
+        [
+            RuleSettings(
+                caller="orchestrator",
+                target_capability="kr",
+                allowed_operations=["*"],
+                denied_operations=["delete_index"],
+            )
+        ]
+    )
+    for op in ("delete_index", "DELETE_INDEX", "Delete_Index"):
+        assert not book.decide("orchestrator", "kr", op).allowed
+    assert book.decide("orchestrator", "kr", "query").allowed
