@@ -1,0 +1,70 @@
+"""Recent requests from Temporal's visibility store (`GET /reach/requests`).
+
+Visibility is eventually consistent: a request shows up (and its status changes) a moment after
+the workflow does. SQL visibility (the dev server, PostgreSQL) cannot ORDER BY: it lists running
+workflows first, then the most recently closed; the rows are then sorted newest first.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from temporalio.client import Client, WorkflowExecution
+
+from reach.invocation import WORKFLOW_INVOKE
+from reach.listing import ListStatus, RequestRow, status_of, visibility_query
+from reach.security.tokens import Principal
+from workflows.invoke import SA_CALLER, SA_CAPABILITY, SA_INSTANCE, SA_OPERATION, SA_STATUS
+
+
+async def list_requests(
+    client: Client,
+    principal: Principal | None,
+    *,
+    capability: str | None = None,
+    operation: str | None = None,
+    caller: str | None = None,
+    status: ListStatus | None = None,
+    since: timedelta | None = None,
+    limit: int = 50,
+    rpc_timeout: timedelta | None = None,
+) -> list[RequestRow]:
+    """At most `limit` requests, newest first. With tokens required, a reader that is not an
+    admin sees only the requests it made."""
+    owner = principal.name if principal is not None and principal.kind != "admin" else None
+    started_after = datetime.now(UTC) - since if since is not None else None
+    query = visibility_query(
+        WORKFLOW_INVOKE,
+        capability=capability,
+        operation=operation,
+        caller=caller,
+        status=status,
+        started_after=started_after,
+        owner=owner,
+    )
+    rows = [
+        row_of(execution)
+        async for execution in client.list_workflows(
+            query, limit=limit, page_size=min(limit, 1000), rpc_timeout=rpc_timeout
+        )
+    ]
+    rows.sort(key=lambda r: r.started_at, reverse=True)
+    return rows
+
+
+def row_of(execution: WorkflowExecution) -> RequestRow:
+    attrs = execution.typed_search_attributes
+    started = execution.start_time
+    closed = execution.close_time
+    execution_status = execution.status.name if execution.status is not None else "RUNNING"
+    return RequestRow(
+        request_id=execution.id,
+        capability=attrs.get(SA_CAPABILITY),
+        operation=attrs.get(SA_OPERATION),
+        caller=attrs.get(SA_CALLER),
+        status=status_of(execution_status, attrs.get(SA_STATUS)),
+        instance=attrs.get(SA_INSTANCE),
+        started_at=started,
+        closed_at=closed,
+        duration_ms=round((closed - started).total_seconds() * 1000) if closed else None,
+    )
