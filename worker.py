@@ -29,16 +29,17 @@ from temporalio.api.operatorservice.v1 import (
     ListSearchAttributesRequest,
 )
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
-from temporalio.client import Client
+from temporalio.client import Client, Interceptor
 from temporalio.envconfig import ClientConfig
 from temporalio.service import RPCError
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
-from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import ReachActivities
 from activities.codec import data_converter
+from activities.telemetry import RequestIdInterceptor
 from connectors import ConnectorSet
-from reach.config import ConfigError, ReachSettings, load_settings
+from reach.config import ConfigError, ReachSettings, TelemetrySettings, load_settings
 from reach.errors import ReachError
 from reach.policy.engine import PolicyEngine
 from reach.policy.state import create_policy_state
@@ -47,6 +48,9 @@ from reach.registry.view import RegistryView
 from reach.routing import Router, check_routing
 from reach.routing.inflight import create_inflight
 from reach.store import Store, create_store
+from reach.telemetry import metrics as reach_metrics
+from reach.telemetry import tracing
+from reach.telemetry.logs import setup_logging
 from workflows.callback import DeliverCallbackWorkflow
 from workflows.invoke import SEARCH_ATTRIBUTES, InvokeWorkflow, capability_queue
 
@@ -56,7 +60,6 @@ T = TypeVar("T")
 # default (one per concurrent task) makes them contend for it: 2 served 122 calls/s at 64 in
 # flight where the default served 88 (bench/invoke.py, reach inline).
 WORKFLOW_THREADS = 2
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def loop_factory(choice: Literal["auto", "uvloop", "asyncio"]) -> Callable[[], Any] | None:
@@ -81,14 +84,26 @@ def run(main: Coroutine[Any, Any, T], settings: ReachSettings) -> T:
         return runner.run(main)
 
 
-def configure_logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT)
-    # Heartbeats are frequent and routine: kept out of the main log unless asked for (R25).
-    logging.getLogger("reach.heartbeat").setLevel(logging.DEBUG if verbose else logging.WARNING)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("temporalio").setLevel(logging.WARNING)
-    # ...but the workflow's own decisions (retry, give up, callback not delivered) are kept.
-    logging.getLogger("temporalio.workflow").setLevel(logging.INFO)
+def configure_logging(verbose: bool = False, telemetry: TelemetrySettings | None = None) -> None:
+    """The main log, and heartbeats apart and sampled (R25): `reach.telemetry.logs`. Called
+    again once the settings are loaded, for `telemetry.logs_format` and the sampling."""
+    setup_logging(telemetry, verbose=verbose)
+
+
+def telemetry_interceptors(settings: ReachSettings) -> list[Interceptor]:
+    """On the client, so that every worker built on it has them too: Temporal's OpenTelemetry
+    interceptor when `telemetry.traces` is on (start, query and update spans on the client;
+    workflow, activity and local activity spans on workers), and the RequestID on activities'
+    log records with JSON logs. None by default: tracing off costs nothing."""
+    found: list[Interceptor] = []
+    active = tracing.configure(settings.telemetry)
+    if active is not None:
+        from temporalio.contrib.opentelemetry import TracingInterceptor
+
+        found.append(TracingInterceptor(active))
+    if settings.telemetry.logs_format == "json":
+        found.append(RequestIdInterceptor())
+    return found
 
 
 async def connect_temporal(settings: ReachSettings, *, wait_s: float = 0.0) -> Client:
@@ -103,7 +118,9 @@ async def connect_temporal(settings: ReachSettings, *, wait_s: float = 0.0) -> C
     announced = False
     while True:
         try:
-            return await Client.connect(**config, data_converter=converter)
+            return await Client.connect(
+                **config, data_converter=converter, interceptors=telemetry_interceptors(settings)
+            )
         except RuntimeError as exc:
             if not announced and wait_s > 0:
                 log.warning(
@@ -175,6 +192,7 @@ class Services:
     router: Router
     connectors: ConnectorSet
     activities: ReachActivities
+    metrics: reach_metrics.ReachMetrics | None = None  # None: metrics.enabled is false
 
     async def start(self) -> None:
         """Read the registry into the local view and start following it (and the in-flight
@@ -220,10 +238,32 @@ def build_services(settings: ReachSettings, *, sweep: bool = True) -> Services:
     )
     router = Router.from_settings(settings, inflight)
     policy = PolicyEngine(settings.policy, create_policy_state(store))
+    metrics = None
+    if settings.metrics.enabled:
+        metrics = reach_metrics.ReachMetrics()
+        metrics.watch(
+            inflight=inflight, policy=policy, connections=lambda: connection_counts(connectors)
+        )
+        registry.on_evicted(metrics.evicted)
     activities = ReachActivities(
-        registry, router, connectors, policy, view=view, security=settings.security
+        registry,
+        router,
+        connectors,
+        policy,
+        view=view,
+        security=settings.security,
+        metrics=metrics,
     )
-    return Services(settings, store, registry, view, router, connectors, activities)
+    return Services(settings, store, registry, view, router, connectors, activities, metrics)
+
+
+def connection_counts(connectors: ConnectorSet) -> dict[tuple[str, str], dict[str, int]]:
+    """The connectors' lifecycle counters, (capability, protocol) -> counter -> value, read
+    (never changed) for the metrics."""
+    return {
+        key: {name: n for name, n in counts.items()}
+        for key, counts in connectors.stats._counts.items()
+    }
 
 
 def build_workers(
@@ -253,7 +293,13 @@ def build_workers(
                     acts.follow,
                     acts.take_token,
                 ],
-                workflow_runner=SandboxedWorkflowRunner()
+                # OpenTelemetry passed through, as Temporal's own OTel plugin does: one context
+                # inside and out (the trace ids on the workflow's log records).
+                workflow_runner=SandboxedWorkflowRunner(
+                    restrictions=SandboxRestrictions.default.with_passthrough_modules(
+                        "opentelemetry"
+                    )
+                )
                 if sandbox
                 else UnsandboxedWorkflowRunner(),
                 workflow_task_executor=ThreadPoolExecutor(
@@ -301,10 +347,33 @@ async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence
     log.info(
         "worker serving task queues %s on %s", queues, client.service_client.config.target_host
     )
+    scrape = await serve_metrics(services)
     print(f"reach worker: serving {', '.join(queues)}", flush=True)
     async with running_workers(workers):
         await stop.wait()
+    if scrape is not None:
+        scrape.close()
     await services.aclose()
+
+
+async def serve_metrics(services: Services) -> asyncio.Server | None:
+    """GET /metrics on `metrics.worker_port`, when that is set (None: not served)."""
+    settings = services.settings.metrics
+    if services.metrics is None or settings.worker_port is None:
+        return None
+    try:
+        server = await reach_metrics.serve(
+            services.metrics, settings.worker_host, settings.worker_port
+        )
+    except OSError as exc:
+        raise ConfigError(
+            f"metrics.worker_port: cannot listen on {settings.worker_host}:"
+            f"{settings.worker_port}: {exc.strerror or exc}"
+        ) from exc
+    host, port = server.sockets[0].getsockname()[:2]
+    log.info("metrics on http://%s:%s/metrics", host, port)
+    print(f"reach worker: metrics on http://{host}:{port}/metrics", flush=True)
+    return server
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -324,10 +393,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="also run the invoke worker (implied when no --capability is given)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve GET /metrics on this port (0: a free one; default: metrics.worker_port)",
+    )
     args = parser.parse_args(argv)
     configure_logging()
     try:
         settings = load_settings(args.config)
+        if args.metrics_port is not None:
+            settings.metrics.worker_port = args.metrics_port
+        configure_logging(telemetry=settings.telemetry)
         invoke = args.invoke or not args.capability
         run(serve(settings, invoke=invoke, capabilities=args.capability), settings)
     except (ConfigError, ConnectionError) as exc:
@@ -335,6 +413,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         pass
     exit_now(0)
+
+
+def _port(text: str) -> int:
+    port = int(text) if text.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is no port (0-65535)")
+    return port
 
 
 def exit_now(code: int, message: str | None = None) -> NoReturn:
@@ -345,6 +430,7 @@ def exit_now(code: int, message: str | None = None) -> NoReturn:
     """
     if message:
         print(message, file=sys.stderr)
+    tracing.shutdown()  # the spans still buffered (no atexit handler runs after os._exit)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

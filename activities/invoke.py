@@ -18,6 +18,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.telemetry import traced_call
 from connectors import ConnectorSet
 from connectors._guard import GuardedTransport, refusal_in
 from reach.config import SecuritySettings
@@ -54,7 +55,10 @@ from reach.registry.view import RegistryView
 from reach.resolve import Resolver, StaleRoute
 from reach.routing import Router
 from reach.security.netguard import AddressGuard
+from reach.security.redact import safe_url
 from reach.security.webhooks import caller_secret, message_id, webhook_headers
+from reach.telemetry import tracing
+from reach.telemetry.metrics import ReachMetrics
 
 log = logging.getLogger("reach.activities")
 
@@ -88,8 +92,10 @@ class ReachActivities:
         http: httpx.AsyncClient | None = None,
         view: RegistryView | None = None,
         security: SecuritySettings | None = None,
+        metrics: ReachMetrics | None = None,
     ) -> None:
         self.registry = registry
+        self.metrics = metrics
         # A view that is not started (unit tests) reads the store on every resolve.
         self.view = view or RegistryView(registry)
         self.router = router
@@ -188,6 +194,8 @@ class ReachActivities:
             endpoint.capability, endpoint.instance_id, f"{header.request_id}:{header.attempt}"
         )
         failed = False  # the agent's fault: its latency is then counted as high (routing)
+        called: float | None = None  # when the connector call began (metrics)
+        outcome = "cancelled"
         try:
             if inp.check_first:
                 # A regular activity runs once per scheduling, so only a local one can be a
@@ -199,22 +207,34 @@ class ReachActivities:
                     fresh=inp.first_run or not _runs_local(),
                 )
             connector = self.connectors.get(endpoint.protocol)
-            work = connector.invoke(endpoint, inp.message, inp.timeout_ms / 1000)
-            if activity.info().is_local:
-                reply = await work
+            if self.metrics is not None and header.attempt > 1:
+                self.metrics.retry(endpoint.capability)
+            called = time.perf_counter()
+            if tracing.tracer is not None:  # a client span: the agent's span is its child
+                reply = await traced_call(tracing.tracer, connector, inp, _awaited)
             else:
-                reply = await _heartbeating(work)
+                work = connector.invoke(endpoint, inp.message, inp.timeout_ms / 1000)
+                if activity.info().is_local:
+                    reply = await work
+                else:
+                    reply = await _heartbeating(work)
+            outcome = "success"
         except StaleRoute as stale:
             raise ApplicationError(str(stale), type=STALE_ROUTE, non_retryable=True) from stale
         except ReachError as err:
+            outcome = err.type
             if inp.judge_timeouts or not isinstance(err, DeadlineExceeded):
                 failed = counts_as_failure(err)
                 await self._record(inp.endpoint, ok=not failed)
             raise to_application_error(err) from err
         except Exception as exc:
+            outcome = "internal"
             raise _internal(f"call to {inp.endpoint.instance_id}", exc) from exc
         finally:
             self.router.inflight.end(inflight, failed=failed)
+            if called is not None and self.metrics is not None:
+                seconds = time.perf_counter() - called
+                self.metrics.agent_call(endpoint.capability, endpoint.protocol, outcome, seconds)
         await self._record(inp.endpoint, ok=True)
         return reply
 
@@ -260,13 +280,13 @@ class ReachActivities:
             refused = refusal_in(exc)
             if refused is not None:  # nothing was sent, and never will be: not retried
                 raise ApplicationError(
-                    f"callback {inp.url}: {refused}",
+                    f"callback {safe_url(inp.url)}: {refused}",
                     {"attempt": info.attempt},
                     type="callback_rejected",
                     non_retryable=True,
                 ) from exc
             raise ApplicationError(
-                f"callback {inp.url} unreachable: {exc!r}",
+                f"callback {safe_url(inp.url)} unreachable: {_without(exc, inp.url)}",
                 {"attempt": info.attempt},
                 type="transport_error",
             ) from exc
@@ -275,7 +295,7 @@ class ReachActivities:
         # A redirect is never followed, so it would answer the same every time: permanent.
         permanent = 300 <= r.status_code < 500 and r.status_code not in (408, 425, 429)
         raise ApplicationError(
-            f"callback {inp.url} answered HTTP {r.status_code}",
+            f"callback {safe_url(inp.url)} answered HTTP {r.status_code}",
             {"attempt": info.attempt},
             type="callback_rejected" if permanent else "callback_failed",
             non_retryable=permanent,
@@ -296,6 +316,11 @@ class ReachActivities:
         return secret
 
 
+def _without(exc: Exception, url: str) -> str:
+    """The exception as text, without the URL's credentials should its message quote it."""
+    return f"{type(exc).__name__}: {str(exc).replace(url, safe_url(url))}"
+
+
 def _runs_local() -> bool:
     try:
         return activity.info().is_local
@@ -310,6 +335,13 @@ def counts_as_failure(err: ReachError) -> bool:
     if isinstance(err, TransportError | DeadlineExceeded):
         return True
     return isinstance(err, AgentError) and err.retryable
+
+
+async def _awaited(work: Coroutine[Any, Any, Reply]) -> Reply:
+    """A local activity awaits the call; a regular one heartbeats while it runs."""
+    if activity.info().is_local:
+        return await work
+    return await _heartbeating(work)
 
 
 async def _heartbeating(work: Coroutine[Any, Any, Reply]) -> Reply:

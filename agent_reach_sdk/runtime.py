@@ -65,6 +65,7 @@ from agent_reach_sdk.context import (
     install_request_id_logging,
 )
 from agent_reach_sdk.servers import AgentServer, server_class
+from agent_reach_sdk.tracing import agent_tracer, traced_dispatch
 from agent_reach_sdk.wire import Answer, Inbound, error_answer
 from reach.limits import DEFAULT_MAX_MESSAGE_BYTES
 from reach.messages import MAX_TIMEOUT_MS, dumps
@@ -180,6 +181,7 @@ class AgentRuntime:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         tls_ca: str | None = None,
+        tracing: str | Any | None = None,
     ) -> None:
         """`service_address` is where Reach calls this instance: `host:port` for http, grpc
         and websocket (port 0 = any free port, filled in before joining); for mqtt, the
@@ -199,7 +201,13 @@ class AgentRuntime:
         then serves TLS (http, grpc, websocket), refuses clients without a certificate from the
         CA, and joins with a TLS address (https://, wss://; host:port for grpc). The instance id
         defaults to the one in the certificate, and another id is refused here (`ValueError`):
-        Reach would refuse it at Join."""
+        Reach would refuse it at Join.
+
+        Traces (`agent_reach_sdk.tracing`): `tracing` is "file:PATH", "console",
+        "otlp[:ENDPOINT]", "none" or an OpenTelemetry TracerProvider (default:
+        `$REACH_AGENT_TRACES`, else the process's global provider if the agent configured one).
+        Then each request's handler runs in a server span continuing the traceparent Reach
+        sent (a child of Reach's connector span); without one, tracing costs nothing."""
         _check_int("weight", weight, MAX_WEIGHT)
         if max_inflight is not None:
             _check_int("max_inflight", max_inflight, MAX_INFLIGHT)
@@ -236,6 +244,9 @@ class AgentRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.executed = 0  # operations actually run (re-deliveries answered from memory excluded)
+        self._tracing = tracing
+        self._tracer: Any = None  # an OpenTelemetry Tracer when tracing is on (astart decides)
+        self._tracer_provider: Any = None  # the provider built here, flushed at stop
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -302,6 +313,8 @@ class AgentRuntime:
 
     async def astart(self) -> None:
         install_request_id_logging()
+        if self._tracer is None:
+            self._tracer, self._tracer_provider = agent_tracer(self._tracing, self.capability)
         self._server = self._server_class(
             self.dispatch,
             listen=self._listen,
@@ -343,6 +356,8 @@ class AgentRuntime:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._tracer_provider is not None:  # the spans of the requests just finished
+            await asyncio.to_thread(self._tracer_provider.force_flush, 3000)
 
     def run(self) -> None:
         """Serve until Ctrl-C or SIGTERM, then leave cleanly (the smallest agent's last line)."""
@@ -548,7 +563,18 @@ class AgentRuntime:
     # -- serving ------------------------------------------------------------------------------
 
     async def dispatch(self, request: Inbound) -> Answer:
-        """Answer one request, whatever protocol it came by (the servers call this)."""
+        """Answer one request, whatever protocol it came by (the servers call this); with
+        tracing on, in a server span that continues the request's traceparent."""
+        if self._tracer is not None:
+            attributes = {
+                "reach.capability": self.capability,
+                "reach.instance_id": self.instance_id,
+                "reach.protocol": self.protocol,
+            }
+            return await traced_dispatch(self._tracer, request, self._dispatch, attributes)
+        return await self._dispatch(request)
+
+    async def _dispatch(self, request: Inbound) -> Answer:
         name = request.operation
         func = self._operations.get(name)
         if func is None:

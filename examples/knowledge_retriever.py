@@ -16,6 +16,9 @@ executed RequestID to a file, to check nothing runs twice), --fail-first N (the 
 `create` and `generate` calls fail with --fail-status, 503 by default; with --fail-shared, the
 first N calls of all the instances sharing the --ledger).
 
+Traces: with `REACH_AGENT_TRACES=file:PATH` (or `console`, `otlp`, `otlp:ENDPOINT`) each
+request's handler runs in a span continuing the traceparent Reach sent (`agent_reach_sdk.tracing`).
+
 `query` and `get_metadata` are declared idempotent at Join, so Reach retries them on retryable
 failures; `create` is not, so it is retried only for requests that carry an idempotency_key.
 """

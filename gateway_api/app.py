@@ -17,7 +17,7 @@ import reach
 from gateway_api import grpc_front
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath
-from gateway_api.routes import admin, agents, codec, health, invoke
+from gateway_api.routes import admin, agents, codec, health, invoke, metrics, requests, ui
 from gateway_api.service import Gateway
 from reach.config import ConfigError, ReachSettings
 from reach.limits import Limits
@@ -88,6 +88,7 @@ def create_app(
             calls_here=run_worker,
             door=door,
             connectors=services.connectors,
+            metrics=services.metrics,
         )
         watcher = None
         if config_path is not None:
@@ -126,9 +127,13 @@ def create_app(
     app.add_middleware(CatchBugs)
     app.add_middleware(InvokeFastPath, state=app.state, limit=limit)
     app.include_router(invoke.router)
+    app.include_router(requests.router)  # GET /reach/requests, .../{id}/timeline
     app.include_router(agents.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    if settings.metrics.enabled:
+        app.include_router(metrics.router)  # GET /metrics (Prometheus)
+    app.include_router(ui.router)  # the dashboard at /ui (not in the OpenAPI)
     if settings.security.encryption.enabled:
         app.include_router(codec.router(settings.security.encryption))
     return app

@@ -5,6 +5,8 @@ reach up        the whole stack in the foreground: Temporal dev server, gateway 
 reach gateway   the gateway alone (with its invoke worker), against an existing Temporal.
 reach worker    a worker alone (same as `python worker.py`).
 reach certs     a development CA for mTLS to agents: `certs init`, `certs issue --agent ID`.
+reach invoke | agents | capabilities | config check   the API from a terminal (cli_view).
+reach trace ID | requests   a request's timeline, the recent requests (cli_ops).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from gateway_api import cli_certs, cli_tokens
+from gateway_api import cli_certs, cli_ops, cli_tokens, cli_view
 from gateway_api.app import create_app
 from gateway_api.devserver import DevServer, PortInUse, dies_with_parent, require_free
 from gateway_api.grpc_front import grpc_port
@@ -259,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     worker.add_argument("--invoke", action="store_true")
     cli_tokens.add_parser(sub)
     cli_certs.add_parser(sub)  # reach certs init | issue (mTLS, R18)
+    cli_view.add_parser(sub)  # reach invoke | agents | capabilities | config check
+    cli_ops.add_parser(sub)  # reach trace ID | requests
     args = parser.parse_args(argv)
 
     configure_logging(args.verbose)
@@ -266,7 +270,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         # The gateway re-reads this file when it changes (R26), as `reach --config` named it.
         os.environ[CONFIG_ENV_VAR] = args.config
     try:
+        if args.command == "config":  # checks the file itself: before loading it
+            exit_now(cli_view.main(None, args))
         settings = load_settings(args.config)
+        configure_logging(args.verbose, settings.telemetry)  # its format, the sampling
+        if args.command in cli_view.COMMANDS:
+            exit_now(cli_view.main(settings, args))
+        if args.command in cli_ops.COMMANDS:
+            exit_now(cli_ops.main(settings, args))
         if args.command == "tokens":
             exit_now(cli_tokens.main(settings, args))
         if args.command == "certs":

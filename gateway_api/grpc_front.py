@@ -96,6 +96,8 @@ from reach.errors import (
 from reach.limits import MAX_DEPTH
 from reach.messages import InstanceId, dumps, new_request_id
 from reach.security.tokens import Principal
+from reach.telemetry import tracing
+from reach.telemetry.logs import current_request_id
 
 log = logging.getLogger("reach.gateway")
 
@@ -384,7 +386,20 @@ class ReachService:
     # -- Invoke -------------------------------------------------------------------------------
 
     async def invoke(self, raw: bytes, context: InvokeContext) -> pb.InvokeResponse:
-        """POST /reach/invoke's steps, with the call's metadata for its headers."""
+        """POST /reach/invoke's steps, with the call's metadata for its headers; with tracing
+        on, in a server span that continues the call's `traceparent`."""
+        active = tracing.tracer
+        if active is None:
+            return await self._invoke(raw, context)
+        # Read leniently here: an invalid traceparent is refused inside, as over HTTP.
+        traceparent = _metadata(context).get(TRACEPARENT_KEY)
+        attributes = {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": "Invoke"}
+        with tracing.server_span(active, f"{SERVICE}/Invoke", traceparent, attributes) as span:
+            response = await self._invoke(raw, context)
+            span.set_attribute("reach.request_id", response.request_id)
+            return response
+
+    async def _invoke(self, raw: bytes, context: InvokeContext) -> pb.InvokeResponse:
         gateway = self.gateway
         request_id: str | None = None
         try:
@@ -406,7 +421,11 @@ class ReachService:
             if context.time_remaining() is not None:
                 # The caller's own deadline may pass before the verdict: give it the id first.
                 await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
-            response = await gateway.invoke(body, payload_json, caller, traceparent)
+            token = current_request_id.set(request_id)  # on this request's log records
+            try:
+                response = await gateway.invoke(body, payload_json, caller, traceparent)
+            finally:
+                current_request_id.reset(token)
         except asyncio.CancelledError:
             log.info(
                 "gRPC Invoke %s: the caller stopped waiting; the request carries on", request_id

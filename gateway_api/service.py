@@ -43,6 +43,7 @@ from temporalio.service import RPCError, RPCStatusCode
 import connectors
 from connectors import ConnectorSet
 from connectors.base import Connector
+from gateway_api.errors import reach_error_of_rpc
 from reach.config import LimitSettings, ReachSettings, RoutingSettings
 from reach.errors import (
     Forbidden,
@@ -89,8 +90,10 @@ from reach.routing import Router, hash_key
 from reach.security.auth import may_serve
 from reach.security.door import Door
 from reach.security.netguard import AddressGuard
+from reach.security.redact import safe_url
 from reach.security.rules import Decision
 from reach.security.tokens import Principal
+from reach.telemetry.metrics import ReachMetrics
 from workflows.invoke import (
     SA_CALLER,
     SA_CAPABILITY,
@@ -128,6 +131,7 @@ class Gateway:
     door: Door | None = None
     # The live connectors (the Join-time mTLS identity probe); None: no probe.
     connectors: ConnectorSet | None = None
+    metrics: ReachMetrics | None = None  # None: metrics.enabled is false (or a unit test)
     limits: Limits = field(init=False)
     rpc_timeout: timedelta = field(init=False)
     _routing: dict[str, RoutingSettings] = field(init=False, default_factory=dict)
@@ -143,7 +147,9 @@ class Gateway:
         """A reloaded configuration (validated): the door's plans, limits and rules use it
         from the next request on. Connections, workers and the registry keep theirs until a
         restart (the reload says which sections that concerns)."""
-        self.settings = settings
+        # `security` (allowed networks, mTLS, encryption) is the connectors' and workers' too:
+        # it changes with a restart, everywhere at once, never for the door alone.
+        self.settings = settings.model_copy(update={"security": self.settings.security})
         self._routing = {}
         self._callback_plan = CallbackPlan(**settings.callback.model_dump())
 
@@ -196,7 +202,10 @@ class Gateway:
     ) -> InstanceRecord:
         if principal is not None and principal.kind == "agent":
             await self.registry.owned(instance_id, principal.name)
-        return await self.registry.heartbeat(instance_id, report)
+        record = await self.registry.heartbeat(instance_id, report)
+        if self.metrics is not None:
+            self.metrics.heartbeat(record.capability, record.status)
+        return record
 
     async def leave(self, instance_id: str, principal: Principal | None = None) -> bool:
         if principal is not None and principal.kind == "agent":
@@ -232,7 +241,7 @@ class Gateway:
         try:
             await self.address_guard().check_url(url)
         except InvalidRequest as exc:
-            raise InvalidRequest(f"callback {url[:200]!r}: {exc.message}") from None
+            raise InvalidRequest(f"callback {safe_url(url)!r}: {exc.message}") from None
 
     async def readiness(self) -> dict[str, bool]:
         """Whether Temporal and the registry store answer, each bounded in time."""
@@ -300,7 +309,33 @@ class Gateway:
 
         A sync answer still `running` after the deadline (no worker took the request) comes
         back as such: the caller gets a 504 and can ask again by RequestID.
+
+        Every answer, refusals included, is counted in the metrics (`reach_invokes_total`,
+        `reach_invoke_duration_seconds`).
         """
+        metrics = self.metrics
+        if metrics is None:
+            return await self._audited(req, payload_json, caller, traceparent)
+        t0 = time.perf_counter()
+        try:
+            response = await self._audited(req, payload_json, caller, traceparent)
+        except ReachError as exc:
+            status = "timeout" if exc.type == "timeout" else "error"
+            metrics.invoke(req.target, req.operation, status, exc.type, time.perf_counter() - t0)
+            raise
+        except RPCError as exc:  # Temporal's trouble: answered as reach_error_of_rpc says
+            rpc_error = reach_error_of_rpc(exc).type
+            metrics.invoke(req.target, req.operation, "error", rpc_error, time.perf_counter() - t0)
+            raise
+        error_type = response.error.type if response.error else ""
+        seconds = time.perf_counter() - t0
+        metrics.invoke(req.target, req.operation, response.status, error_type, seconds)
+        return response
+
+    async def _audited(
+        self, req: InvokeRequest, payload_json: bytes, caller: str, traceparent: str | None
+    ) -> InvokeResponse:
+        """`invoke` through the door: the rules, then one audit record."""
         door = self.door
         if door is None:
             return await self._invoke(req, payload_json, caller, traceparent, None)
@@ -346,6 +381,7 @@ class Gateway:
         traceparent: str | None,
         decision: Decision | None,
     ) -> InvokeResponse:
+        entered = time.perf_counter()
         request_id = req.request_id or new_request_id()
         if req.callback:  # request forgery: the callback's host must resolve to allowed IPs
             await self._vet_callback(str(req.callback))
@@ -403,6 +439,8 @@ class Gateway:
             else "running",
         )
         handle, started = await self._start(inp)
+        if started and self.metrics is not None:
+            self.metrics.accepted(req.target, time.perf_counter() - entered)
         deadline_ms = inp.deadline_ms
         if not started and endpoint is not None and self.resolver is not None:
             self.resolver.release(request_id)
@@ -440,6 +478,8 @@ class Gateway:
         )
         wait_s = await self.policy.take([bucket])
         if wait_s > 0 and not await self._calls_no_agent(req, caller):
+            if self.metrics is not None:
+                self.metrics.rate_limited(req.target, "reject")
             raise RateLimited(
                 f"rule {decision.rule!r} allows caller {caller!r} {per_minute:g} calls a minute "
                 f"to {req.target!r}; a token frees in {wait_s:.1f}s",
@@ -457,6 +497,8 @@ class Gateway:
         wait_s = await self.policy.take(buckets)
         if wait_s <= 0 or await self._calls_no_agent(req, caller):
             return
+        if self.metrics is not None:
+            self.metrics.rate_limited(req.target, limits.on_limit)
         if limits.on_limit == "reject":
             raise RateLimited(
                 f"rate limit of capability {req.target!r} for caller {caller!r} reached; "
@@ -492,6 +534,8 @@ class Gateway:
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 request_eager_start=True,
                 rpc_timeout=self.rpc_timeout,
+                # The Temporal UI's one line per request; the workflow adds the outcome.
+                static_summary=f"{inp.target}.{inp.operation} from {inp.caller}",
                 search_attributes=TypedSearchAttributes(
                     [
                         SearchAttributePair(SA_CALLER, inp.caller),
@@ -632,12 +676,18 @@ class Gateway:
         The update's id is the answer's content, so a resend (after a 503, a lost reply) is the
         same update, never another one carrying the same payload again.
         """
+        answer.principal = None
         if principal is not None and principal.kind == "agent":
-            # Only the instance the request was sent to answers it (the workflow checks the
-            # instance_id; here, that this principal registered that instance).
+            # Only the instance the request was sent to answers it: here, the principal must
+            # hold that instance now; the workflow checks it sent the request to an instance
+            # this principal registered.
             if answer.instance_id is None:
                 raise InvalidRequest("instance_id: required in a late answer when tokens are on")
-            await self.registry.owned(answer.instance_id, principal.name)
+            if await self.registry.owned(answer.instance_id, principal.name) is None:
+                raise Forbidden(
+                    f"instance {answer.instance_id!r} is not registered; join again, then answer"
+                )
+            answer.principal = principal.name
         handle = self.client.get_workflow_handle_for(InvokeWorkflow.run, request_id)
         # Twice the RPC timeout: the update waits for a worker to run its validator.
         wait = 2 * self.rpc_timeout

@@ -124,6 +124,21 @@ def capability_queue(capability: str) -> str:
     return f"reach-cap-{capability}"
 
 
+def ui_details(inp: InvokeInput, response: InvokeResponse | None) -> str:
+    """One line for the Temporal UI: `capability.operation from caller → status`."""
+    line = f"{inp.target}.{inp.operation} from {inp.caller} → "
+    if response is None:
+        return line + "running"
+    line += response.status
+    if response.error is not None:
+        line += f" ({response.error.type})"
+    if response.instance_id:
+        line += f" on {response.instance_id}"
+    if response.duration_ms is not None:
+        line += f" in {response.duration_ms} ms"
+    return line
+
+
 class _Failed(Exception):
     def __init__(self, error: ErrorInfo, instance_id: str | None) -> None:
         super().__init__(error.message)
@@ -171,7 +186,8 @@ def _error_of(exc: FailureError, instance_id: str | None) -> _Failed:
 class InvokeWorkflow:
     def __init__(self) -> None:
         self._late: LateAnswer | None = None
-        self._sent_to: set[str] = set()  # instances this run has called (a late answer's senders)
+        # Instances this run has called, with the principal that registered each: who may answer.
+        self._sent_to: dict[str, str | None] = {}
         self._final: InvokeResponse | None = None
         self._attempts: list[AttemptInfo] = []
         self._waited_ms: int | None = None
@@ -210,6 +226,15 @@ class InvokeWorkflow:
             raise ApplicationError(
                 f"this request was not sent to instance {sender!r}", type="forbidden"
             )
+        # With tokens, the principal that registered the instance the request went to answers,
+        # whatever instance_id an answer names (another token may re-use a name after a leave).
+        if answer.principal is not None:
+            owners = [self._sent_to[sender]] if sender is not None else list(self._sent_to.values())
+            if not any(owner in (None, answer.principal) for owner in owners):
+                raise ApplicationError(
+                    f"this request was not sent to an instance of {answer.principal!r}",
+                    type="forbidden",
+                )
 
     @workflow.query(name=QUERY_ATTEMPTS)
     def attempts_so_far(self) -> list[AttemptInfo]:
@@ -224,6 +249,8 @@ class InvokeWorkflow:
 
     @workflow.run
     async def run(self, inp: InvokeInput) -> InvokeResponse:
+        # The Temporal UI's line for the request (workflow state only, never in history).
+        workflow.set_current_details(ui_details(inp, None))
         try:
             response = await self._invoke(inp)
         except workflow.NondeterminismError:
@@ -240,6 +267,7 @@ class InvokeWorkflow:
                 ),
             )
         self._final = response
+        workflow.set_current_details(ui_details(inp, response))
         if inp.endpoint is not None and not self._door_used and inp.plan.mode == "inline":
             await self._release_door_route(inp)
         changed = self._outcome_attributes(inp, response)
@@ -521,7 +549,7 @@ class InvokeWorkflow:
                         None,
                     )
                 instance_id = endpoint.instance_id
-                self._sent_to.add(instance_id)
+                self._sent_to[instance_id] = endpoint.principal
                 breaker = endpoint.breaker
                 self._plan, self._deadline_ms = refine_plan(
                     self._plan,

@@ -20,7 +20,10 @@ from gateway_api.errors import envelope_response
 from gateway_api.service import Gateway, status_code_of
 from reach import acceptance
 from reach.acceptance import LateAnswerBody
+from reach.errors import ReachError
 from reach.messages import ErrorResponse, InvokeRequest, InvokeResponse, new_request_id
+from reach.telemetry import tracing
+from reach.telemetry.logs import current_request_id
 
 router = APIRouter(prefix="/reach", tags=["invoke"])
 
@@ -83,12 +86,50 @@ async def answer_invoke(
     state: Any,
 ) -> Response:
     """POST /reach/invoke once its headers are read: `state.request_id` is set as soon as the
-    request has one (error envelopes name it)."""
+    request has one (error envelopes name it). With tracing on, in a server span that
+    continues the caller's `traceparent`."""
+    active = tracing.tracer
+    if active is None:
+        return await _answer_invoke(gateway, raw, caller, traceparent, idempotency_key, state)
+    attributes = {
+        "http.request.method": "POST",
+        "url.path": "/reach/invoke",
+        "reach.caller": caller,
+    }
+    with tracing.server_span(active, "POST /reach/invoke", traceparent, attributes) as span:
+        try:
+            response = await _answer_invoke(
+                gateway, raw, caller, traceparent, idempotency_key, state
+            )
+        except ReachError as exc:  # answered in the envelope by the caller of this function
+            span.set_attribute("http.response.status_code", exc.http_status)
+            span.set_attribute("reach.error_type", exc.type)
+            raise
+        finally:
+            request_id = getattr(state, "request_id", None)
+            if request_id:
+                span.set_attribute("reach.request_id", request_id)
+        span.set_attribute("http.response.status_code", response.status_code)
+        return response
+
+
+async def _answer_invoke(
+    gateway: Gateway,
+    raw: bytes,
+    caller: str,
+    traceparent: str | None,
+    idempotency_key: str | None,
+    state: Any,
+) -> Response:
     body, payload_json = acceptance.invoke_request(raw, gateway.limits)
     body.idempotency_key = acceptance.one_idempotency_key(body.idempotency_key, idempotency_key)
     body.request_id = body.request_id or new_request_id()
     state.request_id = body.request_id
-    response = await gateway.invoke(body, payload_json, caller, traceparent)
+    token = current_request_id.set(body.request_id)  # on this request's log records
+    try:
+        response = await gateway.invoke(body, payload_json, caller, traceparent)
+    finally:
+        current_request_id.reset(token)
     # A sync caller still without a verdict at the deadline gets a gateway timeout.
     return envelope_response(response, status_code_of(response, running=504))
 

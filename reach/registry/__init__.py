@@ -412,6 +412,17 @@ class Registry:
             join.service_address,
             _rejoin_note(previous, join.capability),
         )
+        # The handshake's negotiation is routine: sampled, apart (the join itself is above).
+        heartbeat_log.info(
+            "handshake instance=%s proposed heartbeat_interval=%s max_message_bytes=%s -> "
+            "heartbeat_interval=%.2fs heartbeat_timeout=%.1fs max_message_bytes=%d",
+            join.instance_id,
+            join.heartbeat_interval,
+            join.max_message_bytes,
+            ack.heartbeat_interval,
+            ack.heartbeat_timeout,
+            ack.max_message_bytes,
+        )
         if previous is not None and previous.group != join.capability:
             await self._announce(previous.group, join.instance_id)
         await self._announce(join.capability, join.instance_id)
@@ -448,6 +459,8 @@ class Registry:
         )
         before = self._parse(previous)
         if before is None:
+            # Evicted (or never joined): the agent is told to join again, its re-join follows.
+            log.info("heartbeat from unknown instance=%s: asked to join again", instance_id)
             raise UnknownInstance(f"instance {instance_id!r} is not registered; join again")
         if before.status != report.status:
             log.info(
@@ -459,7 +472,13 @@ class Registry:
                 report.checks,
             )
             await self._announce(before.capability, instance_id)
-        heartbeat_log.debug("heartbeat instance=%s status=%s", instance_id, report.status)
+        # Routine: the sampled heartbeat log (telemetry.heartbeat_log_sample), not the main one.
+        heartbeat_log.info(
+            "heartbeat instance=%s status=%s inflight=%d",
+            instance_id,
+            report.status,
+            report.inflight,
+        )
         return before.model_copy(update=health)
 
     async def leave(self, instance_id: str) -> bool:
