@@ -18,6 +18,9 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
                    registry (the default configuration)
   reach inline, Redis registry   the same through a gateway on the Redis registry
   reach inline, sandboxed    the same with temporal.workflow_sandbox=true
+  reach inline, tracing on   the same with telemetry.traces=file (OpenTelemetry spans from the
+                   gateway's door through the workflow to the connector, batched to a JSON-lines
+                   file; the agent's own spans off): what tracing costs (off, it costs nothing)
   reach queue      POST /reach/invoke, capability in queue mode (regular activities)
 
 MQTT runs through a Mosquitto of the bench's own with `set_tcp_nodelay true` (the broker a
@@ -235,6 +238,10 @@ async def main(args: argparse.Namespace) -> None:
             ]
         ),
     )
+    # Tracing on: every span batched to a file (no console exporter).
+    gw5, env5 = other_gateway(
+        REACH_TELEMETRY__TRACES="file", REACH_TELEMETRY__FILE=str(tmp / "spans.jsonl")
+    )
     broker_port = free_port()
     (tmp / "mosquitto.conf").write_text(
         f"listener {broker_port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n"
@@ -245,7 +252,8 @@ async def main(args: argparse.Namespace) -> None:
         procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env2, tmp / "gw2.log"))
         procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env3, tmp / "gw3.log"))
         procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env4, tmp / "gw4.log"))
-        for base in (gw, gw2, gw3, gw4):
+        procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env5, tmp / "gw5.log"))
+        for base in (gw, gw2, gw3, gw4, gw5):
             await wait_http(f"{base}/readyz", lambda r: r.status_code == 200)
         for cap in ("bench-inline", "bench-queue"):
             procs.append(
@@ -264,7 +272,7 @@ async def main(args: argparse.Namespace) -> None:
                     tmp / f"{cap}.log",
                 )
             )
-        for n, base in ((2, gw2), (3, gw3), (4, gw4)):
+        for n, base in ((2, gw2), (3, gw3), (4, gw4), (5, gw5)):
             procs.append(
                 spawn(
                     [
@@ -302,7 +310,7 @@ async def main(args: argparse.Namespace) -> None:
                     tmp / f"bench-{protocol}.log",
                 )
             )
-        for base in (gw2, gw3, gw4):
+        for base in (gw2, gw3, gw4, gw5):
             await wait_http(
                 f"{base}/reach/capabilities/bench-inline",
                 lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
@@ -441,6 +449,7 @@ async def main(args: argparse.Namespace) -> None:
             **{f"reach inline via {NAMES[p]} agent": reach(f"bench-{p}") for p in PROTOCOLS},
             "reach inline, gRPC front": front,
             "reach inline, sandboxed": reach("bench-inline", gw2),
+            "reach inline, tracing on": reach("bench-inline", gw5),
             "reach queue": reach("bench-queue"),
         }
         if args.only:
