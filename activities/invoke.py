@@ -284,12 +284,15 @@ class ReachActivities:
                     {"attempt": info.attempt},
                     type="callback_rejected",
                     non_retryable=True,
-                ) from exc
+                ) from None
+            # `from None`: the message says why; httpx's chained causes and their stack traces
+            # would push the failure past Temporal's size limit, which then shows a pending
+            # delivery's last error only as "Failure exceeds size limit."
             raise ApplicationError(
                 f"callback {safe_url(inp.url)} unreachable: {_without(exc, inp.url)}",
                 {"attempt": info.attempt},
                 type="transport_error",
-            ) from exc
+            ) from None
         if r.is_success:
             return info.attempt
         # A redirect is never followed, so it would answer the same every time: permanent.

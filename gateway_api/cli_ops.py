@@ -97,7 +97,7 @@ def main(settings: ReachSettings, args: argparse.Namespace) -> int:
             path = f"/reach/requests/{quote(args.request_id, safe='')}/timeline"
             data = _get(base, token, path, {})
             if args.json:
-                print(json.dumps(data, indent=2, ensure_ascii=False))
+                print(json.dumps(data, indent=2, ensure_ascii=True))
             else:
                 print_timeline(data)
             return 0
@@ -108,7 +108,7 @@ def main(settings: ReachSettings, args: argparse.Namespace) -> int:
         }
         data = _get(base, token, "/reach/requests", params)
         if args.json:
-            print(json.dumps(data, indent=2, ensure_ascii=False))
+            print(json.dumps(data, indent=2, ensure_ascii=True))
         else:
             print_requests(data.get("requests") or [])
         return 0

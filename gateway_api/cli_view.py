@@ -306,7 +306,9 @@ def print_table(
 
 
 def print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, ensure_ascii=False))
+    """JSON with every non-ASCII character escaped: agent-written text never reaches the
+    terminal as control or bidi characters."""
+    print(json.dumps(data, indent=2, ensure_ascii=True))
 
 
 def age(seconds: float) -> str:

@@ -42,14 +42,20 @@ async def list_requests(
         started_after=started_after,
         owner=owner,
     )
-    rows = [
-        row_of(execution)
+    # Running and closed requests apart: SQL visibility lists running ones first, so `limit`
+    # old running requests would otherwise hide every newer one. One row per request (a reset
+    # workflow has several runs).
+    where = f"({query}) AND " if query else ""
+    rows: dict[str, RequestRow] = {}
+    for part in ("ExecutionStatus = 'Running'", "ExecutionStatus != 'Running'"):
         async for execution in client.list_workflows(
-            query, limit=limit, page_size=min(limit, 1000), rpc_timeout=rpc_timeout
-        )
-    ]
-    rows.sort(key=lambda r: r.started_at, reverse=True)
-    return rows
+            where + part, limit=limit, page_size=min(limit, 1000), rpc_timeout=rpc_timeout
+        ):
+            row = row_of(execution)
+            held = rows.get(row.request_id)
+            if held is None or row.started_at > held.started_at:
+                rows[row.request_id] = row
+    return sorted(rows.values(), key=lambda r: r.started_at, reverse=True)[:limit]
 
 
 def row_of(execution: WorkflowExecution) -> RequestRow:

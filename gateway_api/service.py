@@ -93,6 +93,7 @@ from reach.security.netguard import AddressGuard
 from reach.security.redact import safe_url
 from reach.security.rules import Decision
 from reach.security.tokens import Principal
+from reach.telemetry.metrics import UNKNOWN as UNKNOWN_LABEL
 from reach.telemetry.metrics import ReachMetrics
 from workflows.invoke import (
     SA_CALLER,
@@ -321,16 +322,28 @@ class Gateway:
             response = await self._audited(req, payload_json, caller, traceparent)
         except ReachError as exc:
             status = "timeout" if exc.type == "timeout" else "error"
-            metrics.invoke(req.target, req.operation, status, exc.type, time.perf_counter() - t0)
+            target, op = await self._labels(req)
+            metrics.invoke(target, op, status, exc.type, time.perf_counter() - t0)
             raise
         except RPCError as exc:  # Temporal's trouble: answered as reach_error_of_rpc says
             rpc_error = reach_error_of_rpc(exc).type
-            metrics.invoke(req.target, req.operation, "error", rpc_error, time.perf_counter() - t0)
+            target, op = await self._labels(req)
+            metrics.invoke(target, op, "error", rpc_error, time.perf_counter() - t0)
             raise
         error_type = response.error.type if response.error else ""
         seconds = time.perf_counter() - t0
-        metrics.invoke(req.target, req.operation, response.status, error_type, seconds)
+        target, op = (
+            (req.target, req.operation) if response.status == "success" else await self._labels(req)
+        )
+        metrics.invoke(target, op, response.status, error_type, seconds)
         return response
+
+    async def _labels(self, req: InvokeRequest) -> tuple[str, str]:
+        """Metric labels for a request that did not succeed: a capability nobody registered
+        is the caller's to name (and to multiply), so it counts as `_unknown`."""
+        if await self._known(req.target):
+            return req.target, req.operation
+        return UNKNOWN_LABEL, UNKNOWN_LABEL
 
     async def _audited(
         self, req: InvokeRequest, payload_json: bytes, caller: str, traceparent: str | None

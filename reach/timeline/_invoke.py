@@ -29,6 +29,7 @@ from reach.timeline._model import (
     failure_dict,
     ms,
     seconds,
+    shown_url,
     timestamp_ms,
 )
 from reach.timeline._story import Story
@@ -63,7 +64,7 @@ class InvokeStory(Story):
         accepted = inp.get("accepted_at_ms")
         self.base_ms = float(accepted) if isinstance(accepted, int | float) else event.time_ms
         plan = as_dict(inp.get("plan"))
-        self.callback_url = inp.get("callback")
+        self.callback_url = shown_url(inp.get("callback"))
         deadline = inp.get("deadline_ms")
         deadline_in = round(deadline - self.base_ms) if isinstance(deadline, int | float) else None
         # Plans without these fields were settled by configuration alone.
@@ -510,7 +511,7 @@ class InvokeStory(Story):
     def _on_start_child_workflow_execution_initiated(self, event: HistoryEvent, _: Any) -> None:
         if event.attrs.get("workflow_type") != WORKFLOW_DELIVER_CALLBACK:
             return
-        url = as_dict(event.attrs.get("input")).get("url") or self.callback_url
+        url = shown_url(as_dict(event.attrs.get("input")).get("url")) or self.callback_url
         self.add(
             event.time_ms,
             "callback",

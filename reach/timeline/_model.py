@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from reach.security.redact import safe_url
+
 LOCAL_ACTIVITY_MARKER = "core_local_activity"
 # A synthetic event the reader adds for an activity under way (history records it at its end).
 PENDING_ACTIVITY = "pending_activity"
@@ -151,3 +153,8 @@ def error_of(failure: dict[str, Any] | None) -> dict[str, Any]:
     if first.get("retry_after_s") is not None:
         error["retry_after_s"] = first["retry_after_s"]
     return error
+
+
+def shown_url(url: object) -> str | None:
+    """A callback URL as a timeline shows it: without credentials, query or fragment."""
+    return safe_url(url) if isinstance(url, str) and url else None

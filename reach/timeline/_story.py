@@ -15,6 +15,7 @@ from reach.timeline._model import (
     TimelineEvent,
     as_dict,
     failure_dict,
+    shown_url,
 )
 
 
@@ -71,7 +72,9 @@ class Story:
         for event in history:
             attrs = event.attrs
             if event.type == "workflow_execution_started":
-                self.callback_url = as_dict(attrs.get("input")).get("url") or self.callback_url
+                self.callback_url = (
+                    shown_url(as_dict(attrs.get("input")).get("url")) or self.callback_url
+                )
             elif event.type == "activity_task_scheduled":
                 scheduled[event.event_id] = Activity(
                     type=str(attrs.get("activity_type")), start_ms=event.time_ms

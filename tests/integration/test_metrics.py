@@ -96,6 +96,16 @@ async def test_invokes_heartbeats_and_connections_are_counted(
     assert total(after, "reach_inflight_calls", capability=capability) == 0
     values = {v for _, labels in after for _, v in labels}
     assert not values & set(ids)
+    # A repeat of an existing request_id naming made-up capabilities (a 409) must not mint
+    # label values: every name nobody registered is counted as _unknown.
+    for i in range(5):
+        junk = {**body, "target": f"junk-{uuid.uuid4().hex[:8]}-{i}", "request_id": ids[0]}
+        r = await http.post(f"{gateway.url}/reach/invoke", json=junk)
+        assert r.status_code == 409, r.text
+    later = await scrape(http, gateway.url)
+    assert not any("junk-" in v for _, labels in later for _, v in labels)
+    conflict = {**unknown, "error_type": "request_conflict"}
+    assert get(later, "reach_invokes_total", **conflict) >= 5
 
 
 async def test_a_retry_and_the_failed_call_are_counted(

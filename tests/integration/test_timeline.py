@@ -182,6 +182,29 @@ async def test_a_callback_request_shows_its_delivery_attempts(
     assert offsets == sorted(offsets)
 
 
+async def test_an_unreachable_callback_says_why_without_its_credentials(
+    gw: Gateway, http: httpx.AsyncClient, capability: str
+) -> None:
+    await start_agents(gw, capability, 1)
+    request_id = rid()
+    url = "http://user:CBSECRET@127.0.0.1:9/cb?token=QSECRET"  # port 9: nothing listens
+    r = await http.post(
+        f"{gw.url}/reach/invoke", json=body(capability, request_id=request_id, callback=url)
+    )
+    assert r.status_code == 202, r.text
+
+    async def retried() -> bool:
+        r = await http.get(f"{gw.url}/reach/requests/{request_id}")
+        delivery = r.json().get("delivery") or {}
+        return "unreachable" in (delivery.get("last_error") or "")
+
+    await wait_until(retried, 15)
+    data = await timeline(http, gw, request_id)
+    text = json.dumps(data)
+    assert "SECRET" not in text
+    assert "127.0.0.1:9/cb" in text
+
+
 async def test_a_late_answer_and_a_timeout(
     gw: Gateway, http: httpx.AsyncClient, capability: str
 ) -> None:
