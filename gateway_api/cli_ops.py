@@ -9,28 +9,26 @@ A table in a terminal, plain aligned columns when piped, `--json` for scripts. T
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
-import httpx
-
+from gateway_api.cli_view import (
+    TOKEN_ENV,
+    Api,
+    Failed,
+    clean,
+    gateway_options,
+    print_json,
+    print_table,
+)
 from reach.config import ReachSettings
 from reach.listing import MAX_LIMIT, since_delta
 
 COMMANDS = frozenset({"trace", "requests"})
-TOKEN_ENV = "REACH_TOKEN"
-EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 STATUSES = ("running", "success", "error", "timeout")
-
-
-class Failed(Exception):
-    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _since(text: str) -> str:
@@ -52,14 +50,7 @@ def _limit(text: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--gateway", metavar="URL", help="the gateway's URL (default: the configured one)"
-    )
-    common.add_argument(
-        "--token", help=f"a bearer token when the gateway requires one (default: ${TOKEN_ENV})"
-    )
-    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common = gateway_options()
 
     trace = sub.add_parser(
         "trace",
@@ -90,95 +81,37 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(settings: ReachSettings, args: argparse.Namespace) -> int:
-    base = (args.gateway or settings.gateway_url).rstrip("/")
     token = args.token or os.environ.get(TOKEN_ENV) or None
     try:
-        if args.command == "trace":
-            path = f"/reach/requests/{quote(args.request_id, safe='')}/timeline"
-            data = _get(base, token, path, {})
+        with Api(args.gateway or settings.gateway_url, token) as api:
+            if args.command == "trace":
+                path = f"/reach/requests/{quote(args.request_id, safe='')}/timeline"
+                _, data = api.request("GET", path)
+                if args.json:
+                    print_json(data)
+                else:
+                    print_timeline(data)
+                return 0
+            params = {
+                key: getattr(args, key)
+                for key in ("capability", "operation", "status", "caller", "since", "limit")
+                if getattr(args, key) is not None
+            }
+            query = f"?{urlencode(params)}" if params else ""
+            _, data = api.request("GET", f"/reach/requests{query}")
             if args.json:
-                print(json.dumps(data, indent=2, ensure_ascii=True))
+                print_json(data)
             else:
-                print_timeline(data)
+                print_requests(data.get("requests") or [])
             return 0
-        params = {
-            key: getattr(args, key)
-            for key in ("capability", "operation", "status", "caller", "since", "limit")
-            if getattr(args, key) is not None
-        }
-        data = _get(base, token, "/reach/requests", params)
-        if args.json:
-            print(json.dumps(data, indent=2, ensure_ascii=True))
-        else:
-            print_requests(data.get("requests") or [])
-        return 0
     except Failed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code
 
 
-def _get(base: str, token: str | None, path: str, params: dict[str, Any]) -> dict[str, Any]:
-    headers = {"Accept": "application/json", "User-Agent": "reach-cli"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    try:
-        # No proxy from the environment between the CLI and a gateway (usually on this host).
-        with httpx.Client(trust_env=False, timeout=httpx.Timeout(30.0, connect=5.0)) as http:
-            response = http.get(base + path, params=params, headers=headers)
-    except httpx.TransportError as exc:
-        raise Failed(
-            f"cannot reach the gateway at {base}: {exc or type(exc).__name__} — is it running? "
-            "`reach up` (or `reach gateway`), or set --gateway",
-            EXIT_UNREACHABLE,
-        ) from None
-    try:
-        data = response.json()
-    except ValueError:
-        data = None
-    if not isinstance(data, dict):
-        raise Failed(
-            f"{base}{path} did not answer as a Reach gateway (HTTP {response.status_code}) — "
-            "check --gateway"
-        )
-    if response.status_code == 200:
-        return data
-    message = _error_text(data)
-    if response.status_code == 401:
-        if token:
-            raise Failed(
-                f"the gateway refused the token ({message}) — set REACH_TOKEN to a valid one"
-            )
-        raise Failed(
-            "the gateway requires a token — set REACH_TOKEN (or --token) to one from "
-            "`reach tokens issue --principal NAME`"
-        )
-    if response.status_code == 404 and path.endswith("/timeline"):
-        raise Failed(f"{message} (`reach requests` lists recent ones)")
-    raise Failed(message)
-
-
-def _error_text(data: dict[str, Any]) -> str:
-    error = data.get("error")
-    if isinstance(error, dict):
-        return safe(f"{error.get('type', 'error')}: {error.get('message', '')}")
-    return safe(str(data))
-
-
 def safe(text: Any) -> str:
     """Text from the gateway (agents' words among it) without terminal control sequences."""
-    return "".join(
-        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in str(text)
-    )
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> None:
-    """Aligned columns; the last one runs to the end of the line."""
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
-    for row in [headers, *rows]:
-        cells = [cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=False)]
-        print("  ".join([*cells, row[-1]]).rstrip())
+    return clean(str(text))
 
 
 def offset(at_ms: Any) -> str:
@@ -200,7 +133,7 @@ def print_timeline(data: dict[str, Any]) -> None:
     ]
     widths = max(len(r[0]) for r in rows)
     rows = [[r[0].rjust(widths), r[1], r[2]] for r in rows]
-    _table(["OFFSET".rjust(widths), "EVENT", "DETAIL"], rows)
+    print_table(["OFFSET".rjust(widths), "EVENT", "DETAIL"], rows, wrap="DETAIL")
 
 
 def _age(started: Any) -> str:
@@ -240,7 +173,7 @@ def print_requests(requests: list[dict[str, Any]]) -> None:
         ]
         for r in requests
     ]
-    _table(
+    print_table(
         ["REQUEST ID", "STATUS", "CAPABILITY.OPERATION", "CALLER", "INSTANCE", "STARTED", "TOOK"],
         rows,
     )

@@ -56,7 +56,8 @@ class NoAnswer(Failed):
 # arguments
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def gateway_options() -> argparse.ArgumentParser:
+    """--gateway, --token and --json: every command that talks to the gateway takes them."""
     gateway = argparse.ArgumentParser(add_help=False)
     gateway.add_argument(
         "--gateway", metavar="URL", help="the gateway's URL (default: the configured one)"
@@ -65,6 +66,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--token", help=f"a bearer token when the gateway requires one (default: ${TOKEN_ENV})"
     )
     gateway.add_argument("--json", action="store_true", help="machine-readable output")
+    return gateway
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    gateway = gateway_options()
 
     inv = sub.add_parser(
         "invoke",
@@ -240,6 +246,8 @@ def _error_text(data: dict[str, Any]) -> str:
 def _hint(status: int, path: str) -> str:
     if status == 404 and path.startswith("/reach/capabilities/"):
         return " — `reach capabilities` lists the known ones"
+    if status == 404 and path.endswith("/timeline"):
+        return " — `reach requests` lists recent ones"
     return ""
 
 
