@@ -108,6 +108,11 @@ async def start_agent(
     return await agent.ready()
 
 
+async def _in_ledger(gw: Gateway, capability: str, request_id: str) -> bool:
+    ledger = gw.stack.tmp / f"ledger-{capability}"
+    return ledger.exists() and request_id in ledger.read_text()
+
+
 def calls(gw: Gateway, capability: str) -> int:
     ledger = gw.stack.tmp / f"ledger-{capability}"
     return len(ledger.read_text().splitlines()) if ledger.exists() else 0
@@ -266,6 +271,8 @@ async def test_an_agent_token_cannot_hijack(
         headers=bearer(tokens["orchestrator"]),
     )
     assert r.status_code == 202, r.text
+    # Sent (the agent deferred it) before the thief's own instance exists to be routed to.
+    await wait_until(lambda: _in_ledger(gw, capability, rid), 10)
     join = {"instance_id": "thief-2", "capability": capability, "service_address": "127.0.0.1:9"}
     r = await http.post(f"{gw.url}/reach/agents", json=join, headers=bearer(other))
     assert r.status_code == 200, r.text
