@@ -15,13 +15,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
-import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import TypeVar
 
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import (
@@ -39,7 +37,7 @@ from activities import ReachActivities
 from activities.codec import data_converter
 from activities.telemetry import RequestIdInterceptor
 from connectors import ConnectorSet
-from reach.config import ConfigError, ReachSettings, TelemetrySettings, load_settings
+from reach.config import ConfigError, ReachSettings, load_settings
 from reach.errors import ReachError
 from reach.policy.engine import PolicyEngine
 from reach.policy.state import create_policy_state
@@ -47,10 +45,10 @@ from reach.registry import Registry
 from reach.registry.view import RegistryView
 from reach.routing import Router, check_routing
 from reach.routing.inflight import create_inflight
+from reach.runtime import configure_logging, exit_now, run, settle_heap
 from reach.store import Store, create_store
 from reach.telemetry import metrics as reach_metrics
 from reach.telemetry import tracing
-from reach.telemetry.logs import setup_logging
 from workflows.callback import DeliverCallbackWorkflow
 from workflows.invoke import SEARCH_ATTRIBUTES, InvokeWorkflow, capability_queue
 
@@ -60,34 +58,6 @@ T = TypeVar("T")
 # default (one per concurrent task) makes them contend for it: 2 served 122 calls/s at 64 in
 # flight where the default served 88 (bench/invoke.py, reach inline).
 WORKFLOW_THREADS = 2
-
-
-def loop_factory(choice: Literal["auto", "uvloop", "asyncio"]) -> Callable[[], Any] | None:
-    """The event loop a gateway or worker runs on (`event_loop` in reach.yaml): uvloop when it
-    is installed and not refused, else the standard library's (None)."""
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise ConfigError(
-                "event_loop: uvloop is not installed (pip install uvloop), or set it to auto"
-            ) from None
-        return None
-    return uvloop.new_event_loop
-
-
-def run(main: Coroutine[Any, Any, T], settings: ReachSettings) -> T:
-    """`asyncio.run`, on the event loop `settings.event_loop` names."""
-    with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
-        return runner.run(main)
-
-
-def configure_logging(verbose: bool = False, telemetry: TelemetrySettings | None = None) -> None:
-    """The main log, and heartbeats apart and sampled (R25): `reach.telemetry.logs`. Called
-    again once the settings are loaded, for `telemetry.logs_format` and the sampling."""
-    setup_logging(telemetry, verbose=verbose)
 
 
 def telemetry_interceptors(settings: ReachSettings) -> list[Interceptor]:
@@ -350,6 +320,7 @@ async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence
     scrape = await serve_metrics(services)
     print(f"reach worker: serving {', '.join(queues)}", flush=True)
     async with running_workers(workers):
+        settle_heap()
         await stop.wait()
     if scrape is not None:
         scrape.close()
@@ -420,20 +391,6 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is no port (0-65535)")
     return port
-
-
-def exit_now(code: int, message: str | None = None) -> NoReturn:
-    """Leave without interpreter teardown.
-
-    Once the Temporal SDK's native runtime has started, the interpreter can abort in its
-    teardown (PyGILState_Release; a known SDK issue), turning a clean exit into SIGABRT.
-    """
-    if message:
-        print(message, file=sys.stderr)
-    tracing.shutdown()  # the spans still buffered (no atexit handler runs after os._exit)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from gateway_api.routes import admin, agents, codec, health, invoke, metrics, re
 from gateway_api.service import Gateway
 from reach.config import ConfigError, ReachSettings
 from reach.limits import Limits
+from reach.runtime import settle_heap
 from reach.security.auth import exposure_problem
 from reach.security.door import ConfigWatcher, Door
 from worker import (
@@ -40,10 +41,12 @@ def create_app(
     *,
     run_worker: bool = True,
     config_path: Path | None = None,
+    own_process: bool = False,
 ) -> FastAPI:
     """The gateway app over a connected Temporal `client` (connect first, so an unreachable
     server is one clear error before anything serves). With `config_path`, a change to that
-    file is applied without a restart (rules, limits, auth; R26)."""
+    file is applied without a restart (rules, limits, auth; R26). `own_process`: the app is
+    the process's (`reach gateway`), which then settles its heap once started (`settle_heap`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -100,6 +103,8 @@ def create_app(
             # The gRPC front stops before the workers: its in-flight invokes need them.
             async with running_workers(workers), grpc_front.serving(settings, gateway) as front:
                 app.state.grpc_port = front.port if front else None
+                if own_process:
+                    settle_heap()
                 log.info(
                     "gateway ready on %s (registry=%s, task queue=%s)",
                     settings.gateway_url,

@@ -24,15 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 
 from gateway_api import cli_certs, cli_ops, cli_tokens, cli_view
-from gateway_api.app import create_app
 from gateway_api.devserver import DevServer, PortInUse, dies_with_parent, require_free
-from gateway_api.grpc_front import grpc_port
 from reach.config import CONFIG_ENV_VAR, ConfigError, ReachSettings, config_file, load_settings
+from reach.runtime import configure_logging, exit_now, run
 from reach.security.tokens import FileTokenStore, issue
-from worker import configure_logging, connect_temporal, exit_now, run
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 Announce = Callable[[], Coroutine[Any, Any, None]]
@@ -42,9 +39,17 @@ async def _serve(
     settings: ReachSettings, *, run_worker: bool = True, announce: Announce | None = None
 ) -> None:
     """Connect to Temporal first (a clear error, no traceback), then serve."""
+    # Imported here: the light commands (tokens, requests, trace, ...) start without them.
+    import uvicorn
+
+    from gateway_api.app import create_app
+    from worker import connect_temporal
+
     client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
     config = uvicorn.Config(
-        create_app(settings, client, run_worker=run_worker, config_path=config_file()),
+        create_app(
+            settings, client, run_worker=run_worker, config_path=config_file(), own_process=True
+        ),
         host=settings.listen_host,
         port=settings.listen_port,
         log_config=None,
@@ -65,6 +70,8 @@ async def _serve(
 
 def _require_free_ports(settings: ReachSettings) -> None:
     """The gateway's HTTP and gRPC ports, both on `listen_host`."""
+    from gateway_api.grpc_front import grpc_port
+
     require_free(
         settings.listen_port,
         "gateway",
@@ -121,6 +128,8 @@ def _start_agent(
 
 
 def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: Path) -> str:
+    from gateway_api.grpc_front import grpc_port
+
     url = settings.gateway_url
     ui = f"http://127.0.0.1:{ui_port}" if ui_port else "(headless)"
     port = grpc_port(settings)

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 from reach.limits import UPDATE_PAYLOADS_LIMIT_BYTES
-from workflows.invoke import SEARCH_ATTRIBUTES
 
 TUNING = (
     "--dynamic-config-value",
@@ -125,6 +124,8 @@ def command(
         "error",
         *TUNING,
     ]
+    from workflows.invoke import SEARCH_ATTRIBUTES  # Temporal's SDK: only when a server starts
+
     for key in SEARCH_ATTRIBUTES:
         cmd += ["--search-attribute", f"{key.name}=Keyword"]
     if ui_port is None:
