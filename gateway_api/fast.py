@@ -10,7 +10,7 @@ import logging
 
 from starlette.datastructures import State
 from starlette.requests import ClientDisconnect, Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 from temporalio.service import RPCError
 
 from gateway_api.errors import (
@@ -28,19 +28,20 @@ log = logging.getLogger("reach.gateway")
 PATH = "/reach/invoke"
 
 
-class InvokeFastPath:
-    """The outermost layer of the gateway app: invokes here, everything else to the app."""
+def is_invoke(scope: Scope) -> bool:
+    return bool(scope["type"] == "http" and scope["path"] == PATH and scope["method"] == "POST")
 
-    def __init__(self, app: ASGIApp, state: State, limit: int) -> None:
-        self.app = app
+
+class InvokeFastPath:
+    """`POST /reach/invoke` as an ASGI app of its own: `ReachApp` sends it here, ahead of
+    FastAPI's middleware stack (`is_invoke`)."""
+
+    def __init__(self, state: State, limit: int) -> None:
         self.state = state
         self.door = CatchBugs(BodyLimit(self._invoke, limit))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == PATH and scope["method"] == "POST":
-            await self.door(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+        await self.door(scope, receive, send)
 
     async def _invoke(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Where CatchBugs finds the request_id for a 500 envelope, as for the route.
