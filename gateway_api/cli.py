@@ -32,6 +32,7 @@ from reach.runtime import configure_logging, exit_now, run
 from reach.security.tokens import FileTokenStore, issue
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+KEEP_ALIVE_S = 75  # as nginx's default
 Announce = Callable[[], Coroutine[Any, Any, None]]
 
 
@@ -43,6 +44,7 @@ async def _serve(
     import uvicorn
 
     from gateway_api.app import create_app
+    from gateway_api.http_protocol import ReachHttpProtocol
     from worker import connect_temporal
 
     client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
@@ -55,9 +57,11 @@ async def _serve(
         log_config=None,
         access_log=False,
         lifespan="on",
-        # Not httptools, even when installed: it answers a header it cannot parse with a bare
-        # 400 before the app sees it, where h11 lets the door answer in the envelope (422).
-        http="h11",
+        http=ReachHttpProtocol,
+        # Longer than clients keep an idle connection (httpx 5 s, aiohttp 15 s), so that they
+        # close it first: with uvicorn's 5 s, a client reusing a pooled connection as the
+        # server closed it read "cannot write request body" (bench/invoke.py, 64 in flight).
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(announce()) if announce else None
