@@ -11,6 +11,9 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
   raw Temporal     the floor: a minimal workflow, eager start + one local activity doing that
                    HTTP call, unsandboxed (as Reach runs by default); every ratio is against it
                    except reach queue's
+  raw Temporal, Reach's search attributes   the floor whose start also carries what Reach's
+                   does for the Temporal UI (five search attributes, a one-line summary): the
+                   part of Reach's cost that is the engine indexing those
   raw Temporal, sandboxed    the same workflow in the SDK's sandbox (for reference)
   raw Temporal, queue        the queue-mode floor: eager start + one regular activity doing that
                    HTTP call on another task queue (reach queue's ratios are against it)
@@ -55,7 +58,12 @@ import grpc
 import httpx
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.common import (
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDConflictPolicy,
+    WorkflowIDReusePolicy,
+)
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +76,7 @@ from gateway_api.devserver import DevServer, free_port  # noqa: E402
 from reach.invocation import Endpoint  # noqa: E402
 from reach.messages import Header, Message  # noqa: E402
 from reach.security.tokens import FileTokenStore, issue  # noqa: E402
+from workflows.invoke import SEARCH_ATTRIBUTES  # noqa: E402
 
 PAYLOAD = {"text": "durable retries", "top_k": 2}
 PROTOCOLS = ("grpc", "websocket", "mqtt")
@@ -90,6 +99,7 @@ def percentile(samples: list[float], q: float) -> float:
 
 QUEUE_FLOOR = "raw Temporal, queue"
 FLOOR = "raw Temporal"
+LABELLED = "raw Temporal, Reach's search attributes"
 
 
 @dataclass
@@ -377,7 +387,18 @@ async def main(args: argparse.Namespace) -> None:
                 request_eager_start=True,
             )
 
-        def raw(task_queue: str) -> Callable[[], Awaitable[None]]:
+        def raw(task_queue: str, labelled: bool = False) -> Callable[[], Awaitable[None]]:
+            # labelled: the start carries what Reach's does for the Temporal UI (its five
+            # search attributes and a one-line summary), to show what that costs the engine.
+            summary = "bench-inline.query from anonymous" if labelled else None
+            attributes = (
+                TypedSearchAttributes(
+                    [SearchAttributePair(key, "bench-inline") for key in SEARCH_ATTRIBUTES]
+                )
+                if labelled
+                else None
+            )
+
             async def call() -> None:
                 await client.execute_workflow(
                     RawWorkflow.run,
@@ -387,6 +408,8 @@ async def main(args: argparse.Namespace) -> None:
                     id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                     id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                     request_eager_start=True,
+                    static_summary=summary,
+                    search_attributes=attributes,
                 )
 
             return call
@@ -441,6 +464,7 @@ async def main(args: argparse.Namespace) -> None:
             "direct HTTP": direct,
             **{f"direct {NAMES[p]}": direct_via(p) for p in PROTOCOLS},
             FLOOR: raw(queue),
+            LABELLED: raw(queue, labelled=True),
             "raw Temporal, sandboxed": raw(sandboxed_queue),
             QUEUE_FLOOR: raw_queue,
             "reach inline": reach("bench-inline"),
@@ -453,7 +477,7 @@ async def main(args: argparse.Namespace) -> None:
             "reach queue": reach("bench-queue"),
         }
         if args.only:
-            wanted = {FLOOR, *(n.strip() for n in args.only.split(";"))}
+            wanted = {FLOOR, LABELLED, *(n.strip() for n in args.only.split(";"))}
             if "reach queue" in wanted:
                 wanted.add(QUEUE_FLOOR)
             paths = {k: v for k, v in paths.items() if k in wanted}
