@@ -44,7 +44,6 @@ async def _serve(
     import uvicorn
 
     from gateway_api.app import create_app
-    from gateway_api.http_protocol import ReachHttpProtocol
     from worker import connect_temporal
 
     client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
@@ -57,7 +56,11 @@ async def _serve(
         log_config=None,
         access_log=False,
         lifespan="on",
-        http=ReachHttpProtocol,
+        # Not httptools, even when installed: it answers a header it cannot parse with a bare
+        # 400 before the app sees it, where h11 lets the door answer in the envelope (422); and
+        # uvicorn's httptools protocol sets no limit on the header section (h11: 16 KiB), and
+        # answers a malformed pipelined request before the one ahead of it.
+        http="h11",
         # Longer than clients keep an idle connection (httpx 5 s, aiohttp 15 s), so that they
         # close it first: with uvicorn's 5 s, a client reusing a pooled connection as the
         # server closed it read "cannot write request body" (bench/invoke.py, 64 in flight).

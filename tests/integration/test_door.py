@@ -311,37 +311,6 @@ async def test_the_idempotency_key_header_is_the_body_field(
     assert "Idempotency-Key" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize(
-    ("raw", "needle"),
-    [
-        (b"NOT HTTP AT ALL\r\n\r\n", "not valid HTTP/1.1"),
-        (
-            b"POST /reach/invoke HTTP/1.1\r\nHost: x\r\nX-Reach-Caller: a\x02b\r\n"
-            b"Content-Length: 2\r\n\r\n{}",
-            "header X-Reach-Caller",
-        ),
-    ],
-)
-async def test_a_request_the_parser_cannot_read_gets_the_envelope(
-    gateway: Gateway, raw: bytes, needle: str
-) -> None:
-    """Not uvicorn's bare text 400: the JSON envelope (422), then the connection closes."""
-    host, port = gateway.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        writer.write(raw)
-        answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: the gateway closes
-    finally:
-        writer.close()
-    head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 422 "), answer
-    assert b"connection: close" in head.lower()
-    envelope = json.loads(body)
-    assert envelope["status"] == "error"
-    assert envelope["error"]["type"] == "invalid_request"
-    assert needle in envelope["error"]["message"]
-
-
 async def test_an_idle_connection_outlives_the_clients_own_idle_timeout(gateway: Gateway) -> None:
     """Clients close an idle pooled connection first (httpx after 5 s, aiohttp after 15 s):
     had the gateway closed it at 5 s, one reusing it just then would fail to send."""
