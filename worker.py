@@ -19,7 +19,6 @@ import signal
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
 
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import (
@@ -53,7 +52,6 @@ from workflows.callback import DeliverCallbackWorkflow
 from workflows.invoke import SEARCH_ATTRIBUTES, InvokeWorkflow, capability_queue
 
 log = logging.getLogger("reach.worker")
-T = TypeVar("T")
 # Threads that run workflow activations. They take the GIL in turn anyway, and the SDK's
 # default (one per concurrent task) makes them contend for it: 2 served 122 calls/s at 64 in
 # flight where the default served 88 (bench/invoke.py, reach inline).
