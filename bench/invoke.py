@@ -14,6 +14,10 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
   raw Temporal, Reach's search attributes   the floor whose start also carries what Reach's
                    does for the Temporal UI (five search attributes, a one-line summary): the
                    part of Reach's cost that is the engine indexing those
+  raw Temporal behind an HTTP front   that labelled floor served over HTTP by a process of its
+                   own (bench/raw_front.py: uvicorn, uvloop, the gateway's worker threads), called
+                   as Reach is: everything a gateway is but Reach's own work, so reach inline
+                   against it is what Reach itself costs
   raw Temporal, sandboxed    the same workflow in the SDK's sandbox (for reference)
   raw Temporal, queue        the queue-mode floor: eager start + one regular activity doing that
                    HTTP call on another task queue (reach queue's ratios are against it)
@@ -29,12 +33,14 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
 MQTT runs through a Mosquitto of the bench's own with `set_tcp_nodelay true` (the broker a
 deployment should run; without it each call pays ~40 ms of Nagle at the broker).
 
-Sequential p50/p95/p99 over --requests calls after a warm-up, then throughput with 16 and 64
-calls in flight (--concurrency). The caller's HTTP client is aiohttp (httpx costs ~0.5 ms more
-per call here, which is the caller's, not Reach's); the floors' activities and Reach's HTTP
-connector both call the agent with httpx. --runs N repeats the whole measurement on the same
-stack and prints each ratio's median and range. Prints a Markdown table; writes
-bench/out/invoke.png if matplotlib is installed.
+Sequential p50/p95/p99 over --requests calls after a warm-up (the paths interleaved, in a
+shuffled order each round), then throughput with 16 and 64 calls in flight (--concurrency),
+--tput-calls calls each. A second table gives the CPU each process spent per call during the
+throughput phases (Linux /proc): on a CPU-bound box that, not the rate, is the steady figure.
+The caller's HTTP client is aiohttp (httpx costs ~0.5 ms more per call here, which is the
+caller's, not Reach's); the floors' activities and Reach's HTTP connector both call the agent
+with httpx. --runs N repeats the whole measurement on the same stack and prints each ratio's
+median and range. Prints Markdown tables; writes bench/out/invoke.png if matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -56,7 +63,6 @@ from pathlib import Path
 import aiohttp
 import grpc
 import httpx
-from temporalio import activity
 from temporalio.client import Client
 from temporalio.common import (
     SearchAttributePair,
@@ -70,6 +76,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agent_reach_proto import gateway_pb2  # noqa: E402
+from bench.raw_activity import PAYLOAD, call_agent, open_client  # noqa: E402
 from bench.raw_workflow import RawQueueWorkflow, RawWorkflow  # noqa: E402
 from connectors import ConnectorSet  # noqa: E402
 from gateway_api.devserver import DevServer, free_port  # noqa: E402
@@ -78,18 +85,8 @@ from reach.messages import Header, Message  # noqa: E402
 from reach.security.tokens import FileTokenStore, issue  # noqa: E402
 from workflows.invoke import SEARCH_ATTRIBUTES  # noqa: E402
 
-PAYLOAD = {"text": "durable retries", "top_k": 2}
 PROTOCOLS = ("grpc", "websocket", "mqtt")
 NAMES = {"grpc": "gRPC", "websocket": "WebSocket", "mqtt": "MQTT"}
-_http: httpx.AsyncClient | None = None
-
-
-@activity.defn(name="call_agent")
-async def call_agent(url: str) -> dict[str, object]:
-    assert _http is not None
-    r = await _http.post(url, json=PAYLOAD, headers={"X-Reach-Request-Id": str(uuid.uuid4())})
-    result: dict[str, object] = r.json()
-    return result
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -100,6 +97,58 @@ def percentile(samples: list[float], q: float) -> float:
 QUEUE_FLOOR = "raw Temporal, queue"
 FLOOR = "raw Temporal"
 LABELLED = "raw Temporal, Reach's search attributes"
+FRONTED = "raw Temporal behind an HTTP front"
+
+
+# Which processes do a row's work, by the names `main` gives them: the one running its Temporal
+# worker (a gateway, or the bench itself for the floors; None: no Temporal), and the agent's (with
+# the broker for MQTT). The caller is always the bench process; the server is counted for all.
+FLOOR_PROCS = ("bench", ("bench-inline",))
+ROW_PROCS: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "direct HTTP": (None, ("bench-inline",)),
+    "direct gRPC": (None, ("bench-grpc",)),
+    "direct WebSocket": (None, ("bench-websocket",)),
+    "direct MQTT": (None, ("bench-mqtt", "broker")),
+    FLOOR: FLOOR_PROCS,
+    LABELLED: FLOOR_PROCS,
+    FRONTED: ("front", ("bench-inline",)),
+    "raw Temporal, sandboxed": FLOOR_PROCS,
+    QUEUE_FLOOR: FLOOR_PROCS,
+    "reach inline": ("gw1", ("bench-inline",)),
+    "reach inline, Redis registry": ("gw3", ("bench-inline-3",)),
+    "reach inline, auth on": ("gw4", ("bench-inline-4",)),
+    "reach inline via gRPC agent": ("gw1", ("bench-grpc",)),
+    "reach inline via WebSocket agent": ("gw1", ("bench-websocket",)),
+    "reach inline via MQTT agent": ("gw1", ("bench-mqtt", "broker")),
+    "reach inline, gRPC front": ("gw1", ("bench-inline",)),
+    "reach inline, sandboxed": ("gw2", ("bench-inline-2",)),
+    "reach inline, tracing on": ("gw5", ("bench-inline-5",)),
+    "reach queue": ("gw1", ("bench-queue",)),
+}
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used (Linux /proc); 0.0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * TICK_S
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
 
 
 @dataclass
@@ -107,6 +156,8 @@ class Row:
     name: str
     samples: list[float]  # sequential latencies, ms
     tput: dict[int, float]  # calls per second, by calls in flight
+    # CPU ms per call of each process (ROW_PROCS's names, "server", "bench"), by calls in flight
+    cpu: dict[int, dict[str, float]]
 
     @property
     def floor(self) -> str:
@@ -126,19 +177,31 @@ class Row:
 
 
 async def measure(
-    paths: dict[str, Callable[[], Awaitable[None]]], n: int, warmup: int, concurrency: list[int]
+    paths: dict[str, Callable[[], Awaitable[None]]],
+    n: int,
+    warmup: int,
+    concurrency: list[int],
+    tput_calls: int,
+    cpu_now: Callable[[], dict[str, float]],
 ) -> list[Row]:
-    """Sequential latency, interleaved across paths, then throughput per path.
+    """Sequential latency, interleaved across paths, then throughput per path, with the CPU
+    each process spent per call meanwhile (the box is CPU-bound there, so throughput follows
+    the total).
 
     Interleaving matters: the dev server slows as its SQLite history grows, so timing the paths
-    one after another would charge that drift to whichever path runs last.
+    one after another would charge that drift to whichever path runs last. The order is shuffled
+    each round (seeded), so no path always follows the same other one (whose work the server may
+    still be finishing).
     """
     for call in paths.values():
         for _ in range(warmup):
             await call()
     lat: dict[str, list[float]] = {name: [] for name in paths}
+    order = list(paths.items())
+    shuffle = random.Random(9).shuffle
     for i in range(n):
-        for name, call in paths.items():
+        shuffle(order)
+        for name, call in order:
             t = time.perf_counter()
             await call()
             lat[name].append((time.perf_counter() - t) * 1000)
@@ -147,6 +210,7 @@ async def measure(
     rows = []
     for name, call in paths.items():
         tput: dict[int, float] = {}
+        cpu: dict[int, dict[str, float]] = {}
         for c in concurrency:
             sem = asyncio.Semaphore(c)
 
@@ -156,11 +220,14 @@ async def measure(
                 async with sem:
                     await call()
 
-            calls = max(n, 4 * c)
+            calls = max(tput_calls, 4 * c)
+            before = cpu_now()
             t = time.perf_counter()
             await asyncio.gather(*(one() for _ in range(calls)))
             tput[c] = calls / (time.perf_counter() - t)
-        row = Row(name, lat[name], tput)
+            after = cpu_now()
+            cpu[c] = {k: (after[k] - before[k]) * 1000 / calls for k in after}
+        row = Row(name, lat[name], tput, cpu)
         rates = "  ".join(f"c={c}: {v:5.0f}/s" for c, v in tput.items())
         print(f"  {name:<34} p50 {row.p50:6.1f} ms   {rates}", flush=True)
         rows.append(row)
@@ -191,11 +258,10 @@ async def wait_http(
 
 
 async def main(args: argparse.Namespace) -> None:
-    global _http
     tmp = Path(tempfile.mkdtemp(prefix="reach-bench-"))
     server = DevServer(str(tmp / "temporal.db"), free_port(), None, log_file=tmp / "temporal.log")
     server.start()
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: dict[str, subprocess.Popen[bytes]] = {}  # by the name the CPU table uses
     gw_port = free_port()
     gw = f"http://127.0.0.1:{gw_port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "TEMPORAL_"))}
@@ -257,68 +323,63 @@ async def main(args: argparse.Namespace) -> None:
         f"listener {broker_port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n"
     )
     try:
-        procs.append(spawn(["mosquitto", "-c", str(tmp / "mosquitto.conf")], env, tmp / "mq.log"))
-        procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env, tmp / "gw.log"))
-        procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env2, tmp / "gw2.log"))
-        procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env3, tmp / "gw3.log"))
-        procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env4, tmp / "gw4.log"))
-        procs.append(spawn([sys.executable, "-m", "gateway_api", "gateway"], env5, tmp / "gw5.log"))
+        procs["broker"] = spawn(
+            ["mosquitto", "-c", str(tmp / "mosquitto.conf")], env, tmp / "mq.log"
+        )
+        for n, gw_env in enumerate((env, env2, env3, env4, env5), 1):
+            procs[f"gw{n}"] = spawn(
+                [sys.executable, "-m", "gateway_api", "gateway"], gw_env, tmp / f"gw{n}.log"
+            )
         for base in (gw, gw2, gw3, gw4, gw5):
             await wait_http(f"{base}/readyz", lambda r: r.status_code == 200)
         for cap in ("bench-inline", "bench-queue"):
-            procs.append(
-                spawn(
-                    [
-                        sys.executable,
-                        str(ROOT / "examples/knowledge_retriever.py"),
-                        "--reach",
-                        gw,
-                        "--capability",
-                        cap,
-                        "--instance-id",
-                        f"{cap}-01",
-                    ],
-                    env,
-                    tmp / f"{cap}.log",
-                )
+            procs[cap] = spawn(
+                [
+                    sys.executable,
+                    str(ROOT / "examples/knowledge_retriever.py"),
+                    "--reach",
+                    gw,
+                    "--capability",
+                    cap,
+                    "--instance-id",
+                    f"{cap}-01",
+                ],
+                env,
+                tmp / f"{cap}.log",
             )
         for n, base in ((2, gw2), (3, gw3), (4, gw4), (5, gw5)):
-            procs.append(
-                spawn(
-                    [
-                        sys.executable,
-                        str(ROOT / "examples/knowledge_retriever.py"),
-                        "--reach",
-                        base,
-                        "--capability",
-                        "bench-inline",
-                        "--instance-id",
-                        f"bench-inline-0{n}",
-                    ],
-                    dict(env, REACH_AGENT_TOKEN=agent_token) if base == gw4 else env,
-                    tmp / f"bench-inline-{n}.log",
-                )
+            procs[f"bench-inline-{n}"] = spawn(
+                [
+                    sys.executable,
+                    str(ROOT / "examples/knowledge_retriever.py"),
+                    "--reach",
+                    base,
+                    "--capability",
+                    "bench-inline",
+                    "--instance-id",
+                    f"bench-inline-0{n}",
+                ],
+                dict(env, REACH_AGENT_TOKEN=agent_token) if base == gw4 else env,
+                tmp / f"bench-inline-{n}.log",
             )
         for protocol in PROTOCOLS:
-            procs.append(
-                spawn(
-                    [
-                        sys.executable,
-                        str(ROOT / "examples/knowledge_retriever.py"),
-                        "--reach",
-                        gw,
-                        "--capability",
-                        f"bench-{protocol}",
-                        "--instance-id",
-                        f"bench-{protocol}-01",
-                        "--protocol",
-                        protocol,
-                        "--broker",
-                        f"127.0.0.1:{broker_port}",
-                    ],
-                    env,
-                    tmp / f"bench-{protocol}.log",
-                )
+            procs[f"bench-{protocol}"] = spawn(
+                [
+                    sys.executable,
+                    str(ROOT / "examples/knowledge_retriever.py"),
+                    "--reach",
+                    gw,
+                    "--capability",
+                    f"bench-{protocol}",
+                    "--instance-id",
+                    f"bench-{protocol}-01",
+                    "--protocol",
+                    protocol,
+                    "--broker",
+                    f"127.0.0.1:{broker_port}",
+                ],
+                env,
+                tmp / f"bench-{protocol}.log",
             )
         for base in (gw2, gw3, gw4, gw5):
             await wait_http(
@@ -345,6 +406,22 @@ async def main(args: argparse.Namespace) -> None:
                 for p in PROTOCOLS
             }
         agent_url = f"http://{inst['address']}/reach/query"
+        front_http = f"http://127.0.0.1:{free_port()}"
+        procs["front"] = spawn(
+            [
+                sys.executable,
+                str(ROOT / "bench/raw_front.py"),
+                "--port",
+                front_http.rsplit(":", 1)[1],
+                "--temporal",
+                server.address,
+                "--agent-url",
+                agent_url,
+            ],
+            env,
+            tmp / "front.log",
+        )
+        await wait_http(front_http, lambda r: r.status_code == 200)
         connectors = ConnectorSet()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{front_port}")
         front_invoke = channel.unary_unary(
@@ -354,8 +431,7 @@ async def main(args: argparse.Namespace) -> None:
         )
 
         concurrency = [int(c) for c in args.concurrency.split(",")]
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        _http = httpx.AsyncClient(trust_env=False, limits=limits, timeout=30)
+        http = open_client()
         caller = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=max(concurrency)),
             timeout=aiohttp.ClientTimeout(total=30),
@@ -465,6 +541,7 @@ async def main(args: argparse.Namespace) -> None:
             **{f"direct {NAMES[p]}": direct_via(p) for p in PROTOCOLS},
             FLOOR: raw(queue),
             LABELLED: raw(queue, labelled=True),
+            FRONTED: reach("bench-inline", front_http),
             "raw Temporal, sandboxed": raw(sandboxed_queue),
             QUEUE_FLOOR: raw_queue,
             "reach inline": reach("bench-inline"),
@@ -477,7 +554,7 @@ async def main(args: argparse.Namespace) -> None:
             "reach queue": reach("bench-queue"),
         }
         if args.only:
-            wanted = {FLOOR, LABELLED, *(n.strip() for n in args.only.split(";"))}
+            wanted = {FLOOR, LABELLED, FRONTED, *(n.strip() for n in args.only.split(";"))}
             if "reach queue" in wanted:
                 wanted.add(QUEUE_FLOOR)
             paths = {k: v for k, v in paths.items() if k in wanted}
@@ -493,21 +570,32 @@ async def main(args: argparse.Namespace) -> None:
         sandboxed = Worker(
             client, task_queue=sandboxed_queue, workflows=[RawWorkflow], activities=[call_agent]
         )
+        assert server.process is not None
+        server_pids = [server.process.pid, *children(server.process.pid)]
+
+        def cpu_now() -> dict[str, float]:
+            now = {name: cpu_seconds(proc.pid) for name, proc in procs.items()}
+            now["server"] = sum(cpu_seconds(pid) for pid in server_pids)
+            now["bench"] = cpu_seconds(os.getpid())
+            return now
+
         runs: list[list[Row]] = []
         async with floor, sandboxed, activity_worker:
             for i in range(args.runs):
                 if args.runs > 1:
                     print(f"run {i + 1}/{args.runs}", flush=True)
-                runs.append(await measure(paths, args.requests, 20, concurrency))
+                runs.append(
+                    await measure(paths, args.requests, 20, concurrency, args.tput_calls, cpu_now)
+                )
         await caller.close()
-        await _http.aclose()
+        await http.aclose()
         await connectors.aclose()
         await channel.close()
         report(runs, concurrency, args)
     finally:
-        for p in procs:
+        for p in procs.values():
             p.terminate()
-        for p in procs:
+        for p in procs.values():
             p.wait(10)
         server.stop()
 
@@ -519,6 +607,10 @@ def _ratios(runs: list[list[Row]], name: str, value: Callable[[Row], float]) -> 
         by_name = {r.name: r for r in rows}
         row = by_name[name]
         ratios.append(value(row) / value(by_name[row.floor]))
+    return _spread(ratios)
+
+
+def _spread(ratios: list[float]) -> str:
     mid = statistics.median(ratios)
     if len(ratios) == 1:
         return f"{mid:.2f}"
@@ -537,6 +629,7 @@ def report(runs: list[list[Row]], concurrency: list[int], args: argparse.Namespa
                 )
                 for c in concurrency
             },
+            {},  # the CPU table reads the runs themselves
         )
         for name in (r.name for r in runs[0])
     ]
@@ -566,6 +659,7 @@ def report(runs: list[list[Row]], concurrency: list[int], args: argparse.Namespa
         f"\nRatios are against {FLOOR!r}, reach queue's against {QUEUE_FLOOR!r}"
         + (f"; median (range) over {len(runs)} runs." if len(runs) > 1 else ".")
     )
+    cpu_report(runs, concurrency)
     try:
         import matplotlib
 
@@ -601,6 +695,91 @@ def report(runs: list[list[Row]], concurrency: list[int], args: argparse.Namespa
     print(f"\nplot: {out / 'invoke.png'}")
 
 
+def _processes(name: str) -> tuple[str | None, tuple[str, ...]]:
+    return ROW_PROCS.get(name, (None, ()))
+
+
+def _cpu(row: Row, c: int, names: tuple[str, ...]) -> float:
+    return sum(row.cpu[c].get(n, 0.0) for n in names)
+
+
+def _total(row: Row, c: int) -> float:
+    worker, agents = _processes(row.name)
+    names = {"server", "bench", *agents} | ({worker} if worker else set())
+    return _cpu(row, c, tuple(names))
+
+
+def cpu_report(runs: list[list[Row]], concurrency: list[int]) -> None:
+    """CPU ms per call of each process during the throughput phases: what bounds throughput on
+    a CPU-bound box, and steadier than the rate itself."""
+    first = concurrency[0]
+
+    def median(name: str, value: Callable[[Row], float]) -> float:
+        return statistics.median(value(_by(rows, name)) for rows in runs)
+
+    def part(name: str, names: tuple[str, ...]) -> float:
+        return statistics.median(_cpu(_by(rows, name), first, names) for rows in runs)
+
+    print(
+        f"\nCPU ms per call while {first} calls are in flight (median over runs): the Temporal "
+        "server; the gateway serving the row (for the floors: the bench process, which is also "
+        "their caller); the caller (the bench's aiohttp or gRPC client); the agent (and the MQTT "
+        "broker). The total at each concurrency, and its ratio to the floor's (lower is "
+        "cheaper):\n"
+    )
+    print(
+        "| path | server | gateway or floor worker | caller | agent | "
+        + " | ".join(f"total c={c} | x floor c={c}" for c in concurrency)
+        + " |"
+    )
+    print("|---|---:|---:|---:|---:|" + "---:|---:|" * len(concurrency))
+    for name in (r.name for r in runs[0]):
+        worker, agents = _processes(name)
+        in_bench = worker == "bench"
+        cells = [
+            f"{part(name, ('server',)):.2f}",
+            "—" if worker is None else f"{part(name, (worker,)):.2f}",
+            "(in worker)" if in_bench else f"{part(name, ('bench',)):.2f}",
+            f"{part(name, agents):.2f}",
+        ]
+        for c in concurrency:
+
+            def total(r: Row, c: int = c) -> float:
+                return _total(r, c)
+
+            cells += [f"{median(name, total):.2f}", _ratios(runs, name, total)]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    names = {r.name for r in runs[0]}
+    for more, less, what in (
+        (LABELLED, FLOOR, "indexing Reach's search attributes and summary costs the engine"),
+        (FRONTED, LABELLED, "an HTTP front in a process of its own costs"),
+        ("reach inline", FRONTED, "Reach's own work costs"),
+    ):
+        if {more, less} <= names:
+            print(
+                f"\nWhat {what} ({more!r} less {less!r}): " + _difference(runs, more, less, first)
+            )
+
+
+def _difference(runs: list[list[Row]], more: str, less: str, c: int) -> str:
+    """p50 and CPU per call (in all and by the process doing the work), more's less less's."""
+
+    def delta(value: Callable[[Row], float]) -> float:
+        return statistics.median(value(_by(rows, more)) - value(_by(rows, less)) for rows in runs)
+
+    p50 = delta(lambda r: statistics.median(r.samples))
+    total = delta(lambda r: _total(r, c))
+    server = delta(lambda r: _cpu(r, c, ("server",)))
+    return (
+        f"p50 {p50:+.2f} ms; CPU {total:+.2f} ms per call at c={c}, of which the server's "
+        f"{server:+.2f} ms."
+    )
+
+
+def _by(rows: list[Row], name: str) -> Row:
+    return next(r for r in rows if r.name == name)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
@@ -608,6 +787,12 @@ if __name__ == "__main__":
         "--concurrency", default="16,64", help="calls in flight for throughput, comma-separated"
     )
     parser.add_argument("--runs", type=int, default=1, help="repeat the measurement N times")
+    parser.add_argument(
+        "--tput-calls",
+        type=int,
+        default=600,
+        help="calls per path and concurrency in the throughput phase (at least 4x in flight)",
+    )
     parser.add_argument(
         "--only", default="", help="';'-separated path names to run (the floors always run)"
     )
