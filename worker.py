@@ -36,7 +36,7 @@ from activities import ReachActivities
 from activities.codec import data_converter
 from activities.telemetry import RequestIdInterceptor
 from connectors import ConnectorSet
-from reach.config import ConfigError, ReachSettings, load_settings
+from reach.config import ConfigError, ReachSettings, TemporalSettings, load_settings
 from reach.errors import ReachError
 from reach.policy.engine import PolicyEngine
 from reach.policy.state import create_policy_state
@@ -52,9 +52,10 @@ from workflows.callback import DeliverCallbackWorkflow
 from workflows.invoke import SEARCH_ATTRIBUTES, InvokeWorkflow, capability_queue
 
 log = logging.getLogger("reach.worker")
-# Threads that run workflow activations. They take the GIL in turn anyway, and the SDK's
-# default (one per concurrent task) makes them contend for it: 2 served 122 calls/s at 64 in
-# flight where the default served 88 (bench/invoke.py, reach inline).
+# Threads that run workflow activations when they are not run inline (the sandbox, or
+# temporal.inline_activations off). They take the GIL in turn anyway, and the SDK's default (one
+# per concurrent task) makes them contend for it: 2 served 122 calls/s at 64 in flight where the
+# default served 88 (bench/invoke.py, reach inline).
 WORKFLOW_THREADS = 2
 
 
@@ -273,6 +274,9 @@ def build_workers(
                 workflow_task_executor=ThreadPoolExecutor(
                     WORKFLOW_THREADS, thread_name_prefix="reach-workflow"
                 ),
+                # The SDK's debug mode is what runs activations inline on this event loop (its
+                # other effects: no deadlock timeout, and a breakpoint() hook for workflows).
+                debug_mode=inline_activations(services.settings.temporal),
             )
         )
     for capability in capabilities:
@@ -284,6 +288,12 @@ def build_workers(
             )
         )
     return workers
+
+
+def inline_activations(temporal: TemporalSettings) -> bool:
+    """Whether the invoke worker runs activations on its event loop (`inline_activations`);
+    never in the sandbox, which the SDK's debug mode would relax."""
+    return temporal.inline_activations and not temporal.workflow_sandbox
 
 
 @contextlib.asynccontextmanager
