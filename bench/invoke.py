@@ -15,9 +15,9 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
                    does for the Temporal UI (five search attributes, a one-line summary): the
                    part of Reach's cost that is the engine indexing those
   raw Temporal behind an HTTP front   that labelled floor served over HTTP by a process of its
-                   own (bench/raw_front.py: uvicorn, uvloop, the gateway's worker threads), called
-                   as Reach is: everything a gateway is but Reach's own work, so reach inline
-                   against it is what Reach itself costs
+                   own (bench/raw_front.py: uvicorn, uvloop, activations inline as the
+                   gateway's), called as Reach is: everything a gateway is but Reach's own work,
+                   so reach inline against it is what Reach itself costs
   raw Temporal, sandboxed    the same workflow in the SDK's sandbox (for reference)
   raw Temporal, queue        the queue-mode floor: eager start + one regular activity doing that
                    HTTP call on another task queue (reach queue's ratios are against it)
@@ -76,7 +76,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agent_reach_proto import gateway_pb2  # noqa: E402
-from bench.raw_activity import PAYLOAD, call_agent, open_client  # noqa: E402
+from bench.raw_activity import PAYLOAD, call_agent, open_client, run_floor  # noqa: E402
 from bench.raw_workflow import RawQueueWorkflow, RawWorkflow  # noqa: E402
 from connectors import ConnectorSet  # noqa: E402
 from gateway_api.devserver import DevServer, free_port  # noqa: E402
@@ -176,6 +176,22 @@ class Row:
         return percentile(self.samples, 0.99)
 
 
+async def quiet(
+    cpu_now: Callable[[], dict[str, float]], step_s: float = 0.2, most_s: float = 3.0
+) -> dict[str, float]:
+    """The CPU counters once the Temporal server has gone quiet (under a tenth of a core over a
+    step): the work it does after the calls returned (visibility records, task queues) is theirs,
+    not the next row's."""
+    now = cpu_now()
+    deadline = time.monotonic() + most_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(step_s)
+        last, now = now, cpu_now()
+        if now["server"] - last["server"] < 0.1 * step_s:
+            break
+    return now
+
+
 async def measure(
     paths: dict[str, Callable[[], Awaitable[None]]],
     n: int,
@@ -225,7 +241,7 @@ async def measure(
             t = time.perf_counter()
             await asyncio.gather(*(one() for _ in range(calls)))
             tput[c] = calls / (time.perf_counter() - t)
-            after = cpu_now()
+            after = await quiet(cpu_now)
             cpu[c] = {k: (after[k] - before[k]) * 1000 / calls for k in after}
         row = Row(name, lat[name], tput, cpu)
         rates = "  ".join(f"c={c}: {v:5.0f}/s" for c, v in tput.items())
@@ -476,16 +492,8 @@ async def main(args: argparse.Namespace) -> None:
             )
 
             async def call() -> None:
-                await client.execute_workflow(
-                    RawWorkflow.run,
-                    agent_url,
-                    id=str(uuid.uuid4()),
-                    task_queue=task_queue,
-                    id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                    id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                    request_eager_start=True,
-                    static_summary=summary,
-                    search_attributes=attributes,
+                await run_floor(
+                    client, agent_url, task_queue, summary=summary, attributes=attributes
                 )
 
             return call

@@ -1,7 +1,8 @@
 """The floor as someone would serve it over HTTP without Reach, in a process of its own: a bare
 ASGI app on uvicorn (h11, uvloop, the gateway's keep-alive) that starts the floor's workflow with
-Reach's search attributes and summary, eager, runs it on a worker in the same process (the
-gateway's two workflow threads, its settled heap) and answers with the result as JSON.
+Reach's search attributes and summary, eager, runs it on a worker in the same process (as the
+gateway's runs: activations on the event loop, the settled heap) and answers with the result as
+JSON.
 
 Everything a gateway is except Reach itself (no door, routing, policy, envelope or audit), so
 `reach inline` against this row is what Reach's own work costs.
@@ -22,17 +23,12 @@ from typing import Any
 
 import uvicorn
 from temporalio.client import Client
-from temporalio.common import (
-    SearchAttributePair,
-    TypedSearchAttributes,
-    WorkflowIDConflictPolicy,
-    WorkflowIDReusePolicy,
-)
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.raw_activity import call_agent, open_client
+from bench.raw_activity import call_agent, open_client, run_floor
 from bench.raw_workflow import RawWorkflow
 from gateway_api.cli import KEEP_ALIVE_S
 from reach.runtime import loop_factory, settle_heap
@@ -61,16 +57,12 @@ def front(client: Client, task_queue: str, agent_url: str) -> Any:
                 break
         request = json.loads(body)
         target, operation = request["target"], request["operation"]
-        result = await client.execute_workflow(
-            RawWorkflow.run,
+        result = await run_floor(
+            client,
             agent_url,
-            id=str(uuid.uuid4()),
-            task_queue=task_queue,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            request_eager_start=True,
-            static_summary=f"{target}.{operation} from anonymous",
-            search_attributes=TypedSearchAttributes(
+            task_queue,
+            summary=f"{target}.{operation} from anonymous",
+            attributes=TypedSearchAttributes(
                 [
                     SearchAttributePair(SA_CALLER, "anonymous"),
                     SearchAttributePair(SA_CAPABILITY, target),
@@ -99,6 +91,7 @@ async def main(args: argparse.Namespace) -> None:
         activities=[call_agent],
         workflow_runner=UnsandboxedWorkflowRunner(),
         workflow_task_executor=ThreadPoolExecutor(WORKFLOW_THREADS),
+        debug_mode=True,  # activations on the event loop, as temporal.inline_activations does
     )
     config = uvicorn.Config(
         front(client, task_queue, args.agent_url),
