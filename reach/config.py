@@ -412,10 +412,11 @@ class TemporalSettings(_Section):
         description="Run InvokeWorkflow's activations on the process's event loop rather than "
         "handing each to a thread (unsandboxed only; the sandbox always uses threads). Saves "
         "two thread hand-offs per activation: ~1 ms of CPU per invoke, ~10% more throughput "
-        "(bench/invoke.py). It is the SDK's debug_mode path, so without the SDK's deadlock "
-        "detection: an activation that never returned would stall the whole process instead "
-        "of failing its task after 2 s. Reach's workflow never blocks (the test suite runs it "
-        "in the sandbox, which refuses blocking calls); false restores the thread pool.",
+        "(bench/invoke.py). It is the SDK's debug_mode path: no deadlock detection, and while an "
+        "activation runs the process serves nothing else, so a slow one (a bug) would hold "
+        "HTTP and heartbeats as long as it ran, where threads fail its task after 2 s. Reach's "
+        "workflow never blocks (the test suite runs it in the sandbox, which refuses blocking "
+        "calls); false restores the thread pool.",
     )
     dev_server: DevServerSettings = Field(default_factory=DevServerSettings)
     ui_url: str | None = Field(
