@@ -615,10 +615,6 @@ def _ratios(runs: list[list[Row]], name: str, value: Callable[[Row], float]) -> 
         by_name = {r.name: r for r in rows}
         row = by_name[name]
         ratios.append(value(row) / value(by_name[row.floor]))
-    return _spread(ratios)
-
-
-def _spread(ratios: list[float]) -> str:
     mid = statistics.median(ratios)
     if len(ratios) == 1:
         return f"{mid:.2f}"
@@ -630,13 +626,8 @@ def report(runs: list[list[Row]], concurrency: list[int], args: argparse.Namespa
     rows = [
         Row(
             name,
-            [x for rows in runs for x in next(r for r in rows if r.name == name).samples],
-            {
-                c: statistics.median(
-                    next(r for r in rows if r.name == name).tput[c] for rows in runs
-                )
-                for c in concurrency
-            },
+            [x for rows in runs for x in _by(rows, name).samples],
+            {c: statistics.median(_by(rows, name).tput[c] for rows in runs) for c in concurrency},
             {},  # the CPU table reads the runs themselves
         )
         for name in (r.name for r in runs[0])
@@ -770,7 +761,7 @@ def cpu_report(runs: list[list[Row]], concurrency: list[int]) -> None:
 
 
 def _difference(runs: list[list[Row]], more: str, less: str, c: int) -> str:
-    """p50 and CPU per call (in all and by the process doing the work), more's less less's."""
+    """p50, and CPU per call in all and the server's: more's less less's (median over runs)."""
 
     def delta(value: Callable[[Row], float]) -> float:
         return statistics.median(value(_by(rows, more)) - value(_by(rows, less)) for rows in runs)

@@ -17,7 +17,6 @@ import asyncio
 import json
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,6 @@ from bench.raw_activity import call_agent, open_client, run_floor
 from bench.raw_workflow import RawWorkflow
 from gateway_api.cli import KEEP_ALIVE_S
 from reach.runtime import loop_factory, settle_heap
-from worker import WORKFLOW_THREADS
 from workflows.invoke import (
     SA_CALLER,
     SA_CAPABILITY,
@@ -90,7 +88,6 @@ async def main(args: argparse.Namespace) -> None:
         workflows=[RawWorkflow],
         activities=[call_agent],
         workflow_runner=UnsandboxedWorkflowRunner(),
-        workflow_task_executor=ThreadPoolExecutor(WORKFLOW_THREADS),
         debug_mode=True,  # activations on the event loop, as temporal.inline_activations does
     )
     config = uvicorn.Config(
