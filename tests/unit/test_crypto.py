@@ -17,10 +17,9 @@ from fastapi import FastAPI
 from google.protobuf import json_format
 from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.api.failure.v1 import Failure
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 
-from activities.codec import ENCODING, KEY_ID, EncryptionCodec, data_converter
+from activities.codec import ENCODING, KEY_ID, PAYLOAD_CONVERTER, EncryptionCodec, data_converter
 from gateway_api.deps import require_admin
 from gateway_api.errors import install_error_handlers
 from gateway_api.routes import codec as codec_routes
@@ -213,7 +212,7 @@ async def test_codec_rotation_and_unknown_ids() -> None:
 
 
 async def test_data_converter_roundtrips_models_and_failures() -> None:
-    assert data_converter(ReachSettings()) is pydantic_data_converter
+    assert data_converter(ReachSettings()) is PAYLOAD_CONVERTER
     settings = ReachSettings(security=SecuritySettings(encryption=enc_settings()))
     converter = data_converter(settings)
     assert isinstance(converter.payload_codec, EncryptionCodec)

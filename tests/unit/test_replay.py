@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 from temporalio.client import WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from activities.codec import PAYLOAD_CONVERTER
 from workflows.callback import DeliverCallbackWorkflow
 from workflows.invoke import InvokeWorkflow
 
@@ -29,7 +29,7 @@ def test_there_are_histories_to_replay() -> None:
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
 async def test_history_replays_without_nondeterminism(path: Path) -> None:
     replayer = Replayer(
-        workflows=[InvokeWorkflow, DeliverCallbackWorkflow], data_converter=pydantic_data_converter
+        workflows=[InvokeWorkflow, DeliverCallbackWorkflow], data_converter=PAYLOAD_CONVERTER
     )
     history = WorkflowHistory.from_json(f"replay-{path.stem}", path.read_text())
     result = await replayer.replay_workflow(history, raise_on_replay_failure=True)
