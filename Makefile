@@ -38,8 +38,12 @@ fmt: $(STAMP)
 
 test: lint test-only
 
+# Two workers, each with its own Temporal dev server; whole files per worker, so a module's
+# gateway fixture starts once. `make test-only XDIST=` runs serially.
+XDIST ?= -n 2 --dist loadfile
+
 test-only: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest $(XDIST)
 	@$(MAKE) --no-print-directory fuzz-quick
 
 # Schemathesis over the gateway's OpenAPI against a real stack: bounded here, longer in `fuzz`.

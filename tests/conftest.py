@@ -7,9 +7,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, settings
 
 from gateway_api.devserver import DevServer, free_port
 from tests.helpers import SPAWNED, Gateway, Stack, stop_spawned
+
+# `make test-only` runs two pytest-xdist workers on the same cores, so a property test's examples
+# can wait behind the other worker's Temporal server and gateways: Hypothesis' per-example
+# deadline (200 ms) and its too_slow health check would then fail on the machine's load, not on
+# the code. Tests that set their own settings keep them.
+settings.register_profile("reach", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("reach")
 
 
 def _redis_up() -> bool:

@@ -144,6 +144,9 @@ def test_from_settings() -> None:
         (b64(os.urandom(16)), "keys.k1 must be 32 bytes once base64-decoded, not 16"),
         (b64(os.urandom(33)), "not 33"),
     ],
+    # Fixed ids: ids made from the random keys would differ between pytest-xdist's workers,
+    # and xdist refuses to run when the workers collect different tests.
+    ids=["not-base64", "16-bytes", "33-bytes"],
 )
 def test_settings_refuse_a_key_that_is_not_aes256(
     value: str, message: str, monkeypatch: pytest.MonkeyPatch, empty_yaml: Path

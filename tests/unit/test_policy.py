@@ -265,5 +265,7 @@ def test_a_retry_never_waits_past_the_deadline(
     )
     if isinstance(step, Retry):
         assert attempt <= p.max_retries
-        assert 0 < step.delay_s * 1000 <= p.backoff_cap_ms
+        # Compared in seconds: a delay at the cap is cap / 1000, and * 1000 back can round up
+        # (4001 / 1000 * 1000 == 4001.0000000000005).
+        assert 0 < step.delay_s <= p.backoff_cap_ms / 1000
         assert now_ms + step.delay_s * 1000 < now_ms + left_ms
