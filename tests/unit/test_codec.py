@@ -14,7 +14,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import DataConverter
 from temporalio.worker import Replayer, UnsandboxedWorkflowRunner, WorkflowRunner
 
-from activities.codec import PAYLOAD_CONVERTER, SharedPydanticPayloadConverter
+from activities.codec import PAYLOAD_CONVERTER
 from reach.invocation import InvokeResponse
 from reach.messages import ErrorInfo
 from workflows.callback import DeliverCallbackWorkflow
@@ -83,7 +83,6 @@ async def test_workflow_runs_reuse_the_cache_and_the_sandbox_adds_nothing_to_it(
         **runner,  # type: ignore[arg-type]
     )
     history = WorkflowHistory.from_json("codec-success", HISTORY.read_text())
-    SharedPydanticPayloadConverter()  # the shared converters exist
     cache = _json(PAYLOAD_CONVERTER)._type_adapter
     cache.cache_clear()
     sizes = []
