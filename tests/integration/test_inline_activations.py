@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -96,13 +97,17 @@ async def test_retries_wait_on_timers_and_a_running_request_answers_queries(
         )
         assert r.status_code == 202, r.text
         seen: list[int] = []
-        while True:
-            read = await http.get(f"{inline_gateway.url}/reach/requests/{request_id}")
-            state = read.json()
-            if state["status"] != "running":
-                break
-            seen.append(len(state.get("attempts", [])))
-            await asyncio.sleep(0.02)
+        state: dict[str, Any] = {}
+
+        async def ended() -> bool:
+            nonlocal state
+            state = (await http.get(f"{inline_gateway.url}/reach/requests/{request_id}")).json()
+            if state["status"] == "running":
+                seen.append(len(state.get("attempts", [])))
+                return False
+            return True
+
+        await wait_until(ended, 30, every_s=0.02)
         assert state["status"] == "error", state
         assert len(state["attempts"]) == 3
         assert set(seen) & {1, 2}, seen  # the query saw the attempts so far

@@ -7,6 +7,7 @@ import asyncio
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from temporalio.client import Client
 
 from gateway_api.devserver import temporal_binary
 from tests.conftest import new_stack
-from tests.helpers import Agent, CallbackReceiver, Gateway, Worker, start_agents
+from tests.helpers import Agent, CallbackReceiver, Gateway, Worker, start_agents, wait_until
 from workflows.invoke import SA_CALLER, SA_CAPABILITY, SA_INSTANCE, SA_OPERATION, SA_STATUS
 
 pytestmark = pytest.mark.integration
@@ -161,11 +162,14 @@ async def test_callback_rejected_with_4xx_is_not_retried_and_the_result_stays(
         rid = r.json()["request_id"]
         # Delivery is a workflow of its own that starts as the request ends: wait for its
         # verdict, not only the request's (under load the POST can come well after the end).
-        for _ in range(200):
+        status: dict[str, Any] = {}
+
+        async def settled() -> bool:
+            nonlocal status
             status = (await http.get(f"{gateway.url}/reach/requests/{rid}")).json()
-            if status["status"] != "running" and status["delivery"]["status"] != "pending":
-                break
-            await asyncio.sleep(0.1)
+            return bool(status["status"] != "running" and status["delivery"]["status"] != "pending")
+
+        await wait_until(settled, 20)
         # Refused for good after one POST (not retried), and the result is not lost: it stays
         # readable by id.
         assert status["delivery"]["status"] == "given_up"
