@@ -231,8 +231,9 @@ class AgentRuntime:
         self.ack: dict[str, Any] | None = None
         self._listen = listen or self.service_address
         self._operations: dict[str, OperationFunc] = {}
-        # How each operation is called, worked out once at registration rather than per call.
-        self._shapes: dict[str, _Shape] = {}
+        # Each operation with how it is called, worked out once at registration rather than per
+        # call; one entry, so a dispatch never pairs a re-registered function with an old shape.
+        self._calls: dict[str, tuple[OperationFunc, _Shape]] = {}
         self._declared: dict[str, dict[str, Any]] = {}  # only operations that declare something
         self._remember = remember
         self._remember_bytes = remember_bytes
@@ -279,8 +280,8 @@ class AgentRuntime:
             declared["timeout_ms"] = timeout_ms
 
         def register(func: OperationFunc) -> OperationFunc:
+            self._calls[name] = (func, _Shape.of(func))
             self._operations[name] = func
-            self._shapes[name] = _Shape.of(func)
             if declared:
                 self._declared[name] = declared
             else:
@@ -579,8 +580,8 @@ class AgentRuntime:
 
     async def _dispatch(self, request: Inbound) -> Answer:
         name = request.operation
-        func = self._operations.get(name)
-        if func is None:
+        call = self._calls.get(name)
+        if call is None:
             return error_answer(404, "invalid_request", f"operation {name!r} is not served here")
         request_id = request.headers.get(wire.REQUEST_ID) or f"local-{time.time_ns()}"
         cached = self._recent.get(request_id)
@@ -592,7 +593,7 @@ class AgentRuntime:
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._inflight[request_id] = future
         try:
-            response = await self._execute(func, name, request_id, request)
+            response = await self._execute(call, name, request_id, request)
             future.set_result(response)
         except BaseException as exc:
             future.set_exception(exc)
@@ -623,7 +624,7 @@ class AgentRuntime:
         return len(self._recent), self._recent_size
 
     async def _execute(
-        self, func: OperationFunc, name: str, request_id: str, request: Inbound
+        self, call: tuple[OperationFunc, _Shape], name: str, request_id: str, request: Inbound
     ) -> Answer:
         h = request.headers
         try:
@@ -652,9 +653,11 @@ class AgentRuntime:
         token = current_request_id.set(request_id)
         try:
             self.executed += 1
-            # A deadline on this task rather than wait_for's task of its own: one loop turn less.
-            async with asyncio.timeout(remaining):
-                result = await self._shapes[name].call(func, payload, ctx)
+            func, shape = call
+            # Its own task under a deadline: a context variable the handler sets stays its own
+            # (a keep-alive connection's next request runs in this task), and a cancellation
+            # from outside (shutdown) ends the request even if the handler swallows it.
+            result = await asyncio.wait_for(shape.call(func, payload, ctx), timeout=remaining)
         except TimeoutError:
             log.warning("operation %s passed its deadline", name)
             return error_answer(504, "timeout", "the operation passed the request's deadline")

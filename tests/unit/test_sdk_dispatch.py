@@ -1,0 +1,95 @@
+"""The agent SDK's dispatch in one process, no server: what a handler sees and what a caller gets
+when a deadline runs, when an operation is registered again, and when the agent is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from typing import Any
+
+import pytest
+
+from agent_reach_sdk import AgentRuntime, RequestContext
+from agent_reach_sdk.wire import Inbound
+
+USER: contextvars.ContextVar[str | None] = contextvars.ContextVar("user", default=None)
+
+
+def inbound(request_id: str, operation: str = "whoami", **headers: str) -> Inbound:
+    deadline = str(int(time.time() * 1000) + 10_000)
+    base = {"x-reach-request-id": request_id, "x-reach-deadline-ms": deadline}
+    return Inbound(operation, {**base, **headers}, b"{}")
+
+
+async def test_a_context_variable_a_handler_sets_stays_with_its_request() -> None:
+    # A keep-alive connection's requests are dispatched one after another in one task.
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+
+    @runtime.operation("whoami")
+    async def whoami(payload: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        if ctx.caller != "anonymous":
+            USER.set(ctx.caller)
+        return {"user": USER.get()}
+
+    seen = []
+    for n, caller in enumerate(["alice", None, None]):
+        headers = {"x-reach-caller": caller} if caller else {}
+        answer = await runtime.dispatch(inbound(f"r{n}", **headers))
+        assert answer.status == 200
+        assert answer.body is not None
+        seen.append(answer.body["user"])
+    assert seen == ["alice", None, None]
+    assert USER.get() is None
+
+
+async def test_an_operation_registered_again_is_called_as_the_new_function_asks() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+
+    @runtime.operation("op")
+    def first(payload: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        return {"by": "first", "request": ctx.request_id}
+
+    assert (await runtime.dispatch(inbound("a", "op"))).body == {"by": "first", "request": "a"}
+
+    @runtime.operation("op")
+    async def second(payload: dict[str, Any]) -> dict[str, Any]:
+        return {"by": "second"}
+
+    assert (await runtime.dispatch(inbound("b", "op"))).body == {"by": "second"}
+
+
+async def test_a_cancelled_request_ends_even_when_its_handler_swallows_the_cancel() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+    started = asyncio.Event()
+
+    @runtime.operation("stubborn")
+    async def stubborn(payload: dict[str, Any]) -> dict[str, Any]:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            return {"swallowed": True}
+        return {"slept": True}
+
+    task = asyncio.create_task(runtime.dispatch(inbound("r-cancel", "stubborn")))
+    await started.wait()
+    task.cancel()  # the agent shutting down, the caller gone
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert runtime.remembered == (0, 0)  # no answer kept for a re-delivery to find
+
+
+async def test_a_handler_past_its_deadline_is_answered_as_a_timeout() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+
+    @runtime.operation("slow")
+    async def slow(payload: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(5)
+        return {}
+
+    soon = str(int(time.time() * 1000) + 100)
+    answer = await runtime.dispatch(inbound("r-slow", "slow", **{"x-reach-deadline-ms": soon}))
+    assert answer.status == 504
+    assert answer.body is not None
+    assert answer.body["error"]["type"] == "timeout"
