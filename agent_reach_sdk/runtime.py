@@ -230,7 +230,6 @@ class AgentRuntime:
         self.max_inflight = max_inflight
         self.ack: dict[str, Any] | None = None
         self._listen = listen or self.service_address
-        self._operations: dict[str, OperationFunc] = {}
         # Each operation with how it is called, worked out once at registration rather than per
         # call; one entry, so a dispatch never pairs a re-registered function with an old shape.
         self._calls: dict[str, tuple[OperationFunc, _Shape]] = {}
@@ -281,7 +280,6 @@ class AgentRuntime:
 
         def register(func: OperationFunc) -> OperationFunc:
             self._calls[name] = (func, _Shape.of(func))
-            self._operations[name] = func
             if declared:
                 self._declared[name] = declared
             else:
@@ -292,7 +290,7 @@ class AgentRuntime:
 
     @property
     def operations(self) -> list[str]:
-        return sorted(self._operations)
+        return sorted(self._calls)
 
     def _join_operations(self) -> list[str | dict[str, Any]]:
         """The Join body's `operations`: a plain name, or an object with what it declares."""
