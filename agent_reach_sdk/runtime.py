@@ -50,7 +50,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -81,6 +81,8 @@ HealthCheck = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
 DEFAULT_REMEMBER_BYTES = 16 * 1024 * 1024
 MAX_WEIGHT = 1000
 MAX_INFLIGHT = 1_000_000
+# The last millisecond of the year 9999: a later deadline is not a time (nor a float's).
+_LATEST_DEADLINE_MS = 253_402_300_799_999
 
 
 class OperationError(Exception):
@@ -632,6 +634,13 @@ class AgentRuntime:
             return error_answer(
                 400, "invalid_request", "X-Reach-Deadline-Ms and X-Reach-Attempt are integers"
             )
+        if deadline is not None and not 0 <= deadline <= _LATEST_DEADLINE_MS:
+            return error_answer(
+                400,
+                "invalid_request",
+                "X-Reach-Deadline-Ms is milliseconds since the Unix epoch, "
+                f"0 to {_LATEST_DEADLINE_MS}",
+            )
         ctx = RequestContext(
             request_id=request_id,
             operation=name,
@@ -652,11 +661,8 @@ class AgentRuntime:
         try:
             self.executed += 1
             func, shape = call
-            # Its own task under a deadline: a context variable the handler sets stays its own
-            # (a keep-alive connection's next request runs in this task), and a cancellation
-            # from outside (shutdown) ends the request even if the handler swallows it.
-            result = await asyncio.wait_for(shape.call(func, payload, ctx), timeout=remaining)
-        except TimeoutError:
+            result = await _own_task(shape.call(func, payload, ctx), remaining)
+        except _DeadlinePassed:
             log.warning("operation %s passed its deadline", name)
             return error_answer(504, "timeout", "the operation passed the request's deadline")
         except OperationError as exc:
@@ -704,13 +710,67 @@ class _Shape:
 
     @classmethod
     def of(cls, func: OperationFunc) -> _Shape:
-        return cls(len(inspect.signature(func).parameters) >= 2, inspect.iscoroutinefunction(func))
+        # An object whose __call__ is a coroutine function is called on the loop too.
+        is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
+            getattr(func, "__call__", None)  # noqa: B004 - the method itself, not callable()
+        )
+        return cls(len(inspect.signature(func).parameters) >= 2, is_async)
 
     async def call(self, func: OperationFunc, payload: Any, ctx: RequestContext) -> Any:
         args = (payload, ctx) if self.takes_ctx else (payload,)
         if self.is_async:
             return await func(*args)
-        return await _in_daemon_thread(func, *args)
+        result = await _in_daemon_thread(func, *args)
+        if inspect.isawaitable(result):  # a plain function that hands back a coroutine
+            return await result
+        return result
+
+
+async def _own_task(work: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
+    """`work`'s result, run in a task of its own, given up on after `timeout_s`.
+
+    Its own task: a context variable the handler sets stays its own (a keep-alive connection's
+    next request runs in the caller's task). Given up on, not waited for: a handler that
+    ignores its cancellation keeps running, unheard, and the answer is not held up by it. A
+    cancellation from outside (shutdown, the caller gone) cancels it and ends the request at
+    once, swallowed by the handler or not.
+    """
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(work)
+    settled: asyncio.Future[None] = loop.create_future()
+
+    def settle(_: object = None) -> None:
+        if not settled.done():
+            settled.set_result(None)
+
+    task.add_done_callback(settle)
+    timer = loop.call_later(timeout_s, settle) if timeout_s is not None else None
+    try:
+        await settled
+    except asyncio.CancelledError:
+        task.cancel()
+        task.add_done_callback(_forget)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+        task.remove_done_callback(settle)
+    if not task.done():
+        task.cancel()
+        task.add_done_callback(_forget)
+        raise _DeadlinePassed
+    return task.result()
+
+
+class _DeadlinePassed(Exception):
+    """The request's deadline passed first (a TimeoutError the handler raises is its own)."""
+
+
+def _forget(task: asyncio.Future[Any]) -> None:
+    """A handler given up on: what it ends with is read, so asyncio does not log it as never
+    retrieved (an error it raised is the handler's own; the request was already answered)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _in_daemon_thread(func: Callable[..., Any], *args: Any) -> Any:

@@ -93,3 +93,95 @@ async def test_a_handler_past_its_deadline_is_answered_as_a_timeout() -> None:
     assert answer.status == 504
     assert answer.body is not None
     assert answer.body["error"]["type"] == "timeout"
+
+
+async def test_a_deadline_that_is_no_time_is_refused_by_name() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+
+    @runtime.operation("op")
+    async def op(payload: dict[str, Any]) -> dict[str, Any]:
+        return {"ran": True}
+
+    for bad in ("1" + "0" * 313, "-5", "99999999999999999999"):
+        answer = await runtime.dispatch(
+            inbound(f"r-{bad[:4]}", "op", **{"x-reach-deadline-ms": bad})
+        )
+        assert answer.status == 400, bad
+        assert answer.body is not None
+        assert "X-Reach-Deadline-Ms" in answer.body["error"]["message"]
+    assert runtime.executed == 0
+
+
+async def test_a_context_variable_stays_with_its_request_without_a_deadline_too() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+
+    @runtime.operation("whoami")
+    async def whoami(payload: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        if ctx.caller != "anonymous":
+            USER.set(ctx.caller)
+        return {"user": USER.get()}
+
+    seen = []
+    for n, caller in enumerate(["alice", None]):
+        headers = {"x-reach-request-id": f"n{n}"} | ({"x-reach-caller": caller} if caller else {})
+        answer = await runtime.dispatch(Inbound("whoami", headers, b"{}"))
+        assert answer.body is not None
+        seen.append(answer.body["user"])
+    assert seen == ["alice", None]
+    assert USER.get() is None
+
+
+async def test_a_handler_that_ignores_its_deadline_does_not_hold_up_the_answer() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+    finished = asyncio.Event()
+
+    @runtime.operation("stubborn")
+    async def stubborn(payload: dict[str, Any]) -> dict[str, Any]:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.5)  # cleaning up, long after the deadline
+        finished.set()
+        return {"late": True}
+
+    soon = str(int(time.time() * 1000) + 100)
+    started = time.monotonic()
+    answer = await runtime.dispatch(inbound("r-late", "stubborn", **{"x-reach-deadline-ms": soon}))
+    assert answer.status == 504
+    assert time.monotonic() - started < 0.4
+    await asyncio.wait_for(finished.wait(), 2)
+    assert runtime.remembered == (0, 0)
+
+
+async def test_a_timeout_the_handler_raises_is_its_own_error_not_the_deadline() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+
+    @runtime.operation("downstream")
+    async def downstream(payload: dict[str, Any]) -> dict[str, Any]:
+        raise TimeoutError("the index did not answer")
+
+    answer = await runtime.dispatch(inbound("r-down", "downstream"))
+    assert answer.status == 500
+    assert answer.body is not None
+    assert answer.body["error"]["message"] == "TimeoutError: the index did not answer"
+
+
+class AsyncCallable:
+    async def __call__(self, payload: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        return {"called": ctx.operation}
+
+
+async def test_callables_that_are_coroutines_in_disguise_are_awaited() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+    runtime.operation("instance")(AsyncCallable())
+
+    async def work(payload: dict[str, Any]) -> dict[str, Any]:
+        return {"called": "wrapped"}
+
+    def wrapper(payload: dict[str, Any]) -> Any:  # a plain function handing back a coroutine
+        return work(payload)
+
+    runtime.operation("wrapped")(wrapper)
+    assert (await runtime.dispatch(inbound("r-i", "instance"))).body == {"called": "instance"}
+    assert (await runtime.dispatch(inbound("r-w", "wrapped"))).body == {"called": "wrapped"}
