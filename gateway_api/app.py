@@ -18,6 +18,7 @@ import reach
 from gateway_api import grpc_front
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath, is_invoke
+from gateway_api.finishes import Finishes
 from gateway_api.routes import admin, agents, codec, health, invoke, metrics, requests, ui
 from gateway_api.service import Gateway
 from reach.config import ConfigError, ReachSettings
@@ -105,6 +106,12 @@ def create_app(
             else []
         )
         workers = build_workers(client, services, invoke=run_worker, capabilities=queue_caps)
+        finishes = None
+        if run_worker:  # the invoke worker is the first: its results are read as they land
+            finishes = Finishes()
+            finishes.attach(workers[0])
+            if services.metrics is not None:
+                services.metrics.watch(results=finishes.counts)
         app.state.gateway = gateway = Gateway(
             settings,
             client,
@@ -117,6 +124,7 @@ def create_app(
             door=door,
             connectors=services.connectors,
             metrics=services.metrics,
+            finishes=finishes,
         )
         watcher = None
         if config_path is not None:
@@ -138,6 +146,8 @@ def create_app(
                 )
                 yield
         finally:
+            if finishes is not None:
+                finishes.close()
             if watcher is not None:
                 await watcher.aclose()
             await door.aclose()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import (
     Client,
@@ -44,6 +45,7 @@ import connectors
 from connectors import ConnectorSet
 from connectors.base import Connector
 from gateway_api.errors import reach_error_of_rpc
+from gateway_api.finishes import Finish, Finishes
 from reach.config import LimitSettings, ReachSettings, RoutingSettings
 from reach.errors import (
     Forbidden,
@@ -133,6 +135,8 @@ class Gateway:
     # The live connectors (the Join-time mTLS identity probe); None: no probe.
     connectors: ConnectorSet | None = None
     metrics: ReachMetrics | None = None  # None: metrics.enabled is false (or a unit test)
+    # Results recorded by this process's invoke worker, read without a long poll (finishes.py).
+    finishes: Finishes | None = None
     limits: Limits = field(init=False)
     rpc_timeout: timedelta = field(init=False)
     _routing: dict[str, RoutingSettings] = field(init=False, default_factory=dict)
@@ -451,6 +455,24 @@ class Gateway:
             if endpoint is not None and plan.mode == "inline" and not req.callback
             else "running",
         )
+        finishes = None if req.callback else self.finishes
+        wait = finishes.expect(request_id) if finishes is not None else None
+        try:
+            return await self._answer(req, inp, entered, now_ms, wait)
+        finally:
+            if finishes is not None and wait is not None:
+                finishes.done(wait)
+
+    async def _answer(
+        self,
+        req: InvokeRequest,
+        inp: InvokeInput,
+        entered: float,
+        now_ms: int,
+        wait: Finish | None,
+    ) -> InvokeResponse:
+        """Start `inp`'s workflow (or attach to its earlier run) and wait for its verdict."""
+        request_id, endpoint = inp.request_id, inp.endpoint
         handle, started = await self._start(inp)
         if started and self.metrics is not None:
             self.metrics.accepted(req.target, time.perf_counter() - entered)
@@ -469,6 +491,10 @@ class Gateway:
         try:
             # A deadline on this task, not wait_for's task per request (one loop turn less).
             async with asyncio.timeout(budget):
+                if wait is not None and started:
+                    payload = await wait.result(handle)
+                    if payload is not None:
+                        return await self._decode(payload)
                 return await self._outcome(handle)
         except TimeoutError:
             return InvokeResponse(
@@ -584,6 +610,13 @@ class Gateway:
             return await handle.result(rpc_timeout=rpc_timeout)
         except WorkflowFailureError as exc:
             return ended_without_result(handle.id, exc.cause)
+
+    async def _decode(self, payload: Payload) -> InvokeResponse:
+        """The final envelope from the result payload its workflow completed with."""
+        (response,) = await self.client.data_converter.decode([payload], [InvokeResponse])
+        if not isinstance(response, InvokeResponse):
+            raise TypeError(f"the invoke workflow's result is a {type(response).__name__}")
+        return response
 
     async def _exists(self, request_id: str) -> bool:
         try:

@@ -77,6 +77,8 @@ CONNECTION_COUNTERS = ("opened", "reused", "reconnected", "reclaimed", "failed")
 
 # (capability, protocol) -> counter name -> count: what `connectors.ConnectionStats` holds.
 ConnectionCounts = Callable[[], Mapping[tuple[str, str], Mapping[str, int]]]
+# How many synchronous results were read each way ("worker", "long_poll").
+ResultCounts = Callable[[], Mapping[str, int]]
 
 
 M = TypeVar("M", Counter, Histogram)
@@ -247,15 +249,19 @@ class ReachMetrics:
         inflight: InflightTracker | None = None,
         policy: PolicyEngine | None = None,
         connections: ConnectionCounts | None = None,
+        results: ResultCounts | None = None,
     ) -> None:
         """Read these at each scrape: calls in flight per instance, breaker states and ejected
-        instances per capability, connection counters per capability and protocol."""
+        instances per capability, connection counters per capability and protocol, how
+        synchronous invokes' results were read."""
         if inflight is not None:
             self._live.inflight = inflight
         if policy is not None:
             self._live.policy = policy
         if connections is not None:
             self._live.connections = connections
+        if results is not None:
+            self._live.results = results
 
     # -- exposition ---------------------------------------------------------------------------
 
@@ -272,13 +278,14 @@ class LiveCollector:
         self.inflight: InflightTracker | None = None
         self.policy: PolicyEngine | None = None
         self.connections: ConnectionCounts | None = None
+        self.results: ResultCounts | None = None
 
     def describe(self) -> Iterable[Metric]:
-        inflight, breakers, ejected, connections = self._families()
-        return [inflight, breakers, ejected, *connections]
+        inflight, breakers, ejected, connections, results = self._families()
+        return [inflight, breakers, ejected, *connections, results]
 
     def collect(self) -> Iterable[Metric]:
-        inflight, breakers, ejected, connections = self._families()
+        inflight, breakers, ejected, connections, results = self._families()
         if self.inflight is not None:
             for capability, counts in _inflight_counts(self.inflight).items():
                 for instance_id, n in sorted(counts.items()):
@@ -294,11 +301,18 @@ class LiveCollector:
             for (capability, protocol), counters in sorted(self.connections().items()):
                 for name, family in by_name.items():
                     family.add_metric([capability, protocol], counters.get(name, 0))
-        return [inflight, breakers, ejected, *connections]
+        if self.results is not None:
+            for via, n in sorted(self.results().items()):
+                results.add_metric([via], n)
+        return [inflight, breakers, ejected, *connections, results]
 
     @staticmethod
     def _families() -> tuple[
-        GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, list[CounterMetricFamily]
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        list[CounterMetricFamily],
+        CounterMetricFamily,
     ]:
         return (
             GaugeMetricFamily(
@@ -328,6 +342,13 @@ class LiveCollector:
                 )
                 for name in CONNECTION_COUNTERS
             ],
+            CounterMetricFamily(
+                "reach_sync_results",
+                "Synchronous invokes' results, by how the gateway read them: 'worker' as its "
+                "own invoke worker completed the workflow and Temporal accepted it, 'long_poll' "
+                "from the workflow's history (another path, a retry, a slow call).",
+                labels=["via"],
+            ),
         )
 
 

@@ -1,0 +1,182 @@
+"""A request's result straight from the worker in this process, once Temporal has recorded it.
+
+A gateway that runs the invoke worker starts each request eagerly: its first workflow task runs
+here, and for nearly every synchronous invoke that one task calls the agent and completes the
+workflow. The usual way to learn the result is a long poll of the workflow's history
+(`handle.result()`): one more RPC per request, the server reading the history back, and the SDK
+decoding the response — about 3 ms of CPU per call across the server and the gateway on a
+2-core box, a tenth of all a durable invoke costs.
+
+This module learns it where it is already known. It watches the invoke worker's activations and
+completions at the SDK's bridge to its core:
+
+- a completion that carries `complete_workflow_execution` holds the result payload, exactly as
+  it is written to history (already through the payload codec);
+- core then evicts the run from its cache with reason `WORKFLOW_EXECUTION_ENDING` only once the
+  server accepted that workflow task completion ("we sent the WFT completion to server
+  successfully", in core's protocol): the workflow is closed, the result durable.
+
+Only then is the waiting request answered from here. Anything else sends it back to the long
+poll at once: another eviction reason (the server refused the completion because a signal or an
+update came in, a workflow task timed out, the cache was full, the worker is stopping), a run
+that ends failed or cancelled, a start that was not eager (the task may run in another gateway),
+a second request with the same RequestID waiting at the same time. A run that has not finished
+after `LONG_POLL_AFTER_S` (its workflow waits on a timer, a queue-mode activity, a slow agent)
+is long-polled too: its next task may run elsewhere, where nothing here would see it end.
+
+The bridge is the SDK's internal layer; tests/integration/test_finishes.py runs every path
+above against a real server, so an SDK upgrade that changes it fails there, not in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from temporalio.api.common.v1 import Payload
+from temporalio.bridge.proto.workflow_activation import RemoveFromCache, WorkflowActivation
+from temporalio.bridge.proto.workflow_completion import WorkflowActivationCompletion
+from temporalio.client import WorkflowHandle
+from temporalio.worker import Worker
+
+log = logging.getLogger("reach.gateway")
+
+# A request still running after this long is long-polled as well (first answer wins).
+LONG_POLL_AFTER_S = 2.0
+_ENDING = RemoveFromCache.EvictionReason.WORKFLOW_EXECUTION_ENDING
+
+
+class Finish:
+    """One request's wait: resolves to its result payload, or to None (long-poll instead)."""
+
+    __slots__ = ("future", "owner", "run_id", "timer", "workflow_id")
+
+    def __init__(
+        self, owner: Finishes, workflow_id: str, future: asyncio.Future[Payload | None]
+    ) -> None:
+        self.owner = owner
+        self.workflow_id = workflow_id
+        self.future = future
+        self.timer: asyncio.TimerHandle | None = None
+        self.run_id: str | None = None
+
+    def settle(self, payload: Payload | None) -> None:
+        if not self.future.done():
+            self.future.set_result(payload)
+
+    async def result(self, handle: WorkflowHandle[Any, Any]) -> Payload | None:
+        """The result payload if this process recorded it; None: ask `handle` (long poll)."""
+        if not eagerly_started(handle):
+            return None
+        payload = await self.future
+        if payload is None:
+            self.owner.long_polled += 1
+        else:
+            self.owner.answered_here += 1
+        return payload
+
+
+class Finishes:
+    """The requests this gateway waits on, and what its worker saw of their runs."""
+
+    def __init__(self, long_poll_after_s: float = LONG_POLL_AFTER_S) -> None:
+        self.long_poll_after_s = long_poll_after_s
+        self._waiting: dict[str, Finish] = {}  # workflow id -> its wait
+        self._runs: dict[str, Finish] = {}  # run id -> the wait of its workflow
+        self._results: dict[str, Payload] = {}  # run id -> the result its completion carries
+        self.answered_here = 0
+        self.long_polled = 0
+
+    # -- the worker's side ----------------------------------------------------------------------
+
+    def attach(self, worker: Worker) -> None:
+        """Watch `worker`'s workflow activations and completions (its bridge to core)."""
+        bridge = worker._bridge_worker
+        poll: Callable[[], Awaitable[WorkflowActivation]] = bridge.poll_workflow_activation
+        complete: Callable[[WorkflowActivationCompletion], Awaitable[None]] = (
+            bridge.complete_workflow_activation
+        )
+
+        async def watched_poll() -> WorkflowActivation:
+            activation = await poll()
+            if self._waiting or self._runs:
+                self._saw(activation)
+            return activation
+
+        async def watched_complete(completion: WorkflowActivationCompletion) -> None:
+            if completion.run_id in self._runs:
+                self._carries(completion)
+            try:
+                await complete(completion)
+            except BaseException:
+                self._results.pop(completion.run_id, None)
+                raise
+
+        bridge.poll_workflow_activation = watched_poll  # type: ignore[method-assign]
+        bridge.complete_workflow_activation = watched_complete  # type: ignore[method-assign,assignment]
+
+    def _saw(self, activation: WorkflowActivation) -> None:
+        run_id = activation.run_id
+        for job in activation.jobs:
+            kind = job.WhichOneof("variant")
+            if kind == "initialize_workflow":
+                wait = self._waiting.get(job.initialize_workflow.workflow_id)
+                if wait is not None and not wait.future.done():
+                    self._runs[run_id] = wait
+                    wait.run_id = run_id
+            elif kind == "remove_from_cache":
+                wait = self._runs.pop(run_id, None)
+                result = self._results.pop(run_id, None)
+                if wait is not None:
+                    ended = job.remove_from_cache.reason == _ENDING
+                    wait.settle(result if ended else None)
+
+    def _carries(self, completion: WorkflowActivationCompletion) -> None:
+        if not completion.HasField("successful"):
+            return
+        for command in completion.successful.commands:
+            if command.HasField("complete_workflow_execution"):
+                self._results[completion.run_id] = command.complete_workflow_execution.result
+
+    # -- the gateway's side ---------------------------------------------------------------------
+
+    def expect(self, workflow_id: str) -> Finish | None:
+        """Start watching for `workflow_id`'s end, before its start is sent (its first task
+        can run before the start call returns). None: someone here already waits on it."""
+        if workflow_id in self._waiting:
+            return None
+        loop = asyncio.get_running_loop()
+        wait = Finish(self, workflow_id, loop.create_future())
+        wait.timer = loop.call_later(self.long_poll_after_s, wait.settle, None)
+        self._waiting[workflow_id] = wait
+        return wait
+
+    def done(self, wait: Finish) -> None:
+        """Stop watching (answered, long-polled, or the start attached to an older run)."""
+        if self._waiting.get(wait.workflow_id) is wait:
+            del self._waiting[wait.workflow_id]
+        if wait.timer is not None:
+            wait.timer.cancel()
+        wait.settle(None)
+        if wait.run_id is not None and self._runs.get(wait.run_id) is wait:
+            del self._runs[wait.run_id]
+            self._results.pop(wait.run_id, None)
+
+    def counts(self) -> dict[str, int]:
+        """Results read here and by long poll, since start (the metrics read them)."""
+        return {"worker": self.answered_here, "long_poll": self.long_polled}
+
+    def close(self) -> None:
+        """Everyone still waiting long-polls (the worker is stopping)."""
+        for wait in list(self._waiting.values()):
+            self.done(wait)
+
+
+def eagerly_started(handle: WorkflowHandle[Any, Any]) -> bool:
+    """Whether the start's response carried the first workflow task to this process's worker.
+
+    The SDK keeps it on the handle; tests/integration/test_finishes.py guards the attribute.
+    """
+    return bool(getattr(handle, "__temporal_eagerly_started", False))
