@@ -241,6 +241,9 @@ class AgentRuntime:
         self._recent: OrderedDict[str, Answer] = OrderedDict()
         self._recent_size = 0  # bytes of the remembered answers, as sent
         self._inflight: dict[str, asyncio.Future[Answer]] = {}
+        # Handlers given up on (deadline, shutdown) that still run, by RequestID: held here so
+        # they are not destroyed mid-cleanup, waited for at stop, and not run twice at once.
+        self._overdue: dict[str, asyncio.Task[Any]] = {}
         self._server: AgentServer | None = None
         self._client: httpx.AsyncClient | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -357,6 +360,10 @@ class AgentRuntime:
         if self._server is not None:
             await self._server.close(grace_s)
             self._server = None
+        if self._overdue:  # handlers cancelled at the deadline or just now: their cleanup runs
+            _, stuck = await asyncio.wait(set(self._overdue.values()), timeout=max(grace_s, 1.0))
+            if stuck:
+                log.warning("%d handlers still running after their cancellation", len(stuck))
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -590,11 +597,30 @@ class AgentRuntime:
         running = self._inflight.get(request_id)
         if running is not None:
             return await asyncio.shield(running)
+        if request_id in self._overdue:
+            return error_answer(
+                503,
+                "agent_error",
+                "an earlier delivery of this request is still running past its deadline",
+                retryable=True,
+            )
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._inflight[request_id] = future
         try:
             response = await self._execute(call, name, request_id, request)
             future.set_result(response)
+        except asyncio.CancelledError:
+            # This delivery was cancelled (its caller left, the agent is stopping): a duplicate
+            # waiting on it was not, and gets an answer that says to send it again.
+            future.set_result(
+                error_answer(
+                    503,
+                    "agent_error",
+                    "the delivery this one waited on was cancelled",
+                    retryable=True,
+                )
+            )
+            raise
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # mark retrieved: a waiting duplicate sees it, nobody else must
@@ -654,14 +680,14 @@ class AgentRuntime:
             payload = json.loads(request.body or b"{}")
         except ValueError:
             return error_answer(400, "invalid_request", "body is not JSON")
-        remaining = (deadline / 1000 - time.time()) if deadline else None
+        remaining = (deadline / 1000 - time.time()) if deadline is not None else None
         if remaining is not None and remaining <= 0:
             return error_answer(504, "timeout", "the request's deadline passed before it started")
         token = current_request_id.set(request_id)
         try:
             self.executed += 1
             func, shape = call
-            result = await _own_task(shape.call(func, payload, ctx), remaining)
+            result = await self._own_task(request_id, shape.call(func, payload, ctx), remaining)
         except _DeadlinePassed:
             log.warning("operation %s passed its deadline", name)
             return error_answer(504, "timeout", "the operation passed the request's deadline")
@@ -698,6 +724,55 @@ class AgentRuntime:
             )
         return response
 
+    async def _own_task(
+        self, request_id: str, work: Coroutine[Any, Any, Any], timeout_s: float | None
+    ) -> Any:
+        """`work`'s result, run in a task of its own, given up on after `timeout_s`.
+
+        Its own task: a context variable the handler sets stays its own (a keep-alive
+        connection's next request runs in the caller's task). Given up on, not waited for: a
+        handler that ignores its cancellation keeps running, unheard (and held in `_overdue`
+        until it ends), and the answer is not held up by it. A cancellation from outside
+        (shutdown, the caller gone) cancels it and ends the request at once.
+        """
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(work)
+        settled: asyncio.Future[None] = loop.create_future()
+
+        def settle(_: object = None) -> None:
+            if not settled.done():
+                settled.set_result(None)
+
+        task.add_done_callback(settle)
+        timer = loop.call_later(timeout_s, settle) if timeout_s is not None else None
+        try:
+            await settled
+        except asyncio.CancelledError:
+            self._give_up(request_id, task)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            task.remove_done_callback(settle)
+        if not task.done():
+            self._give_up(request_id, task)
+            raise _DeadlinePassed
+        if task.cancelled():  # the handler raised CancelledError itself; nobody cancelled it
+            raise RuntimeError("the handler raised CancelledError without being cancelled")
+        return task.result()
+
+    def _give_up(self, request_id: str, task: asyncio.Task[Any]) -> None:
+        task.cancel()
+        if not task.done():
+            self._overdue[request_id] = task
+
+            def ended(_: object) -> None:
+                if self._overdue.get(request_id) is task:
+                    del self._overdue[request_id]
+
+            task.add_done_callback(ended)
+        task.add_done_callback(_forget)
+
 
 class _Shape:
     """How an operation is called: with the context or without, on the loop or in a thread."""
@@ -710,56 +785,26 @@ class _Shape:
 
     @classmethod
     def of(cls, func: OperationFunc) -> _Shape:
-        # An object whose __call__ is a coroutine function is called on the loop too.
-        is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
-            getattr(func, "__call__", None)  # noqa: B004 - the method itself, not callable()
+        # An object (not a class) whose __call__ is a coroutine function is awaited too.
+        is_async = inspect.iscoroutinefunction(func) or (
+            not inspect.isclass(func)
+            and inspect.iscoroutinefunction(getattr(func, "__call__", None))  # noqa: B004
         )
         return cls(len(inspect.signature(func).parameters) >= 2, is_async)
 
     async def call(self, func: OperationFunc, payload: Any, ctx: RequestContext) -> Any:
         args = (payload, ctx) if self.takes_ctx else (payload,)
-        if self.is_async:
-            return await func(*args)
-        result = await _in_daemon_thread(func, *args)
-        if inspect.isawaitable(result):  # a plain function that hands back a coroutine
-            return await result
-        return result
-
-
-async def _own_task(work: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
-    """`work`'s result, run in a task of its own, given up on after `timeout_s`.
-
-    Its own task: a context variable the handler sets stays its own (a keep-alive connection's
-    next request runs in the caller's task). Given up on, not waited for: a handler that
-    ignores its cancellation keeps running, unheard, and the answer is not held up by it. A
-    cancellation from outside (shutdown, the caller gone) cancels it and ends the request at
-    once, swallowed by the handler or not.
-    """
-    loop = asyncio.get_running_loop()
-    task = loop.create_task(work)
-    settled: asyncio.Future[None] = loop.create_future()
-
-    def settle(_: object = None) -> None:
-        if not settled.done():
-            settled.set_result(None)
-
-    task.add_done_callback(settle)
-    timer = loop.call_later(timeout_s, settle) if timeout_s is not None else None
-    try:
-        await settled
-    except asyncio.CancelledError:
-        task.cancel()
-        task.add_done_callback(_forget)
-        raise
-    finally:
-        if timer is not None:
-            timer.cancel()
-        task.remove_done_callback(settle)
-    if not task.done():
-        task.cancel()
-        task.add_done_callback(_forget)
-        raise _DeadlinePassed
-    return task.result()
+        try:
+            if self.is_async:
+                return await func(*args)
+            result = await _in_daemon_thread(func, *args)
+            if inspect.isawaitable(result):  # a plain function that hands back a coroutine
+                return await result
+            return result
+        except (KeyboardInterrupt, SystemExit, GeneratorExit) as exc:
+            # The handler's own, not the process's (run() takes signals on the loop): as an
+            # Exception it is the request's error instead of the event loop's end.
+            raise RuntimeError(f"the handler raised {type(exc).__name__}") from exc
 
 
 class _DeadlinePassed(Exception):

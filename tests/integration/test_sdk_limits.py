@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -239,3 +241,28 @@ def test_an_operation_error_status_says_retry_or_not() -> None:
     for status in (100, 204, 302, 600):
         with pytest.raises(ValueError, match="400-599"):
             OperationError("x", status=status)
+
+
+async def test_stopping_waits_for_the_cleanup_of_a_handler_past_its_deadline(
+    reach: StandInReach,
+) -> None:
+    runtime = make_runtime(reach)
+    events: list[str] = []
+
+    @runtime.operation("tidy")
+    async def tidy(payload: dict[str, Any]) -> dict[str, Any]:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.5)  # a rollback, say
+            events.append("cleaned up")
+            raise
+        return {}
+
+    async with runtime, httpx.AsyncClient(base_url=f"http://{runtime.service_address}") as http:
+        soon = str(int(time.time() * 1000) + 200)
+        r = await http.post("/reach/tidy", json={}, headers={"X-Reach-Deadline-Ms": soon})
+        assert r.status_code == 504
+        assert events == []  # answered before the handler's cleanup ended
+    # `async with` stopped the runtime: that waited for the cleanup it had given up on.
+    assert events == ["cleaned up"]

@@ -185,3 +185,115 @@ async def test_callables_that_are_coroutines_in_disguise_are_awaited() -> None:
     runtime.operation("wrapped")(wrapper)
     assert (await runtime.dispatch(inbound("r-i", "instance"))).body == {"called": "instance"}
     assert (await runtime.dispatch(inbound("r-w", "wrapped"))).body == {"called": "wrapped"}
+
+
+async def test_a_deadline_of_zero_has_passed_it_is_not_no_deadline() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+
+    @runtime.operation("op")
+    async def op(payload: dict[str, Any]) -> dict[str, Any]:
+        return {"ran": True}
+
+    answer = await runtime.dispatch(inbound("r-zero", "op", **{"x-reach-deadline-ms": "0"}))
+    assert answer.status == 504
+    assert runtime.executed == 0
+
+
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt, asyncio.CancelledError])
+@pytest.mark.parametrize("is_async", [True, False])
+async def test_a_handler_raising_what_ends_a_process_is_its_request_error(
+    raised: type[BaseException], is_async: bool
+) -> None:
+    if raised is asyncio.CancelledError and not is_async:
+        pytest.skip("a thread does not raise asyncio's cancellation")
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+
+    async def async_op(payload: dict[str, Any]) -> dict[str, Any]:
+        raise raised()
+
+    def sync_op(payload: dict[str, Any]) -> dict[str, Any]:
+        raise raised()
+
+    runtime.operation("op")(async_op if is_async else sync_op)
+    for request_id in ("r-1", "r-2"):  # the loop lives on: a second request is served
+        answer = await runtime.dispatch(inbound(request_id, "op"))
+        assert answer.status == 500
+        assert answer.body is not None
+        assert answer.body["error"]["type"] == "agent_error"
+
+
+async def test_a_redelivery_while_the_given_up_handler_runs_is_told_to_come_back() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+    runs = []
+    release = asyncio.Event()
+
+    @runtime.operation("stubborn")
+    async def stubborn(payload: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        runs.append(ctx.request_id)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await release.wait()  # a long cleanup
+        return {"late": True}
+
+    soon = str(int(time.time() * 1000) + 100)
+    first = await runtime.dispatch(inbound("r-o", "stubborn", **{"x-reach-deadline-ms": soon}))
+    assert first.status == 504
+    again = await runtime.dispatch(inbound("r-o", "stubborn"))
+    assert again.status == 503
+    assert again.body is not None
+    assert again.body["error"]["retryable"] is True
+    assert runs == ["r-o"]  # not run twice at once
+    release.set()
+    await wait_for_empty(runtime)
+    later = await runtime.dispatch(inbound("r-o", "stubborn", **{"x-reach-deadline-ms": soon}))
+    assert later.status == 504  # (its deadline has passed by now: refused before it starts)
+    assert runs == ["r-o"]
+
+
+async def wait_for_empty(runtime: AgentRuntime) -> None:
+    for _ in range(100):
+        if not runtime._overdue:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"still overdue: {runtime._overdue}")
+
+
+async def test_a_duplicate_waiting_on_a_cancelled_delivery_is_answered() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+    started = asyncio.Event()
+
+    @runtime.operation("slow")
+    async def slow(payload: dict[str, Any]) -> dict[str, Any]:
+        started.set()
+        await asyncio.sleep(30)
+        return {}
+
+    first = asyncio.create_task(runtime.dispatch(inbound("r-c", "slow")))
+    await started.wait()
+    duplicate = asyncio.create_task(runtime.dispatch(inbound("r-c", "slow")))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    answer = await duplicate
+    assert answer.status == 503
+    assert answer.body is not None
+    assert answer.body["error"]["retryable"] is True
+
+
+class AsyncCallableClass:
+    """A class as a handler: constructing it is the call (in a thread), whatever its __call__."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        self.payload = payload
+
+    async def __call__(self) -> None:  # never reached: the instance is the result
+        return None
+
+
+async def test_a_class_with_an_async_call_is_constructed_not_awaited() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+    runtime.operation("make")(AsyncCallableClass)
+    answer = await runtime.dispatch(inbound("r-k", "make"))
+    assert answer.status == 500  # an instance is not JSON, said so; not "can't be awaited"
+    assert answer.body is not None
+    assert "not standard JSON" in answer.body["error"]["message"]
