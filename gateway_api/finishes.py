@@ -51,7 +51,7 @@ _ENDING = RemoveFromCache.EvictionReason.WORKFLOW_EXECUTION_ENDING
 class Finish:
     """One request's wait: resolves to its result payload, or to None (long-poll instead)."""
 
-    __slots__ = ("future", "owner", "run_id", "timer", "workflow_id")
+    __slots__ = ("future", "owner", "run_ids", "timer", "workflow_id")
 
     def __init__(
         self, owner: Finishes, workflow_id: str, future: asyncio.Future[Payload | None]
@@ -60,7 +60,7 @@ class Finish:
         self.workflow_id = workflow_id
         self.future = future
         self.timer: asyncio.TimerHandle | None = None
-        self.run_id: str | None = None
+        self.run_ids: list[str] = []  # its runs seen here (more than one after a reset)
 
     def settle(self, payload: Payload | None) -> None:
         if not self.future.done():
@@ -71,9 +71,7 @@ class Finish:
         if not eagerly_started(handle):
             return None
         payload = await self.future
-        if payload is None:
-            self.owner.long_polled += 1
-        else:
+        if payload is not None:
             self.owner.answered_here += 1
         return payload
 
@@ -87,7 +85,7 @@ class Finishes:
         self._runs: dict[str, Finish] = {}  # run id -> the wait of its workflow
         self._results: dict[str, Payload] = {}  # run id -> the result its completion carries
         self.answered_here = 0
-        self.long_polled = 0
+        self.long_polled = 0  # counted by the gateway: every synchronous wait not answered here
 
     # -- the worker's side ----------------------------------------------------------------------
 
@@ -99,15 +97,24 @@ class Finishes:
             bridge.complete_workflow_activation
         )
 
+        # Watching never stands in the worker's way: a fault here costs the fast path only.
         async def watched_poll() -> WorkflowActivation:
             activation = await poll()
             if self._waiting or self._runs:
-                self._saw(activation)
+                try:
+                    self._saw(activation)
+                except Exception:
+                    log.exception("reading an activation for results failed; long-polling")
+                    self.close()
             return activation
 
         async def watched_complete(completion: WorkflowActivationCompletion) -> None:
             if completion.run_id in self._runs:
-                self._carries(completion)
+                try:
+                    self._carries(completion)
+                except Exception:
+                    log.exception("reading a completion for results failed; long-polling")
+                    self.close()
             try:
                 await complete(completion)
             except BaseException:
@@ -125,7 +132,7 @@ class Finishes:
                 wait = self._waiting.get(job.initialize_workflow.workflow_id)
                 if wait is not None and not wait.future.done():
                     self._runs[run_id] = wait
-                    wait.run_id = run_id
+                    wait.run_ids.append(run_id)
             elif kind == "remove_from_cache":
                 wait = self._runs.pop(run_id, None)
                 result = self._results.pop(run_id, None)
@@ -160,9 +167,10 @@ class Finishes:
         if wait.timer is not None:
             wait.timer.cancel()
         wait.settle(None)
-        if wait.run_id is not None and self._runs.get(wait.run_id) is wait:
-            del self._runs[wait.run_id]
-            self._results.pop(wait.run_id, None)
+        for run_id in wait.run_ids:
+            if self._runs.get(run_id) is wait:
+                del self._runs[run_id]
+            self._results.pop(run_id, None)
 
     def counts(self) -> dict[str, int]:
         """Results read here and by long poll, since start (the metrics read them)."""

@@ -495,6 +495,8 @@ class Gateway:
                     payload = await wait.result(handle)
                     if payload is not None:
                         return await self._decode(payload)
+                if self.finishes is not None:
+                    self.finishes.long_polled += 1
                 return await self._outcome(handle)
         except TimeoutError:
             return InvokeResponse(

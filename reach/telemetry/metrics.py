@@ -346,7 +346,8 @@ class LiveCollector:
                 "reach_sync_results",
                 "Synchronous invokes' results, by how the gateway read them: 'worker' as its "
                 "own invoke worker completed the workflow and Temporal accepted it, 'long_poll' "
-                "from the workflow's history (another path, a retry, a slow call).",
+                "from the workflow's history (a repeat, a start that was not eager, a refused "
+                "completion, a call still running after 2 s).",
                 labels=["via"],
             ),
         )

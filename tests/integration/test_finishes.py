@@ -14,8 +14,9 @@ from datetime import timedelta
 import httpx
 import pytest
 from temporalio import activity, workflow
-from temporalio.api.common.v1 import Payload
+from temporalio.api.common.v1 import Payload, WorkflowExecution
 from temporalio.api.enums.v1 import WorkflowExecutionStatus
+from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
@@ -44,9 +45,11 @@ class Probe:
         self.pokes += 1
 
     @workflow.run
-    async def run(self, seconds: float) -> str:
+    async def run(self, seconds: float, first_sleep: float = 0) -> str:
         if seconds < 0:
             raise ApplicationError("asked to fail", non_retryable=True)
+        if first_sleep:
+            await workflow.sleep(first_sleep)
         napped = await workflow.execute_local_activity(
             nap, seconds, schedule_to_close_timeout=timedelta(seconds=30)
         )
@@ -59,13 +62,15 @@ class Bench:
     finishes: Finishes
     task_queue: str
 
-    async def start(self, seconds: float, *, eager: bool = True) -> tuple[Finish, WorkflowHandle]:
+    async def start(
+        self, seconds: float, *, eager: bool = True, first_sleep: float = 0
+    ) -> tuple[Finish, WorkflowHandle]:
         workflow_id = f"finishes-{uuid.uuid4()}"
         wait = self.finishes.expect(workflow_id)
         assert wait is not None
         handle = await self.client.start_workflow(
             Probe.run,
-            seconds,
+            args=[seconds, first_sleep],
             id=workflow_id,
             task_queue=self.task_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
@@ -115,7 +120,7 @@ async def test_a_result_is_read_here_only_once_temporal_closed_the_workflow(
         assert await handle.result() == "napped 0.05, poked 0"
     finally:
         bench.finishes.done(wait)
-    assert bench.finishes.counts() == {"worker": 1, "long_poll": 0}
+    assert bench.finishes.answered_here == 1
     assert bench.finishes._runs == {}
     assert bench.finishes._results == {}
 
@@ -131,7 +136,7 @@ async def test_a_completion_the_server_refused_is_long_polled(bench: Bench) -> N
         assert await handle.result() == "napped 0.6, poked 1"
     finally:
         bench.finishes.done(wait)
-    assert bench.finishes.counts() == {"worker": 0, "long_poll": 1}
+    assert bench.finishes.answered_here == 0
 
 
 async def test_a_start_that_was_not_eager_is_long_polled_at_once(bench: Bench) -> None:
@@ -149,7 +154,7 @@ async def test_a_failed_workflow_is_long_polled(bench: Bench) -> None:
         assert await wait.result(handle) is None
     finally:
         bench.finishes.done(wait)
-    assert bench.finishes.counts() == {"worker": 0, "long_poll": 1}
+    assert bench.finishes.answered_here == 0
 
 
 async def test_a_run_still_going_after_the_wait_is_long_polled(bench: Bench) -> None:
@@ -175,6 +180,35 @@ async def test_one_wait_per_request_id_and_done_forgets_everything(bench: Bench)
     assert bench.finishes._results == {}
 
 
+async def test_a_reset_run_is_answered_and_every_run_forgotten(bench: Bench) -> None:
+    # An operator resets the request to its first workflow task while it sleeps: a new run
+    # with the same workflow id carries on (and is seen here), the old one never ends.
+    wait, handle = await bench.start(0.05, first_sleep=0.6)
+    try:
+        await asyncio.sleep(0.3)
+        history = [e async for e in handle.fetch_history_events()]
+        completed = next(
+            e.event_id for e in history if e.HasField("workflow_task_completed_event_attributes")
+        )
+        await bench.client.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=bench.client.namespace,
+                workflow_execution=WorkflowExecution(workflow_id=wait.workflow_id),
+                reason="test",
+                workflow_task_finish_event_id=completed,
+                request_id=str(uuid.uuid4()),
+            )
+        )
+        payload = await wait.result(handle)
+        assert payload is not None
+        assert await bench.decode(payload) == "napped 0.05, poked 0"
+        assert len(wait.run_ids) == 2
+    finally:
+        bench.finishes.done(wait)
+    assert bench.finishes._runs == {}
+    assert bench.finishes._results == {}
+
+
 async def test_many_at_once_are_all_read_here(bench: Bench) -> None:
     async def one(n: int) -> str:
         wait, handle = await bench.start(0.01 * (n % 5))
@@ -187,7 +221,7 @@ async def test_many_at_once_are_all_read_here(bench: Bench) -> None:
 
     results = await asyncio.gather(*(one(n) for n in range(40)))
     assert results == [f"napped {0.01 * (n % 5)}, poked 0" for n in range(40)]
-    assert bench.finishes.counts() == {"worker": 40, "long_poll": 0}
+    assert bench.finishes.answered_here == 40
 
 
 async def test_the_gateway_answers_sync_invokes_from_its_worker(
@@ -203,7 +237,12 @@ async def test_the_gateway_answers_sync_invokes_from_its_worker(
         # The same envelope the history holds.
         again = await http.get(f"{gateway.url}/reach/requests/{r.json()['request_id']}")
         assert again.json()["result"] == r.json()["result"]
+    # A repeat of a finished request attaches to its workflow: its result is long-polled.
+    repeat = await http.post(
+        f"{gateway.url}/reach/invoke", json={**body, "request_id": r.json()["request_id"]}
+    )
+    assert repeat.json()["result"] == r.json()["result"]
     after = await scrape(http, gateway.url)
-    worker = "reach_sync_results_total"
-    assert get(after, worker, via="worker") - get(before, worker, via="worker") == 3
-    assert get(after, worker, via="long_poll") == get(before, worker, via="long_poll")
+    name = "reach_sync_results_total"
+    assert get(after, name, via="worker") - get(before, name, via="worker") == 3
+    assert get(after, name, via="long_poll") - get(before, name, via="long_poll") == 1
