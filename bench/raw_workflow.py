@@ -18,7 +18,7 @@ class RawWorkflow:
     @workflow.run
     async def run(self, url: str) -> Any:
         return await workflow.execute_local_activity(
-            "call_agent", url, schedule_to_close_timeout=timedelta(seconds=5)
+            "call_agent", url, schedule_to_close_timeout=timedelta(seconds=30)
         )
 
 
@@ -27,5 +27,8 @@ class RawQueueWorkflow:
     @workflow.run
     async def run(self, url: str, task_queue: str) -> Any:
         return await workflow.execute_activity(
-            "call_agent", url, task_queue=task_queue, schedule_to_close_timeout=timedelta(seconds=5)
+            "call_agent",
+            url,
+            task_queue=task_queue,
+            schedule_to_close_timeout=timedelta(seconds=30),
         )

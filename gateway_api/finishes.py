@@ -20,9 +20,14 @@ Only then is the waiting request answered from here. Anything else sends it back
 poll at once: another eviction reason (the server refused the completion because a signal or an
 update came in, a workflow task timed out, the cache was full, the worker is stopping), a run
 that ends failed or cancelled, a start that was not eager (the task may run in another gateway),
-a second request with the same RequestID waiting at the same time. A run that has not finished
-after `LONG_POLL_AFTER_S` (its workflow waits on a timer, a queue-mode activity, a slow agent)
-is long-polled too: its next task may run elsewhere, where nothing here would see it end.
+a second request with the same RequestID waiting at the same time.
+
+A run still going after the worker's sticky schedule-to-start timeout (10 s by default) is
+long-polled too. Until then its workflow tasks can only run here: a task scheduled for this
+worker moves to another one only when it waited that long for this worker to take it, and the
+first task (eager) only when it timed out, after as long. A fixed shorter wait would not do:
+under load, calls take longer, and long-polling the slow ones would make each call dearer just
+when the box has least to spare (2 s did, at 64 in flight here).
 
 The bridge is the SDK's internal layer; tests/integration/test_finishes.py runs every path
 above against a real server, so an SDK upgrade that changes it fails there, not in production.
@@ -43,8 +48,6 @@ from temporalio.worker import Worker
 
 log = logging.getLogger("reach.gateway")
 
-# A request still running after this long is long-polled as well (first answer wins).
-LONG_POLL_AFTER_S = 2.0
 _ENDING = RemoveFromCache.EvictionReason.WORKFLOW_EXECUTION_ENDING
 
 
@@ -79,7 +82,8 @@ class Finish:
 class Finishes:
     """The requests this gateway waits on, and what its worker saw of their runs."""
 
-    def __init__(self, long_poll_after_s: float = LONG_POLL_AFTER_S) -> None:
+    def __init__(self, long_poll_after_s: float | None = None) -> None:
+        # None: the attached worker's sticky schedule-to-start timeout (see above).
         self.long_poll_after_s = long_poll_after_s
         self._waiting: dict[str, Finish] = {}  # workflow id -> its wait
         self._runs: dict[str, Finish] = {}  # run id -> the wait of its workflow
@@ -91,6 +95,9 @@ class Finishes:
 
     def attach(self, worker: Worker) -> None:
         """Watch `worker`'s workflow activations and completions (its bridge to core)."""
+        if self.long_poll_after_s is None:
+            sticky = worker.config().get("sticky_queue_schedule_to_start_timeout")
+            self.long_poll_after_s = sticky.total_seconds() if sticky else 10.0
         bridge = worker._bridge_worker
         poll: Callable[[], Awaitable[WorkflowActivation]] = bridge.poll_workflow_activation
         complete: Callable[[WorkflowActivationCompletion], Awaitable[None]] = (
@@ -156,7 +163,7 @@ class Finishes:
             return None
         loop = asyncio.get_running_loop()
         wait = Finish(self, workflow_id, loop.create_future())
-        wait.timer = loop.call_later(self.long_poll_after_s, wait.settle, None)
+        wait.timer = loop.call_later(self.long_poll_after_s or 10.0, wait.settle, None)
         self._waiting[workflow_id] = wait
         return wait
 

@@ -347,7 +347,7 @@ class LiveCollector:
                 "Synchronous invokes' results, by how the gateway read them: 'worker' as its "
                 "own invoke worker completed the workflow and Temporal accepted it, 'long_poll' "
                 "from the workflow's history (a repeat, a start that was not eager, a refused "
-                "completion, a call still running after 2 s).",
+                "completion, a call still running after 10 s).",
                 labels=["via"],
             ),
         )

@@ -96,8 +96,9 @@ async def bench(temporal_server: str) -> AsyncIterator[Bench]:
         activities=[nap],
         workflow_runner=UnsandboxedWorkflowRunner(),
     )
-    finishes = Finishes(long_poll_after_s=2.0)
+    finishes = Finishes()
     finishes.attach(worker)
+    assert finishes.long_poll_after_s == 10.0  # the worker's sticky schedule-to-start timeout
     async with worker:
         yield Bench(client, finishes, task_queue)
     finishes.close()
@@ -165,6 +166,17 @@ async def test_a_run_still_going_after_the_wait_is_long_polled(bench: Bench) -> 
         assert await wait.result(handle) is None
         assert asyncio.get_running_loop().time() - started < 0.9
         assert await handle.result() == "napped 1.0, poked 0"
+    finally:
+        bench.finishes.done(wait)
+
+
+async def test_a_slow_call_within_the_sticky_timeout_is_still_read_here(bench: Bench) -> None:
+    # Under load calls take seconds; long-polling them would make each dearer just then.
+    wait, handle = await bench.start(2.5)
+    try:
+        payload = await wait.result(handle)
+        assert payload is not None
+        assert await bench.decode(payload) == "napped 2.5, poked 0"
     finally:
         bench.finishes.done(wait)
 
