@@ -207,6 +207,7 @@ async def measure(
     tput_calls: int,
     cpu_now: Callable[[], dict[str, float]],
     durable: frozenset[str] = frozenset(),
+    reverse: bool = False,
 ) -> list[Row]:
     """Sequential latency, interleaved across paths, then throughput per path, with the CPU
     each process spent per call meanwhile (the box is CPU-bound there, so throughput follows
@@ -215,7 +216,9 @@ async def measure(
     Interleaving matters: the dev server slows as its SQLite history grows, so timing the paths
     one after another would charge that drift to whichever path runs last. The order is shuffled
     each round (seeded), so no path always follows the same other one (whose work the server may
-    still be finishing).
+    still be finishing). The throughput phases cannot interleave, so they run in the paths'
+    order, or in reverse (`reverse`, every other run): over two runs each path is timed once
+    early and once late, so the drift lands on no path in particular (the floors come first).
     """
     for call in paths.values():
         for _ in range(warmup):
@@ -234,7 +237,8 @@ async def measure(
     if durable:  # the sequential calls' timers, before any row's throughput is timed
         await asyncio.sleep(WORKFLOW_TASK_TIMEOUT_S + 1)
     rows = []
-    for name, call in paths.items():
+    phases = list(paths.items())
+    for name, call in reversed(phases) if reverse else phases:
         tput: dict[int, float] = {}
         cpu: dict[int, dict[str, float]] = {}
         for c in concurrency:
@@ -264,7 +268,7 @@ async def measure(
         rates = "  ".join(f"c={c}: {v:5.0f}/s" for c, v in tput.items())
         print(f"  {name:<34} p50 {row.p50:6.1f} ms   {rates}", flush=True)
         rows.append(row)
-    return rows
+    return sorted(rows, key=lambda r: list(paths).index(r.name))
 
 
 def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -618,6 +622,7 @@ async def main(args: argparse.Namespace) -> None:
                         args.tput_calls,
                         cpu_now,
                         durable=frozenset(n for n in paths if ROW_PROCS[n][0] is not None),
+                        reverse=i % 2 == 1,
                     )
                 )
         await caller.close()
