@@ -102,7 +102,7 @@ async def bench(temporal_server: str) -> AsyncIterator[Bench]:
     async with worker:
         yield Bench(client, finishes, task_queue)
     finishes.close()
-    await asyncio.sleep(0.5)  # the SDK's worker shutdown settles (see the README's gotchas)
+    await asyncio.sleep(0.5)  # the SDK worker's shutdown settles (it can abort at exit otherwise)
 
 
 async def test_a_result_is_read_here_only_once_temporal_closed_the_workflow(
