@@ -181,6 +181,9 @@ class Row:
 # cause that lands this long after them (0.4-0.65 ms of server CPU per call, measured against
 # the floor at 16 in flight, against 0.07 ms for an idle server over the same time).
 WORKFLOW_TASK_TIMEOUT_S = 10.0
+# Each invoke's own deadline: as long as the floors' activities get (bench/raw_workflow.py), so
+# that a slow box makes a slow row, not a failed run (64 in flight can wait past 10 s).
+CALL_TIMEOUT_MS = 30_000
 
 
 async def quiet(
@@ -545,7 +548,7 @@ async def main(args: argparse.Namespace) -> None:
                     target="bench-inline",
                     operation="query",
                     payload_json=json.dumps(PAYLOAD),
-                    timeout_ms=10000,
+                    timeout_ms=CALL_TIMEOUT_MS,
                 )
             )
             if r.status != "success":
@@ -554,7 +557,12 @@ async def main(args: argparse.Namespace) -> None:
         def reach(
             cap: str, base: str = gw, token: str | None = None
         ) -> Callable[[], Awaitable[None]]:
-            body = {"target": cap, "operation": "query", "payload": PAYLOAD, "timeout_ms": 10000}
+            body = {
+                "target": cap,
+                "operation": "query",
+                "payload": PAYLOAD,
+                "timeout_ms": CALL_TIMEOUT_MS,
+            }
             headers = {"Authorization": f"Bearer {token}"} if token else {}
 
             async def call() -> None:
