@@ -49,17 +49,16 @@ from temporalio.worker import Worker
 log = logging.getLogger("reach.gateway")
 
 _ENDING = RemoveFromCache.EvictionReason.WORKFLOW_EXECUTION_ENDING
+# The SDK's default sticky schedule-to-start timeout, for a worker that does not say its own.
+_STICKY_S = 10.0
 
 
 class Finish:
     """One request's wait: resolves to its result payload, or to None (long-poll instead)."""
 
-    __slots__ = ("future", "owner", "run_ids", "timer", "workflow_id")
+    __slots__ = ("future", "run_ids", "timer", "workflow_id")
 
-    def __init__(
-        self, owner: Finishes, workflow_id: str, future: asyncio.Future[Payload | None]
-    ) -> None:
-        self.owner = owner
+    def __init__(self, workflow_id: str, future: asyncio.Future[Payload | None]) -> None:
         self.workflow_id = workflow_id
         self.future = future
         self.timer: asyncio.TimerHandle | None = None
@@ -73,10 +72,7 @@ class Finish:
         """The result payload if this process recorded it; None: ask `handle` (long poll)."""
         if not eagerly_started(handle):
             return None
-        payload = await self.future
-        if payload is not None:
-            self.owner.answered_here += 1
-        return payload
+        return await self.future
 
 
 class Finishes:
@@ -88,8 +84,9 @@ class Finishes:
         self._waiting: dict[str, Finish] = {}  # workflow id -> its wait
         self._runs: dict[str, Finish] = {}  # run id -> the wait of its workflow
         self._results: dict[str, Payload] = {}  # run id -> the result its completion carries
+        # Counted by the gateway, for every synchronous wait: read here, or long-polled.
         self.answered_here = 0
-        self.long_polled = 0  # counted by the gateway: every synchronous wait not answered here
+        self.long_polled = 0
 
     # -- the worker's side ----------------------------------------------------------------------
 
@@ -97,7 +94,7 @@ class Finishes:
         """Watch `worker`'s workflow activations and completions (its bridge to core)."""
         if self.long_poll_after_s is None:
             sticky = worker.config().get("sticky_queue_schedule_to_start_timeout")
-            self.long_poll_after_s = sticky.total_seconds() if sticky else 10.0
+            self.long_poll_after_s = sticky.total_seconds() if sticky else _STICKY_S
         bridge = worker._bridge_worker
         poll: Callable[[], Awaitable[WorkflowActivation]] = bridge.poll_workflow_activation
         complete: Callable[[WorkflowActivationCompletion], Awaitable[None]] = (
@@ -162,8 +159,8 @@ class Finishes:
         if workflow_id in self._waiting:
             return None
         loop = asyncio.get_running_loop()
-        wait = Finish(self, workflow_id, loop.create_future())
-        wait.timer = loop.call_later(self.long_poll_after_s or 10.0, wait.settle, None)
+        wait = Finish(workflow_id, loop.create_future())
+        wait.timer = loop.call_later(self.long_poll_after_s or _STICKY_S, wait.settle, None)
         self._waiting[workflow_id] = wait
         return wait
 

@@ -494,6 +494,8 @@ class Gateway:
                 if wait is not None and started:
                     payload = await wait.result(handle)
                     if payload is not None:
+                        if self.finishes is not None:
+                            self.finishes.answered_here += 1
                         return await self._decode(payload)
                 if self.finishes is not None:
                     self.finishes.long_polled += 1

@@ -121,7 +121,6 @@ async def test_a_result_is_read_here_only_once_temporal_closed_the_workflow(
         assert await handle.result() == "napped 0.05, poked 0"
     finally:
         bench.finishes.done(wait)
-    assert bench.finishes.answered_here == 1
     assert bench.finishes._runs == {}
     assert bench.finishes._results == {}
 
@@ -137,7 +136,6 @@ async def test_a_completion_the_server_refused_is_long_polled(bench: Bench) -> N
         assert await handle.result() == "napped 0.6, poked 1"
     finally:
         bench.finishes.done(wait)
-    assert bench.finishes.answered_here == 0
 
 
 async def test_a_start_that_was_not_eager_is_long_polled_at_once(bench: Bench) -> None:
@@ -155,7 +153,6 @@ async def test_a_failed_workflow_is_long_polled(bench: Bench) -> None:
         assert await wait.result(handle) is None
     finally:
         bench.finishes.done(wait)
-    assert bench.finishes.answered_here == 0
 
 
 async def test_a_run_still_going_after_the_wait_is_long_polled(bench: Bench) -> None:
@@ -233,7 +230,6 @@ async def test_many_at_once_are_all_read_here(bench: Bench) -> None:
 
     results = await asyncio.gather(*(one(n) for n in range(40)))
     assert results == [f"napped {0.01 * (n % 5)}, poked 0" for n in range(40)]
-    assert bench.finishes.answered_here == 40
 
 
 async def test_the_gateway_answers_sync_invokes_from_its_worker(
