@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from gateway_api.devserver import DevServer, free_port
-from tests.helpers import SPAWNED, Gateway, Stack, stop_spawned
+from tests.helpers import SPAWNED, GatewayProcess, Stack, stop_spawned
 
 # `make test-only` runs two pytest-xdist workers on the same cores, so a property test's examples
 # can wait behind the other worker's Temporal server and gateways: Hypothesis' per-example
@@ -88,10 +88,10 @@ def new_stack(temporal: str, tmp: Path, **kw: object) -> Stack:
 @pytest.fixture(scope="module")
 async def gateway(
     temporal_server: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Gateway]:
+) -> AsyncIterator[GatewayProcess]:
     """One gateway (memory registry, invoke worker inside) per test module."""
     stack = new_stack(temporal_server, tmp_path_factory.mktemp("stack"))
-    gw = Gateway(stack)
+    gw = GatewayProcess(stack)
     try:
         yield await gw.ready()
     finally:

@@ -120,7 +120,7 @@ class Stack:
         return env
 
 
-class Gateway:
+class GatewayProcess:
     def __init__(
         self, stack: Stack, name: str = "gateway", *, worker: bool = True, port: int | None = None
     ) -> None:
@@ -133,7 +133,7 @@ class Gateway:
             stack.tmp / f"{name}-{self.port}.log",
         )
 
-    async def ready(self, timeout_s: float = 60.0) -> Gateway:
+    async def ready(self, timeout_s: float = 60.0) -> GatewayProcess:
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(trust_env=False) as client:
             while time.monotonic() < deadline:
@@ -171,7 +171,7 @@ class Worker:
 class Agent:
     def __init__(
         self,
-        gateway: Gateway,
+        gateway: GatewayProcess,
         instance_id: str,
         capability: str,
         *flags: str,
@@ -209,7 +209,9 @@ class Agent:
         raise TimeoutError(f"agent not ready:\n{self.proc.output()}")
 
 
-async def start_agents(gateway: Gateway, capability: str, count: int, *flags: str) -> list[Agent]:
+async def start_agents(
+    gateway: GatewayProcess, capability: str, count: int, *flags: str
+) -> list[Agent]:
     agents = [Agent(gateway, f"{capability}-{i:02d}", capability, *flags) for i in range(count)]
     await asyncio.gather(*(a.ready() for a in agents))
     return agents

@@ -24,7 +24,7 @@ import pytest
 from gateway_api.devserver import DevServer, free_port
 from reach.messages import EXAMPLE_REQUEST_ID
 from reach.security.tokens import FileTokenStore, issue
-from tests.helpers import ROOT, Agent, Gateway, Stack
+from tests.helpers import ROOT, Agent, GatewayProcess, Stack
 
 pytestmark = pytest.mark.fuzz
 
@@ -57,7 +57,7 @@ async def test_the_gateway_holds_under_schemathesis(tmp_path: Path) -> None:
         # `ignored_auth` check sends each request without it and expects a 401.
         token, record = issue("fuzz-admin", "admin")
         FileTokenStore(tmp_path / "tokens.json").write(record)
-        gateway = await Gateway(stack).ready()
+        gateway = await GatewayProcess(stack).ready()
         auth = {"REACH_AGENT_TOKEN": token}
         await Agent(gateway, "retriever-01", "knowledge-retriever", env=auth).ready()
         # The documented examples name this request and instance: make them exist.

@@ -20,7 +20,7 @@ import pytest
 from agent_reach_proto import gateway_pb2 as pb
 from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
-from tests.helpers import ROOT, Agent, Gateway, Stack, wait_until
+from tests.helpers import ROOT, Agent, GatewayProcess, Stack, wait_until
 from tests.integration.test_grpc_front import Reach
 
 pytestmark = pytest.mark.integration
@@ -85,7 +85,7 @@ async def secured(temporal_server: str, tmp_path_factory: pytest.TempPathFactory
         token, record = issue(name, kind, caps)  # type: ignore[arg-type]
         store.write(record)
         tokens[name] = token
-    gw = await Gateway(stack).ready()
+    gw = await GatewayProcess(stack).ready()
     try:
         yield stack, gw, tokens, config
     finally:
@@ -93,7 +93,7 @@ async def secured(temporal_server: str, tmp_path_factory: pytest.TempPathFactory
 
 
 async def start_agent(
-    gw: Gateway, capability: str, token: str, name: str = "a", *flags: str
+    gw: GatewayProcess, capability: str, token: str, name: str = "a", *flags: str
 ) -> Agent:
     ledger = gw.stack.tmp / f"ledger-{capability}"
     agent = Agent(
@@ -108,12 +108,12 @@ async def start_agent(
     return await agent.ready()
 
 
-async def _in_ledger(gw: Gateway, capability: str, request_id: str) -> bool:
+async def _in_ledger(gw: GatewayProcess, capability: str, request_id: str) -> bool:
     ledger = gw.stack.tmp / f"ledger-{capability}"
     return ledger.exists() and request_id in ledger.read_text()
 
 
-def calls(gw: Gateway, capability: str) -> int:
+def calls(gw: GatewayProcess, capability: str) -> int:
     ledger = gw.stack.tmp / f"ledger-{capability}"
     return len(ledger.read_text().splitlines()) if ledger.exists() else 0
 
@@ -182,7 +182,7 @@ async def test_grpc_front_refuses_without_a_valid_token(secured: Any, capability
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED  # a caller token
 
 
-def _grpc_port(gw: Gateway) -> int:
+def _grpc_port(gw: GatewayProcess) -> int:
     for line in gw.proc.output().splitlines():
         if "gRPC front listening on" in line:
             return int(line.rsplit(":", 1)[1].split()[0])
@@ -449,7 +449,7 @@ async def test_revoked_on_one_gateway_is_refused_on_another_within_a_second(
     stack = new_stack(temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix)
     admin_token, _ = issue_cli(stack, "--principal", "ops", "--admin")
     caller_token, caller_id = issue_cli(stack, "--principal", "orchestrator")
-    a, b = Gateway(stack, "a"), Gateway(stack, "b")
+    a, b = GatewayProcess(stack, "a"), GatewayProcess(stack, "b")
     await asyncio.gather(a.ready(), b.ready())
     try:
         url = f"{b.url}/reach/capabilities"
@@ -482,7 +482,7 @@ async def test_a_reload_cannot_open_a_public_gateway(temporal_server: str, tmp_p
         tmp_path,
         extra={"REACH_LISTEN_HOST": "0.0.0.0", "REACH_CONFIG": str(config)},
     )
-    gw = await Gateway(stack).ready()
+    gw = await GatewayProcess(stack).ready()
     try:
         async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
             assert (await http.get(f"{gw.url}/reach/capabilities")).status_code == 401
@@ -496,7 +496,7 @@ async def test_a_reload_cannot_open_a_public_gateway(temporal_server: str, tmp_p
 
 async def test_no_tokens_means_loopback_only(temporal_server: str, tmp_path: Path) -> None:
     stack = new_stack(temporal_server, tmp_path, extra={"REACH_LISTEN_HOST": "0.0.0.0"})
-    gw = Gateway(stack)
+    gw = GatewayProcess(stack)
     code = await asyncio.to_thread(gw.proc.popen.wait, 60)
     assert code != 0
     assert "auth.mode: open" in gw.proc.output()
@@ -506,13 +506,13 @@ async def test_no_tokens_means_loopback_only(temporal_server: str, tmp_path: Pat
         extra={"REACH_LISTEN_HOST": "0.0.0.0", "REACH_AUTH__MODE": "open"},
     )
     (tmp_path / "open").mkdir()
-    served = Gateway(open_stack)
+    served = GatewayProcess(open_stack)
     try:
         await served.ready()
     finally:
         served.proc.stop()
     (tmp_path / "local").mkdir()
-    local = await Gateway(new_stack(temporal_server, tmp_path / "local")).ready()
+    local = await GatewayProcess(new_stack(temporal_server, tmp_path / "local")).ready()
     try:
         assert "no tokens" in local.proc.output()
     finally:

@@ -13,7 +13,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from agent_reach_sdk.wire import Answer, Inbound
 from reach.security.webhooks import caller_secret
 from tests.conftest import new_stack
-from tests.helpers import CallbackReceiver, Gateway, start_agents
+from tests.helpers import CallbackReceiver, GatewayProcess, start_agents
 
 pytestmark = pytest.mark.integration
 
@@ -36,20 +36,22 @@ class RawReceiver(CallbackReceiver):
 @pytest.fixture(scope="module")
 async def signing_gateway(
     temporal_server: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Gateway]:
+) -> AsyncIterator[GatewayProcess]:
     stack = new_stack(
         temporal_server,
         tmp_path_factory.mktemp("signing"),
         extra={"REACH_SECURITY__WEBHOOK_KEY": MASTER},
     )
-    gw = Gateway(stack, "signing")
+    gw = GatewayProcess(stack, "signing")
     try:
         yield await gw.ready()
     finally:
         gw.proc.stop()
 
 
-async def invoke(http: httpx.AsyncClient, gateway: Gateway, capability: str, url: str) -> str:
+async def invoke(
+    http: httpx.AsyncClient, gateway: GatewayProcess, capability: str, url: str
+) -> str:
     rid = f"req-{uuid.uuid4().hex}"
     r = await http.post(
         f"{gateway.url}/reach/invoke",
@@ -67,7 +69,7 @@ async def invoke(http: httpx.AsyncClient, gateway: Gateway, capability: str, url
 
 
 async def test_a_callback_verifies_with_the_callers_secret(
-    signing_gateway: Gateway, http: httpx.AsyncClient, capability: str
+    signing_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(signing_gateway, capability, 1)
     receiver = RawReceiver()
@@ -87,7 +89,7 @@ async def test_a_callback_verifies_with_the_callers_secret(
 
 
 async def test_a_redelivery_keeps_the_webhook_id(
-    signing_gateway: Gateway, http: httpx.AsyncClient, capability: str
+    signing_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(signing_gateway, capability, 1)
     receiver = RawReceiver(fail_first=1)

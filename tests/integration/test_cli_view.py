@@ -17,7 +17,7 @@ import pytest
 from gateway_api.devserver import free_port
 from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
-from tests.helpers import ROOT, Agent, CallbackReceiver, Gateway, start_agents
+from tests.helpers import ROOT, Agent, CallbackReceiver, GatewayProcess, start_agents
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def rows(stdout: str) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-async def agents(gateway: Gateway) -> tuple[str, list[Agent]]:
+async def agents(gateway: GatewayProcess) -> tuple[str, list[Agent]]:
     capability = f"cli-{uuid.uuid4().hex[:8]}"
     return capability, await start_agents(gateway, capability, 2)
 
@@ -51,7 +51,9 @@ async def agents(gateway: Gateway) -> tuple[str, list[Agent]]:
 # -- capabilities and agents -------------------------------------------------------------------
 
 
-def test_capabilities_table_and_json(gateway: Gateway, agents: tuple[str, list[Agent]]) -> None:
+def test_capabilities_table_and_json(
+    gateway: GatewayProcess, agents: tuple[str, list[Agent]]
+) -> None:
     capability, _ = agents
     done = reach("capabilities", "--gateway", gateway.url)
     assert done.returncode == 0, done.stderr
@@ -66,7 +68,7 @@ def test_capabilities_table_and_json(gateway: Gateway, agents: tuple[str, list[A
 
 
 def test_agents_shows_protocol_health_checks_inflight_and_heartbeat_age(
-    gateway: Gateway, agents: tuple[str, list[Agent]]
+    gateway: GatewayProcess, agents: tuple[str, list[Agent]]
 ) -> None:
     capability, started = agents
     done = reach("agents", capability, "--gateway", gateway.url)
@@ -114,7 +116,7 @@ def test_agents_shows_protocol_health_checks_inflight_and_heartbeat_age(
     assert out["capabilities"][0]["routing"]["strategy"]
 
 
-def test_agents_of_an_unknown_capability_names_the_fix(gateway: Gateway) -> None:
+def test_agents_of_an_unknown_capability_names_the_fix(gateway: GatewayProcess) -> None:
     done = reach("agents", "no-such-capability", "--gateway", gateway.url)
     assert done.returncode == 1
     assert "unknown_capability" in done.stderr
@@ -126,7 +128,7 @@ def test_agents_of_an_unknown_capability_names_the_fix(gateway: Gateway) -> None
 
 
 def test_invoke_prints_the_result_and_exits_0(
-    gateway: Gateway, agents: tuple[str, list[Agent]]
+    gateway: GatewayProcess, agents: tuple[str, list[Agent]]
 ) -> None:
     capability, started = agents
     done = reach(
@@ -154,7 +156,7 @@ def test_invoke_prints_the_result_and_exits_0(
 
 
 def test_invoke_json_and_payload_file(
-    gateway: Gateway, agents: tuple[str, list[Agent]], tmp_path: Path
+    gateway: GatewayProcess, agents: tuple[str, list[Agent]], tmp_path: Path
 ) -> None:
     capability, _ = agents
     payload = tmp_path / "payload.json"
@@ -179,7 +181,7 @@ def test_invoke_json_and_payload_file(
 
 
 def test_invoke_errors_exit_1_with_the_error(
-    gateway: Gateway, agents: tuple[str, list[Agent]]
+    gateway: GatewayProcess, agents: tuple[str, list[Agent]]
 ) -> None:
     capability, _ = agents
     done = reach(
@@ -204,7 +206,7 @@ def test_invoke_errors_exit_1_with_the_error(
     assert "(HTTP 404)" in done.stderr
 
 
-def test_invoke_bad_payload_is_a_usage_error(gateway: Gateway) -> None:
+def test_invoke_bad_payload_is_a_usage_error(gateway: GatewayProcess) -> None:
     for flag, says in [("{not json", "not valid JSON"), ("[1, 2]", "must be a JSON object")]:
         done = reach("invoke", "x", "query", "--payload", flag, "--gateway", gateway.url)
         assert done.returncode == 2
@@ -216,7 +218,7 @@ def test_invoke_bad_payload_is_a_usage_error(gateway: Gateway) -> None:
 
 
 async def test_invoke_with_a_callback_is_accepted(
-    gateway: Gateway, agents: tuple[str, list[Agent]]
+    gateway: GatewayProcess, agents: tuple[str, list[Agent]]
 ) -> None:
     capability, _ = agents
     async with CallbackReceiver() as receiver:
@@ -281,7 +283,7 @@ async def secured(temporal_server: str, tmp_path_factory: pytest.TempPathFactory
     store.write(record)
     agent_token, record = issue("cli-agent", "agent", [capability])
     store.write(record)
-    gw = await Gateway(stack).ready()
+    gw = await GatewayProcess(stack).ready()
     agent = Agent(gw, f"{capability}-01", capability, env={"REACH_AGENT_TOKEN": agent_token})
     try:
         await agent.ready()

@@ -19,7 +19,7 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 
 from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
-from tests.helpers import Agent, Gateway, start_agents
+from tests.helpers import Agent, GatewayProcess, start_agents
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ async def browser() -> AsyncIterator[Browser]:
 @pytest.fixture(scope="module")
 async def secured(
     temporal_server: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[Gateway, str, str]]:
+) -> AsyncIterator[tuple[GatewayProcess, str, str]]:
     """A gateway that requires tokens, with the Temporal UI at a configured address:
     (gateway, a caller token, an agent token for any capability)."""
     tmp = tmp_path_factory.mktemp("dashboard")
@@ -58,14 +58,14 @@ async def secured(
     store.write(record)
     agent, record = issue("dashboard-agents", "agent", ["*"])
     store.write(record)
-    gw = await Gateway(stack).ready()
+    gw = await GatewayProcess(stack).ready()
     try:
         yield gw, caller, agent
     finally:
         gw.proc.stop()
 
 
-async def open_dashboard(browser: Browser, gw: Gateway) -> tuple[Page, list[str]]:
+async def open_dashboard(browser: Browser, gw: GatewayProcess) -> tuple[Page, list[str]]:
     """A fresh tab on /ui; the list collects script errors (there must be none)."""
     page = await browser.new_page(viewport={"width": 1280, "height": 900})
     errors: list[str] = []
@@ -87,7 +87,7 @@ def instance_row(page: Page, instance_id: str) -> Any:
 
 
 async def test_the_page_asks_for_a_token_shows_the_instance_and_its_eviction(
-    secured: tuple[Gateway, str, str], browser: Browser, capability: str
+    secured: tuple[GatewayProcess, str, str], browser: Browser, capability: str
 ) -> None:
     gw, caller, agent_token = secured
     agent = await Agent(
@@ -127,7 +127,7 @@ async def test_the_page_asks_for_a_token_shows_the_instance_and_its_eviction(
 
 
 async def test_a_request_links_to_its_timeline_and_its_temporal_page(
-    secured: tuple[Gateway, str, str], browser: Browser, capability: str
+    secured: tuple[GatewayProcess, str, str], browser: Browser, capability: str
 ) -> None:
     gw, caller, agent_token = secured
     await Agent(gw, f"{capability}-01", capability, env={"REACH_AGENT_TOKEN": agent_token}).ready()
@@ -171,7 +171,7 @@ async def test_a_request_links_to_its_timeline_and_its_temporal_page(
 
 
 async def test_agent_strings_are_text_never_markup(
-    gateway: Gateway, browser: Browser, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, browser: Browser, http: httpx.AsyncClient, capability: str
 ) -> None:
     """An agent writes its own checks: markup in them must show as text and never run."""
     hostile = '<img src=x onerror="window.__pwned=1">'
@@ -214,7 +214,7 @@ async def test_agent_strings_are_text_never_markup(
 
 
 async def test_screenshot_with_agents_and_requests(
-    gateway: Gateway, browser: Browser, capability: str, tmp_path: Path
+    gateway: GatewayProcess, browser: Browser, capability: str, tmp_path: Path
 ) -> None:
     """Two agents and a few requests, as the README's picture shows them."""
     agents = await start_agents(gateway, capability, 2)

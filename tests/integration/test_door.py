@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from reach.limits import DEFAULT_MAX_MESSAGE_BYTES
-from tests.helpers import Gateway, start_agents
+from tests.helpers import GatewayProcess, start_agents
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,11 @@ def raw_invoke(capability: str, payload_json: str, request_id: str) -> bytes:
     ids=["deep", "surrogate", "nan", "inf", "huge-int"],
 )
 async def test_input_no_hop_can_carry_is_refused_at_the_door(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, payload_json: str, needle: str
+    gateway: GatewayProcess,
+    http: httpx.AsyncClient,
+    capability: str,
+    payload_json: str,
+    needle: str,
 ) -> None:
     await start_agents(gateway, capability, 1)
     rid = f"req-{uuid.uuid4().hex}"
@@ -74,7 +78,7 @@ async def test_input_no_hop_can_carry_is_refused_at_the_door(
     ],
 )
 async def test_values_a_header_cannot_carry_are_422(
-    gateway: Gateway,
+    gateway: GatewayProcess,
     http: httpx.AsyncClient,
     capability: str,
     headers: dict[str, bytes],
@@ -94,7 +98,7 @@ async def test_values_a_header_cannot_carry_are_422(
 
 
 async def test_a_valid_traceparent_and_caller_pass(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1)
     r = await http.post(
@@ -109,7 +113,7 @@ async def test_a_valid_traceparent_and_caller_pass(
 
 
 async def test_payload_limit_is_measured_as_sent(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1)
     # 400 000 x "é": 800 000 bytes as sent (UTF-8), 2 400 000 if escaped: within the limit.
@@ -129,7 +133,7 @@ async def test_payload_limit_is_measured_as_sent(
 
 
 async def test_temporal_payload_limit_is_a_413_not_a_retryable_503(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """Before: a 2.5 MB payload passed Reach's 4 MiB check, Temporal refused it (2 MiB), and the
     caller got a retryable 503 forever."""
@@ -143,7 +147,7 @@ async def test_temporal_payload_limit_is_a_413_not_a_retryable_503(
     assert r.json()["error"]["retryable"] is False
 
 
-async def test_a_huge_declared_body_is_refused_without_reading_it(gateway: Gateway) -> None:
+async def test_a_huge_declared_body_is_refused_without_reading_it(gateway: GatewayProcess) -> None:
     """Content-Length says 1 GB: the 413 comes at once, not after a gigabyte was buffered."""
     port = int(gateway.url.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -163,7 +167,7 @@ async def test_a_huge_declared_body_is_refused_without_reading_it(gateway: Gatew
 
 
 async def test_a_chunked_body_over_the_limit_is_a_413_envelope(
-    gateway: Gateway, http: httpx.AsyncClient
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
     async def chunks() -> object:
         for _ in range(80):  # 8 MB: past the 6 MiB + 64 KiB body limit
@@ -186,7 +190,7 @@ async def test_a_chunked_body_over_the_limit_is_a_413_envelope(
     ],
 )
 async def test_framework_failures_answer_in_the_envelope(
-    gateway: Gateway,
+    gateway: GatewayProcess,
     http: httpx.AsyncClient,
     method: str,
     path: str,
@@ -214,7 +218,7 @@ async def test_framework_failures_answer_in_the_envelope(
     ],
 )
 async def test_join_refuses_what_a_connector_cannot_use(
-    gateway: Gateway,
+    gateway: GatewayProcess,
     http: httpx.AsyncClient,
     change: dict[str, object],
     status: int,
@@ -232,7 +236,9 @@ async def test_join_refuses_what_a_connector_cannot_use(
     assert needle in r.json()["error"]["message"]
 
 
-async def test_heartbeat_reports_are_bounded(gateway: Gateway, http: httpx.AsyncClient) -> None:
+async def test_heartbeat_reports_are_bounded(
+    gateway: GatewayProcess, http: httpx.AsyncClient
+) -> None:
     iid = f"hb-{uuid.uuid4().hex[:6]}"
     r = await http.post(
         f"{gateway.url}/reach/agents",
@@ -255,7 +261,7 @@ async def test_heartbeat_reports_are_bounded(gateway: Gateway, http: httpx.Async
     assert (await http.put(url, content=b"")).status_code == 200  # empty: 'ok'
 
 
-async def test_late_answers_are_bounded(gateway: Gateway, http: httpx.AsyncClient) -> None:
+async def test_late_answers_are_bounded(gateway: GatewayProcess, http: httpx.AsyncClient) -> None:
     url = f"{gateway.url}/reach/requests/req-{uuid.uuid4().hex}/result"
     for body, status, needle in (
         ({"status": "error", "error_type": "has spaces"}, 422, "error_type"),
@@ -269,7 +275,7 @@ async def test_late_answers_are_bounded(gateway: Gateway, http: httpx.AsyncClien
 
 
 async def test_a_payload_within_the_limit_passes_however_it_was_escaped(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """Python's json.dumps escapes every 'é' as six bytes: the body is three times the payload
     as sent, and still accepted (before: a 413 for a payload within the limit)."""
@@ -283,7 +289,7 @@ async def test_a_payload_within_the_limit_passes_however_it_was_escaped(
 
 
 async def test_an_error_never_echoes_an_invalid_request_id(
-    gateway: Gateway, http: httpx.AsyncClient
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
     r = await http.get(f"{gateway.url}/reach/requests/{'x' * 300}")
     assert r.status_code == 422
@@ -294,7 +300,7 @@ async def test_an_error_never_echoes_an_invalid_request_id(
 
 
 async def test_the_idempotency_key_header_is_the_body_field(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1)
     url = f"{gateway.url}/reach/invoke"
@@ -311,7 +317,9 @@ async def test_the_idempotency_key_header_is_the_body_field(
     assert "Idempotency-Key" in r.json()["error"]["message"]
 
 
-async def test_an_idle_connection_outlives_the_clients_own_idle_timeout(gateway: Gateway) -> None:
+async def test_an_idle_connection_outlives_the_clients_own_idle_timeout(
+    gateway: GatewayProcess,
+) -> None:
     """Clients close an idle pooled connection first (httpx after 5 s, aiohttp after 15 s):
     had the gateway closed it at 5 s, one reusing it just then would fail to send."""
     host, port = gateway.url.removeprefix("http://").split(":")

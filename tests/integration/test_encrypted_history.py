@@ -29,7 +29,7 @@ from gateway_api.devserver import temporal_binary
 from reach.security.crypto import new_key
 from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
-from tests.helpers import Gateway, start_agents, wait_until
+from tests.helpers import GatewayProcess, start_agents, wait_until
 from workflows.invoke import SA_CALLER, SA_CAPABILITY, SA_OPERATION, SA_STATUS
 
 pytestmark = pytest.mark.integration
@@ -66,14 +66,14 @@ async def enc_gateway(
     temporal_server: str,
     tmp_path_factory: pytest.TempPathFactory,
     admin: tuple[str, dict[str, str]],
-) -> AsyncIterator[Gateway]:
+) -> AsyncIterator[GatewayProcess]:
     """One gateway with encryption on (key k1) for the module."""
     stack = new_stack(
         temporal_server,
         tmp_path_factory.mktemp("enc"),
         extra={**encryption_env("k1", {"k1": new_key()}), **admin[1]},
     )
-    gw = Gateway(stack)
+    gw = GatewayProcess(stack)
     try:
         yield await gw.ready()
     finally:
@@ -162,7 +162,7 @@ def assert_sealed(history: History, *secrets: str) -> list[Payload]:
 
 
 async def codec_decode(
-    http: httpx.AsyncClient, gateway: Gateway, token: str, payloads: list[Payload]
+    http: httpx.AsyncClient, gateway: GatewayProcess, token: str, payloads: list[Payload]
 ) -> list[Payload]:
     r = await http.post(
         f"{gateway.url}/codec/decode",
@@ -183,7 +183,7 @@ async def listed(temporal: str, capability: str) -> list[str]:
 
 
 async def test_history_holds_no_plaintext_and_the_codec_server_reads_it(
-    enc_gateway: Gateway,
+    enc_gateway: GatewayProcess,
     http: httpx.AsyncClient,
     capability: str,
     temporal_server: str,
@@ -256,7 +256,7 @@ async def test_history_holds_no_plaintext_and_the_codec_server_reads_it(
 
 
 async def test_an_agent_error_message_is_sealed_too(
-    enc_gateway: Gateway,
+    enc_gateway: GatewayProcess,
     http: httpx.AsyncClient,
     capability: str,
     temporal_server: str,
@@ -333,7 +333,7 @@ def readable(cli_json: str) -> str:
 
 
 async def test_ui_preflight_and_cors(
-    enc_gateway: Gateway, http: httpx.AsyncClient, admin: tuple[str, dict[str, str]]
+    enc_gateway: GatewayProcess, http: httpx.AsyncClient, admin: tuple[str, dict[str, str]]
 ) -> None:
     """(f) The Temporal UI (port 8233) may call the codec server from the browser, with an
     admin token; the preflight needs none."""
@@ -375,9 +375,9 @@ async def test_rotation_keeps_old_requests_readable(
     stack = new_stack(temporal_server, tmp_path)
     secrets: dict[str, str] = {}
 
-    async def run_phase(extra: dict[str, str], port: int | None) -> tuple[Gateway, str]:
+    async def run_phase(extra: dict[str, str], port: int | None) -> tuple[GatewayProcess, str]:
         stack.extra = {**extra, **auth}
-        gateway = await Gateway(stack, port=port).ready()
+        gateway = await GatewayProcess(stack, port=port).ready()
         # A capability (and so an agent log file) per phase: a fresh agent's readiness is read
         # from its own log.
         phase_capability = f"{capability}-{len(secrets)}"
@@ -391,7 +391,7 @@ async def test_rotation_keeps_old_requests_readable(
         secrets[rid] = secret
         return gateway, rid
 
-    def stop(gateway: Gateway) -> None:
+    def stop(gateway: GatewayProcess) -> None:
         gateway.proc.stop()
 
     plain_gw, rid_plain = await run_phase({}, None)

@@ -23,7 +23,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from gateway_api.finishes import Finish, Finishes
-from tests.helpers import Agent, Gateway
+from tests.helpers import Agent, GatewayProcess
 from tests.integration.test_metrics import get, scrape
 
 pytestmark = pytest.mark.integration
@@ -233,7 +233,7 @@ async def test_many_at_once_are_all_read_here(bench: Bench) -> None:
 
 
 async def test_the_gateway_answers_sync_invokes_from_its_worker(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await Agent(gateway, f"{capability}-01", capability).ready()
     before = await scrape(http, gateway.url)

@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from agent_reach_proto import gateway_pb2 as pb
 from gateway_api.devserver import command, free_port, wait_port
 from gateway_api.grpc_front import TRAILERS_MAX_BYTES, Refusal, fit_envelope
-from tests.helpers import ROOT, CallbackReceiver, Gateway, Stack, start_agents, wait_until
+from tests.helpers import ROOT, CallbackReceiver, GatewayProcess, Stack, start_agents, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +52,7 @@ def grpc_stack(temporal: str, tmp: Path, **extra: str) -> Stack:
     )
 
 
-def front_address(gateway: Gateway) -> str:
+def front_address(gateway: GatewayProcess) -> str:
     """The bound port, as the gateway logs it (port 0 means any free port)."""
     found = LISTENING.search(gateway.proc.output())
     assert found, gateway.proc.output()
@@ -61,7 +61,7 @@ def front_address(gateway: Gateway) -> str:
 
 @dataclass
 class Front:
-    gateway: Gateway
+    gateway: GatewayProcess
     address: str
 
 
@@ -69,7 +69,7 @@ class Front:
 async def front(
     temporal_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Front]:
-    gateway = Gateway(grpc_stack(temporal_server, tmp_path_factory.mktemp("grpc-front")))
+    gateway = GatewayProcess(grpc_stack(temporal_server, tmp_path_factory.mktemp("grpc-front")))
     try:
         await gateway.ready()
         yield Front(gateway, front_address(gateway))
@@ -787,7 +787,7 @@ async def test_health_follows_temporal_down_and_back(tmp_path: Path) -> None:
     temporal.start()
     try:
         stack = grpc_stack(temporal.address, tmp_path, REACH_TEMPORAL__RPC_TIMEOUT_S="1")
-        gateway = await Gateway(stack).ready()
+        gateway = await GatewayProcess(stack).ready()
         async with grpc.aio.insecure_channel(front_address(gateway)) as channel:
             reach = Reach(channel)
             watch = reach.watch(health_pb2.HealthCheckRequest(service=""))
@@ -855,7 +855,7 @@ def test_a_busy_grpc_port_names_the_port_and_the_setting() -> None:
 
 
 async def test_a_negative_port_turns_the_front_off(temporal_server: str, tmp_path: Path) -> None:
-    gateway = await Gateway(
+    gateway = await GatewayProcess(
         grpc_stack(temporal_server, tmp_path, REACH_TRANSPORT__PORTS__GRPC="-1")
     ).ready()
     gateway.proc.stop()

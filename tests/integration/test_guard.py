@@ -37,7 +37,7 @@ from reach.routing import Router
 from reach.security.netguard import AddressGuard
 from reach.store import MemoryStore
 from tests.conftest import new_stack
-from tests.helpers import Gateway
+from tests.helpers import GatewayProcess
 
 pytestmark = pytest.mark.integration
 
@@ -341,13 +341,13 @@ async def test_the_http_connector_refuses_without_retry() -> None:
 @pytest.fixture(scope="module")
 async def strict_gateway(
     temporal_server: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Gateway]:
+) -> AsyncIterator[GatewayProcess]:
     stack = new_stack(
         temporal_server,
         tmp_path_factory.mktemp("strict"),
         extra={"REACH_SECURITY__ALLOW_NETWORKS": "[]"},
     )
-    gw = Gateway(stack, "strict")
+    gw = GatewayProcess(stack, "strict")
     try:
         yield await gw.ready()
     finally:
@@ -355,7 +355,7 @@ async def strict_gateway(
 
 
 async def test_gateway_refuses_a_loopback_callback(
-    strict_gateway: Gateway, http: httpx.AsyncClient, capability: str
+    strict_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     for url in ("http://127.0.0.1:9/x", "http://localhost:9/x", "http://[::1]:9/x"):
         r = await http.post(
@@ -376,7 +376,7 @@ async def test_gateway_refuses_a_loopback_callback(
 
 
 async def test_gateway_refuses_a_loopback_agent(
-    strict_gateway: Gateway, http: httpx.AsyncClient, capability: str
+    strict_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     for address, protocol in [
         ("127.0.0.1:9", "http"),

@@ -16,7 +16,7 @@ from temporalio.client import Client
 
 from reach.config import ReachSettings
 from tests.conftest import new_stack
-from tests.helpers import CallbackReceiver, Gateway, start_agents, wait_until
+from tests.helpers import CallbackReceiver, GatewayProcess, start_agents, wait_until
 from worker import build_services, build_workers, inline_activations
 
 pytestmark = pytest.mark.integration
@@ -52,13 +52,13 @@ def test_inline_activations_are_the_default() -> None:
 @pytest.fixture(scope="module")
 async def inline_gateway(
     temporal_server: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Gateway]:
+) -> AsyncIterator[GatewayProcess]:
     extra = {
         "REACH_TEMPORAL__WORKFLOW_SANDBOX": "false",  # as production runs it: inline
         "REACH_POLICY__RETRY__BACKOFF_BASE_MS": "200",
     }
     stack = new_stack(temporal_server, tmp_path_factory.mktemp("inline"), extra=extra)
-    gateway = Gateway(stack)
+    gateway = GatewayProcess(stack)
     try:
         yield await gateway.ready()
     finally:
@@ -70,7 +70,7 @@ def body(capability: str, **fields: object) -> dict[str, object]:
 
 
 async def test_many_invokes_in_flight_all_succeed_while_the_loop_keeps_serving(
-    inline_gateway: Gateway, http: httpx.AsyncClient, capability: str
+    inline_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(inline_gateway, capability, 2)
     url = f"{inline_gateway.url}/reach/invoke"
@@ -84,7 +84,7 @@ async def test_many_invokes_in_flight_all_succeed_while_the_loop_keeps_serving(
 
 
 async def test_retries_wait_on_timers_and_a_running_request_answers_queries(
-    inline_gateway: Gateway, http: httpx.AsyncClient, capability: str
+    inline_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     # Every call fails: the workflow waits out its backoffs on durable timers, and a read while
     # it runs is a query answered by the workflow itself.
@@ -118,7 +118,7 @@ async def test_retries_wait_on_timers_and_a_running_request_answers_queries(
 
 
 async def test_a_late_answer_is_an_update_the_workflow_takes(
-    inline_gateway: Gateway, http: httpx.AsyncClient, capability: str
+    inline_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(inline_gateway, capability, 1, "--defer", "--delay-ms", "4000")
     request_id = f"req-{uuid.uuid4().hex}"

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import CallbackReceiver, Gateway, start_agents, wait_until
+from tests.helpers import CallbackReceiver, GatewayProcess, start_agents, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def body(capability: str, **extra: object) -> dict[str, object]:
 
 
 async def test_sync_invoke_returns_the_standard_envelope(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     agents = await start_agents(gateway, capability, 1)
     r = await http.post(f"{gateway.url}/reach/invoke", json=body(capability))
@@ -50,7 +50,7 @@ async def _true(value: bool) -> bool:
 
 
 async def test_ten_instances_share_the_load_evenly(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """R11(b): 10 instances, 100 calls: each gets 10 ± 1."""
     await start_agents(gateway, capability, 10)
@@ -71,7 +71,7 @@ async def test_ten_instances_share_the_load_evenly(
     ],
 )
 async def test_deadline_answers_504_on_time(
-    gateway: Gateway,
+    gateway: GatewayProcess,
     http: httpx.AsyncClient,
     capability: str,
     timeout_ms: int,
@@ -89,7 +89,7 @@ async def test_deadline_answers_504_on_time(
 
 
 async def test_async_invoke_delivers_the_callback_exactly_once(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1)
     async with CallbackReceiver() as receiver:
@@ -112,7 +112,7 @@ async def test_async_invoke_delivers_the_callback_exactly_once(
 
 
 async def test_repeated_request_id_runs_the_agent_once(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     await start_agents(gateway, capability, 2, "--ledger", str(ledger))
@@ -135,7 +135,7 @@ async def test_repeated_request_id_runs_the_agent_once(
 
 
 async def test_concurrent_first_requests_with_one_id_run_once(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     await start_agents(gateway, capability, 2, "--ledger", str(ledger), "--delay-ms", "300")
@@ -152,7 +152,7 @@ async def test_concurrent_first_requests_with_one_id_run_once(
 
 
 async def test_agent_answers_202_then_posts_its_result_later(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """R3: a late answer carries the RequestID back; Reach routes it to the original caller."""
     await start_agents(gateway, capability, 1, "--defer", "--delay-ms", "500")
@@ -177,7 +177,7 @@ async def test_agent_answers_202_then_posts_its_result_later(
 
 
 async def test_late_answer_reaches_the_callback(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1, "--defer", "--delay-ms", "200")
     async with CallbackReceiver() as receiver:
@@ -194,7 +194,7 @@ async def test_late_answer_reaches_the_callback(
 
 
 async def test_late_answer_for_unknown_request_is_404(
-    gateway: Gateway, http: httpx.AsyncClient
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
     r = await http.post(
         f"{gateway.url}/reach/requests/req-never-seen/result", json={"status": "success"}
@@ -205,7 +205,7 @@ async def test_late_answer_for_unknown_request_is_404(
     assert g.status_code == 404
 
 
-async def test_unknown_capability_is_404(gateway: Gateway, http: httpx.AsyncClient) -> None:
+async def test_unknown_capability_is_404(gateway: GatewayProcess, http: httpx.AsyncClient) -> None:
     r = await http.post(f"{gateway.url}/reach/invoke", json=body("never-registered"))
     assert r.status_code == 404
     data = r.json()
@@ -215,7 +215,7 @@ async def test_unknown_capability_is_404(gateway: Gateway, http: httpx.AsyncClie
 
 
 async def test_no_healthy_instance_is_503(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     """R21: an unhealthy instance stays registered but gets no traffic."""
     health = tmp_path / "health"
@@ -255,7 +255,7 @@ async def test_no_healthy_instance_is_503(
     ],
 )
 async def test_invalid_body_is_422_naming_the_field(
-    gateway: Gateway, http: httpx.AsyncClient, payload: dict[str, object], needle: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, payload: dict[str, object], needle: str
 ) -> None:
     r = await http.post(f"{gateway.url}/reach/invoke", json=payload)
     assert r.status_code == 422
@@ -266,7 +266,7 @@ async def test_invalid_body_is_422_naming_the_field(
 
 
 async def test_malformed_bodies_get_a_plain_explanation(
-    gateway: Gateway, http: httpx.AsyncClient
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
     url = f"{gateway.url}/reach/invoke"
     broken = await http.post(url, content=b'{"target": "x", oops}', headers=JSON)
@@ -285,7 +285,7 @@ JSON = {"Content-Type": "application/json"}
 
 
 async def test_payload_over_the_limit_is_413(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1)
     big = {"text": "x" * (4 * 1024 * 1024 + 10)}
@@ -295,7 +295,7 @@ async def test_payload_over_the_limit_is_413(
 
 
 async def test_agent_crash_is_a_502_and_a_retry_goes_elsewhere(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     agents = await start_agents(gateway, capability, 2)
     agents[0].proc.kill()  # dead, but still registered until its heartbeat times out
@@ -319,7 +319,7 @@ async def test_agent_crash_is_a_502_and_a_retry_goes_elsewhere(
 
 
 async def test_operation_the_agent_does_not_serve_is_502(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1)
     r = await http.post(
@@ -332,7 +332,7 @@ async def test_operation_the_agent_does_not_serve_is_502(
 
 
 async def test_status_of_a_running_request(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1, "--delay-ms", "1500")
     async with CallbackReceiver() as receiver:
@@ -356,7 +356,7 @@ async def test_status_of_a_running_request(
 
 
 async def test_openapi_documents_every_status_code(
-    gateway: Gateway, http: httpx.AsyncClient
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
     spec = (await http.get(f"{gateway.url}/openapi.json")).json()
     invoke = spec["paths"]["/reach/invoke"]["post"]["responses"]

@@ -20,7 +20,7 @@ from reach.invocation import CallPlan, InvokeInput
 from tests.conftest import new_stack
 from tests.helpers import (
     CallbackReceiver,
-    Gateway,
+    GatewayProcess,
     Worker,
     agent_server,
     start_agents,
@@ -40,14 +40,14 @@ def body(capability: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-async def read(http: httpx.AsyncClient, gateway: Gateway, rid: str) -> dict[str, Any]:
+async def read(http: httpx.AsyncClient, gateway: GatewayProcess, rid: str) -> dict[str, Any]:
     r = await http.get(f"{gateway.url}/reach/requests/{rid}")
     data: dict[str, Any] = r.json()
     return data
 
 
 async def test_result_is_final_while_the_callback_is_still_retried(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """Before: the request read `running` for the whole retry window (up to an hour), a late
     answer was accepted and dropped, and a sync repeat waited for an invented 504."""
@@ -95,7 +95,7 @@ async def test_result_is_final_while_the_callback_is_still_retried(
 
 
 async def test_delivered_and_given_up_deliveries_are_visible(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1)
     async with CallbackReceiver() as ok, CallbackReceiver(fail_first=5, fail_status=410) as gone:
@@ -125,7 +125,7 @@ async def test_delivered_and_given_up_deliveries_are_visible(
 
 
 async def test_a_repeat_must_be_the_same_request(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """Before: a repeat that added a callback got 202 and never a callback; a repeat with
     another payload silently got the first one's result."""
@@ -159,7 +159,7 @@ async def test_a_repeat_must_be_the_same_request(
 
 
 async def test_an_agents_late_error_type_never_chooses_the_status(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """Before: a late error_type of 'not_found' made the caller's answer a 404."""
     await start_agents(gateway, capability, 1, "--defer", "--late-error", "not_found")
@@ -172,7 +172,7 @@ async def test_an_agents_late_error_type_never_chooses_the_status(
 
 
 async def test_late_answers_first_wins_and_a_resend_is_received_again(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1, "--defer", "--delay-ms", "4000")
     rid = f"req-{uuid.uuid4().hex}"
@@ -217,7 +217,7 @@ class BigReplyAgent:
 
 
 async def test_a_reply_over_the_negotiated_size_is_a_typed_agent_error(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """Before: the reply broke Temporal's payload limit; the caller got a 504 and the final
     record said `timeout` with no instance."""
@@ -248,7 +248,7 @@ async def test_a_reply_over_the_negotiated_size_is_a_typed_agent_error(
 
 
 async def test_a_large_result_within_the_limit_goes_end_to_end(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1, "--reply-bytes", "900000")
     async with CallbackReceiver() as receiver:
@@ -261,11 +261,13 @@ async def test_a_large_result_within_the_limit_goes_end_to_end(
         assert len(receiver.received[0][1]["result"]["padding"]) == 900_000
 
 
-async def _client(gateway: Gateway) -> Client:
+async def _client(gateway: GatewayProcess) -> Client:
     return await Client.connect(gateway.stack.temporal, data_converter=pydantic_data_converter)
 
 
-async def start_directly(gateway: Gateway, *, task_queue: str | None = None, **start: Any) -> str:
+async def start_directly(
+    gateway: GatewayProcess, *, task_queue: str | None = None, **start: Any
+) -> str:
     """Start an InvokeWorkflow past the door, as only a bug or an operator could."""
     fields: dict[str, Any] = {"deadline_ms": int(time.time() * 1000) + 500}
     fields.update({k: start.pop(k) for k in ("deadline_ms", "callback") if k in start})
@@ -291,7 +293,7 @@ async def start_directly(gateway: Gateway, *, task_queue: str | None = None, **s
 
 
 async def test_input_the_workflow_cannot_decode_ends_typed_not_stuck(
-    gateway: Gateway, http: httpx.AsyncClient
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
     """A backstop behind the door: a workflow whose input fails to decode fails at once with a
     typed, final status, instead of retrying its task forever."""
@@ -316,7 +318,7 @@ async def test_input_the_workflow_cannot_decode_ends_typed_not_stuck(
 
 
 async def test_input_that_breaks_workflow_code_ends_typed_not_stuck(
-    gateway: Gateway, http: httpx.AsyncClient
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
     """A backstop behind the door: an input that decodes but makes the workflow code raise (a
     deadline past what a timedelta holds) ends the request with a typed internal error, instead
@@ -334,7 +336,7 @@ async def test_input_that_breaks_workflow_code_ends_typed_not_stuck(
 
 
 async def test_a_workflow_that_outlives_its_life_reads_as_a_timeout(
-    gateway: Gateway, http: httpx.AsyncClient
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
     """No worker ever takes it (an unserved queue): Temporal ends it, and the request reads as
     a typed, final timeout rather than `running` for good."""
@@ -356,7 +358,7 @@ async def test_a_workflow_that_outlives_its_life_reads_as_a_timeout(
 
 
 async def test_the_deduplication_window_is_stated_at_start_up(
-    gateway: Gateway, temporal_server: str
+    gateway: GatewayProcess, temporal_server: str
 ) -> None:
     client = await Client.connect(temporal_server)
     from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
@@ -379,7 +381,7 @@ async def test_a_late_answer_acknowledged_while_the_call_is_out_is_never_discard
         tmp_path,
         extra={"REACH_CAPABILITIES": f'{{"{capability}": {{"mode": "queue"}}}}'},
     )
-    gw = await Gateway(stack).ready()
+    gw = await GatewayProcess(stack).ready()
     await start_agents(gw, capability, 1, "--delay-ms", "3000")
     rid = f"req-{uuid.uuid4().hex}"
     call = asyncio.create_task(
@@ -398,7 +400,7 @@ async def test_a_late_answer_acknowledged_while_the_call_is_out_is_never_discard
 
 
 async def test_an_error_late_answer_sent_again_is_received_again(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1, "--defer", "--late-error", "index_gone")
     rid = f"req-{uuid.uuid4().hex}"
@@ -430,7 +432,7 @@ async def test_without_a_worker_a_late_answer_is_503_and_a_callback_survives_the
             "REACH_TEMPORAL__RPC_TIMEOUT_S": "1",
         },
     )
-    api = await Gateway(stack, "api", worker=False).ready()
+    api = await GatewayProcess(stack, "api", worker=False).ready()
     await start_agents(api, capability, 1)
     async with CallbackReceiver() as receiver:
         answered, waiting = f"req-{uuid.uuid4().hex}", f"req-{uuid.uuid4().hex}"
@@ -466,7 +468,7 @@ async def test_without_a_worker_a_late_answer_is_503_and_a_callback_survives_the
 
 
 async def test_a_request_ended_before_delivery_reads_given_up_not_pending(
-    gateway: Gateway, http: httpx.AsyncClient
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
     """A request whose workflow ended without a result never hands it to delivery."""
     rid = await start_directly(
@@ -486,7 +488,7 @@ async def test_a_request_ended_before_delivery_reads_given_up_not_pending(
 
 
 async def test_a_reused_request_id_gets_its_callback_despite_an_old_delivery(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """After retention the invoke of a RequestID is gone, but its (later) delivery may linger:
     the new request's delivery must not collide with it (before: 'already started', lost)."""
@@ -523,7 +525,7 @@ async def test_late_answers_piling_up_in_an_outage_cannot_kill_the_request(
     update of its own; the workflow task answering them all passed Temporal's 4 MiB message
     limit and the server terminated the request, result and callback lost."""
     stack = new_stack(temporal_server, tmp_path, extra={"REACH_TEMPORAL__RPC_TIMEOUT_S": "1"})
-    api = await Gateway(stack, "api", worker=False).ready()
+    api = await GatewayProcess(stack, "api", worker=False).ready()
     await start_agents(api, capability, 1)
     rid = f"req-{uuid.uuid4().hex}"
     async with CallbackReceiver() as receiver:

@@ -14,7 +14,7 @@ from gateway_api.devserver import free_port
 from reach.security.tokens import FileTokenStore, issue
 from reach.telemetry.metrics import CONTENT_TYPE, UNKNOWN
 from tests.conftest import new_stack
-from tests.helpers import Agent, Gateway, Worker, wait_until
+from tests.helpers import Agent, GatewayProcess, Worker, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def total(samples: Samples, name: str, **labels: str) -> float:
 
 
 async def test_invokes_heartbeats_and_connections_are_counted(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await Agent(gateway, f"{capability}-01", capability).ready()
     before = await scrape(http, gateway.url)
@@ -109,7 +109,7 @@ async def test_invokes_heartbeats_and_connections_are_counted(
 
 
 async def test_a_retry_and_the_failed_call_are_counted(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     # The agent fails its first call (503, retryable); the keyed request is retried.
     await Agent(gateway, f"{capability}-01", capability, "--fail-first", "1").ready()
@@ -137,7 +137,7 @@ async def test_metrics_need_a_token_once_tokens_are_required(
 ) -> None:
     token, record = issue("prometheus", "caller")
     FileTokenStore(tmp_path / "tokens.json").write(record)
-    gateway = await Gateway(new_stack(temporal_server, tmp_path)).ready()
+    gateway = await GatewayProcess(new_stack(temporal_server, tmp_path)).ready()
     r = await http.get(f"{gateway.url}/metrics")
     assert r.status_code == 401, r.text
     assert r.json()["error"]["type"] == "unauthorized"
@@ -167,7 +167,7 @@ async def test_a_queue_worker_serves_its_own_metrics(
         key_prefix=redis_prefix,
         extra={"REACH_CAPABILITIES": f'{{"{capability}": {{"mode": "queue"}}}}'},
     )
-    gateway = await Gateway(stack).ready()
+    gateway = await GatewayProcess(stack).ready()
     await Agent(gateway, f"{capability}-01", capability).ready()
     port = free_port()
     worker = await Worker(stack, "--capability", capability, "--metrics-port", str(port)).ready()
@@ -204,7 +204,7 @@ async def test_limiter_refusals_are_counted(
             "REACH_POLICY__RATE_LIMIT__PER_CALLER__BURST": "1",
         },
     )
-    gateway = await Gateway(stack).ready()
+    gateway = await GatewayProcess(stack).ready()
     await Agent(gateway, f"{capability}-01", capability).ready()
     body = {"target": capability, "operation": "query", "payload": {}}
     assert (await http.post(f"{gateway.url}/reach/invoke", json=body)).status_code == 200

@@ -34,7 +34,7 @@ from reach.invocation import Endpoint
 from reach.messages import Header, Message
 from reach.security.certs import CaFiles, TlsFiles, init_ca, issue_agent
 from tests.conftest import new_stack
-from tests.helpers import Agent, Gateway
+from tests.helpers import Agent, GatewayProcess
 
 pytestmark = pytest.mark.integration
 
@@ -442,7 +442,7 @@ async def test_an_invoke_through_a_gateway_with_mtls_on(
             "REACH_SECURITY__ALLOW_NETWORKS": '["127.0.0.0/8"]',
         },
     )
-    gateway = await Gateway(stack).ready()
+    gateway = await GatewayProcess(stack).ready()
     instance_id = f"e2e-{protocol}"
     files = pki.agent(instance_id)
     agent_proc = await Agent(

@@ -15,7 +15,7 @@ from temporalio.client import Client
 
 from gateway_api.devserver import temporal_binary
 from tests.conftest import new_stack
-from tests.helpers import Agent, CallbackReceiver, Gateway, Worker, start_agents, wait_until
+from tests.helpers import Agent, CallbackReceiver, GatewayProcess, Worker, start_agents, wait_until
 from workflows.invoke import SA_CALLER, SA_CAPABILITY, SA_INSTANCE, SA_OPERATION, SA_STATUS
 
 pytestmark = pytest.mark.integration
@@ -33,7 +33,7 @@ async def test_queue_mode_capability_is_served_by_its_own_worker(
         key_prefix=redis_prefix,
         extra={"REACH_CAPABILITIES": f'{{"{capability}": {{"mode": "queue"}}}}'},
     )
-    gateway = Gateway(stack, worker=True)
+    gateway = GatewayProcess(stack, worker=True)
     await gateway.ready()
     await Agent(gateway, f"{capability}-01", capability).ready()
     body = {"target": capability, "operation": "query", "payload": {}, "timeout_ms": 4000}
@@ -58,7 +58,7 @@ async def test_queue_mode_capability_is_served_by_its_own_worker(
 
 
 async def test_search_attributes_and_cli_audit_trail(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, temporal_server: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, temporal_server: str
 ) -> None:
     agents = await start_agents(gateway, capability, 1)
     # The first request of a capability reads its policy view (the door does not wait for it).
@@ -133,7 +133,7 @@ async def test_search_attributes_and_cli_audit_trail(
 
 
 async def test_callback_is_retried_until_the_receiver_accepts(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1)
     async with CallbackReceiver(fail_first=2) as receiver:
@@ -151,7 +151,7 @@ async def test_callback_is_retried_until_the_receiver_accepts(
 
 
 async def test_callback_rejected_with_4xx_is_not_retried_and_the_result_stays(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gateway, capability, 1)
     async with CallbackReceiver(fail_first=5, fail_status=410) as receiver:
@@ -180,7 +180,7 @@ async def test_callback_rejected_with_4xx_is_not_retried_and_the_result_stays(
 
 
 async def test_non_idempotent_operation_with_a_key_is_retried_elsewhere(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     """R13: `create` is not idempotent; with an idempotency_key it is retried (once, elsewhere),
     without one it is reported at once."""

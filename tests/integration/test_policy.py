@@ -22,7 +22,7 @@ from tests.conftest import new_stack
 from tests.helpers import (
     Agent,
     CallbackReceiver,
-    Gateway,
+    GatewayProcess,
     Stack,
     Worker,
     start_agents,
@@ -44,7 +44,7 @@ def calls(ledger: Path, request_id: str | None = None) -> list[str]:
 
 
 async def invoke(
-    http: httpx.AsyncClient, gateway: Gateway, capability: str, operation: str, **body: Any
+    http: httpx.AsyncClient, gateway: GatewayProcess, capability: str, operation: str, **body: Any
 ) -> httpx.Response:
     headers = {"X-Reach-Caller": body.pop("caller")} if "caller" in body else {}
     return await http.post(
@@ -72,7 +72,7 @@ async def fast_gateway(temporal_server: str, tmp_path_factory: pytest.TempPathFa
     # A breaker that opens after 5 failures: these tests count up to 3 on one capability.
     extra = {**FAST, "REACH_POLICY__CIRCUIT_BREAKER__ERROR_THRESHOLD": "5"}
     stack = new_stack(temporal_server, tmp_path_factory.mktemp("policy"), extra=extra)
-    gw = Gateway(stack)
+    gw = GatewayProcess(stack)
     try:
         yield await gw.ready()
     finally:
@@ -80,7 +80,7 @@ async def fast_gateway(temporal_server: str, tmp_path_factory: pytest.TempPathFa
 
 
 async def test_idempotent_op_failing_twice_then_succeeding_takes_exactly_three_calls(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     # The agents fail the first two calls (counted over all three), then succeed.
@@ -101,7 +101,7 @@ async def test_idempotent_op_failing_twice_then_succeeding_takes_exactly_three_c
 
 
 async def test_always_failing_takes_one_plus_default_retry_calls_then_the_last_error(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     await start_agents(fast_gateway, capability, 1, "--ledger", str(ledger), "--fail-first", "99")
@@ -113,7 +113,7 @@ async def test_always_failing_takes_one_plus_default_retry_calls_then_the_last_e
 
 
 async def test_a_running_request_shows_its_attempts_so_far(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     await start_agents(fast_gateway, capability, 1, "--fail-first", "99")
     async with CallbackReceiver() as receiver:
@@ -135,7 +135,7 @@ async def test_a_running_request_shows_its_attempts_so_far(
 
 
 async def test_non_idempotent_failing_is_called_once_and_retried_only_with_a_key(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     # Two instances, each failing its first call.
@@ -158,7 +158,7 @@ async def test_non_idempotent_failing_is_called_once_and_retried_only_with_a_key
 
 
 async def test_an_agent_4xx_is_called_exactly_once(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     await start_agents(
@@ -180,7 +180,7 @@ async def test_an_agent_4xx_is_called_exactly_once(
 
 
 async def test_same_key_other_payload_is_409_with_no_call(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     await start_agents(fast_gateway, capability, 1, "--ledger", str(ledger))
@@ -218,7 +218,7 @@ async def test_same_key_other_payload_is_409_with_no_call(
 
 
 async def test_a_key_freed_when_nothing_was_sent(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     """A keyed request that reached no agent keeps no result: the same key runs later."""
     ledger = tmp_path / "ledger.txt"
@@ -235,7 +235,7 @@ async def test_a_key_freed_when_nothing_was_sent(
 
 
 async def test_a_key_frees_after_a_retryable_failure_and_holds_after_a_timeout(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     await start_agents(fast_gateway, capability, 1, "--ledger", str(ledger), "--fail-first", "3")
@@ -256,7 +256,7 @@ async def test_a_key_frees_after_a_retryable_failure_and_holds_after_a_timeout(
 
 
 async def test_a_timed_out_keyed_write_is_not_run_again(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     await start_agents(fast_gateway, capability, 1, "--ledger", str(ledger), "--delay-ms", "1500")
@@ -273,7 +273,7 @@ async def test_a_timed_out_keyed_write_is_not_run_again(
 
 
 async def test_an_agent_killed_mid_write_is_an_unknown_outcome_not_a_retryable_one(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     [agent] = await start_agents(
@@ -296,7 +296,7 @@ async def test_an_agent_killed_mid_write_is_an_unknown_outcome_not_a_retryable_o
 
 
 async def test_a_callers_short_deadlines_do_not_open_the_breaker(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(fast_gateway, capability, 1, "--delay-ms", "600")
     for _ in range(6):  # more than the threshold (5 here)
@@ -313,7 +313,7 @@ async def test_per_operation_timeouts_differ_against_the_same_slow_agent(
     temporal_server: str, http: httpx.AsyncClient, tmp_path: Path
 ) -> None:
     # reach.yaml: knowledge-retriever:query 3 s, content-generator:generate 30 s.
-    gw = await Gateway(new_stack(temporal_server, tmp_path)).ready()
+    gw = await GatewayProcess(new_stack(temporal_server, tmp_path)).ready()
     for cap in ("knowledge-retriever", "content-generator"):
         await Agent(gw, f"{cap}-slow", cap, "--delay-ms", "4500").ready()
     # The caller asks for a minute; the operation's 3 s is the deadline.
@@ -327,7 +327,7 @@ async def test_per_operation_timeouts_differ_against_the_same_slow_agent(
 
 
 async def test_an_unknown_outcome_says_so(
-    fast_gateway: Gateway, http: httpx.AsyncClient, capability: str
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(fast_gateway, capability, 1, "--delay-ms", "3000")
     r = await invoke(http, fast_gateway, capability, "create", timeout_ms=800)
@@ -359,7 +359,9 @@ async def test_one_key_two_gateways_one_execution_same_result(
     temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
     stack = redis_stack(temporal_server, tmp_path, redis_prefix)
-    a, b = await asyncio.gather(Gateway(stack, "a").ready(), Gateway(stack, "b").ready())
+    a, b = await asyncio.gather(
+        GatewayProcess(stack, "a").ready(), GatewayProcess(stack, "b").ready()
+    )
     ledger = tmp_path / "ledger.txt"
     cap = f"cap-{uuid.uuid4().hex[:8]}"
     await start_agents(a, cap, 2, "--ledger", str(ledger), "--delay-ms", "500")
@@ -389,8 +391,8 @@ async def test_sigkilled_gateway_mid_write_executes_once_across_three_instances(
     temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
     stack = redis_stack(temporal_server, tmp_path, redis_prefix)
-    doomed = Gateway(stack, "doomed")  # eager start: the call runs in this process
-    api = Gateway(stack, "api", worker=False)
+    doomed = GatewayProcess(stack, "doomed")  # eager start: the call runs in this process
+    api = GatewayProcess(stack, "api", worker=False)
     survivor = Worker(stack)
     await asyncio.gather(doomed.ready(), api.ready(), survivor.ready())
     ledger = tmp_path / "ledger.txt"
@@ -430,7 +432,7 @@ async def test_a_lost_queue_worker_re_delivers_a_keyed_write_to_the_same_instanc
         redis_prefix,
         REACH_CAPABILITIES=f'{{"{cap}": {{"mode": "queue"}}}}',
     )
-    gw = Gateway(stack)
+    gw = GatewayProcess(stack)
     doomed = Worker(stack, "--capability", cap)
     await asyncio.gather(gw.ready(), doomed.ready())
     ledger = tmp_path / "ledger.txt"
@@ -473,7 +475,9 @@ async def test_breaker_opens_after_three_is_shared_and_a_probe_closes_it(
         REACH_POLICY__RETRY__MAX_RETRIES="0",
         REACH_POLICY__CIRCUIT_BREAKER__OPEN_DURATION_MS="2000",
     )
-    a, b = await asyncio.gather(Gateway(stack, "a").ready(), Gateway(stack, "b").ready())
+    a, b = await asyncio.gather(
+        GatewayProcess(stack, "a").ready(), GatewayProcess(stack, "b").ready()
+    )
     ledger = tmp_path / "ledger.txt"
     cap = f"cap-{uuid.uuid4().hex[:8]}"
     await start_agents(a, cap, 1, "--ledger", str(ledger), "--fail-first", "3")
@@ -515,7 +519,7 @@ async def test_a_dead_but_registered_instance_is_ejected_then_costs_nothing(
         redis_prefix,
         REACH_POLICY__OUTLIER__BASE_EJECTION_MS="4000",
     )
-    gw = await Gateway(stack).ready()
+    gw = await GatewayProcess(stack).ready()
     ledger = tmp_path / "ledger.txt"
     cap = f"cap-{uuid.uuid4().hex[:8]}"
     agents = await start_agents(gw, cap, 3, "--ledger", str(ledger))
@@ -558,7 +562,9 @@ async def test_rate_limit_60_a_minute_per_caller_across_two_gateways(
         redis_prefix,
         REACH_POLICY__RATE_LIMIT__PER_CALLER__PER_MINUTE="60",
     )
-    a, b = await asyncio.gather(Gateway(stack, "a").ready(), Gateway(stack, "b").ready())
+    a, b = await asyncio.gather(
+        GatewayProcess(stack, "a").ready(), GatewayProcess(stack, "b").ready()
+    )
     ledger = tmp_path / "ledger.txt"
     cap = f"cap-{uuid.uuid4().hex[:8]}"
     await start_agents(a, cap, 1, "--ledger", str(ledger))
@@ -602,8 +608,8 @@ async def test_queued_requests_wait_for_a_token_and_survive_a_gateway_sigkill(
         REACH_POLICY__RATE_LIMIT__PER_CALLER__BURST="1",
         REACH_POLICY__RATE_LIMIT__ON_LIMIT="queue",
     )
-    doomed = Gateway(stack, "doomed")
-    api = Gateway(stack, "api", worker=False)
+    doomed = GatewayProcess(stack, "doomed")
+    api = GatewayProcess(stack, "api", worker=False)
     survivor = Worker(stack)
     await asyncio.gather(doomed.ready(), api.ready(), survivor.ready())
     ledger = tmp_path / "ledger.txt"
@@ -663,7 +669,7 @@ async def test_queued_requests_wait_out_a_store_outage(
                 "REACH_POLICY__RATE_LIMIT__ON_LIMIT": "queue",
             },
         )
-        gw = await Gateway(stack).ready()
+        gw = await GatewayProcess(stack).ready()
         ledger = tmp_path / "ledger.txt"
         cap = f"cap-{uuid.uuid4().hex[:8]}"
         await start_agents(gw, cap, 1, "--ledger", str(ledger))

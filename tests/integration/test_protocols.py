@@ -25,7 +25,15 @@ from connectors import ConnectorSet
 from reach.invocation import Endpoint
 from reach.messages import Header, Message
 from tests.conftest import new_stack
-from tests.helpers import ROOT, Agent, CallbackReceiver, Gateway, free_port, spawn, wait_until
+from tests.helpers import (
+    ROOT,
+    Agent,
+    CallbackReceiver,
+    GatewayProcess,
+    free_port,
+    spawn,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -49,20 +57,20 @@ def body(capability: str, **extra: object) -> dict[str, object]:
 
 
 async def agent(
-    gateway: Gateway, capability: str, protocol: str, *flags: str, name: str | None = None
+    gateway: GatewayProcess, capability: str, protocol: str, *flags: str, name: str | None = None
 ) -> Agent:
     instance_id = name or f"{capability}-{protocol}-{uuid.uuid4().hex[:4]}"
     return await Agent(gateway, instance_id, capability, "--protocol", protocol, *flags).ready()
 
 
-async def instances(http: httpx.AsyncClient, gateway: Gateway, capability: str) -> Any:
+async def instances(http: httpx.AsyncClient, gateway: GatewayProcess, capability: str) -> Any:
     r = await http.get(f"{gateway.url}/reach/capabilities/{capability}")
     assert r.status_code == 200, r.text
     return r.json()
 
 
 async def test_sync_invoke(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, protocol: str
 ) -> None:
     a = await agent(gateway, capability, protocol)
     r = await http.post(f"{gateway.url}/reach/invoke", json=body(capability))
@@ -81,7 +89,7 @@ async def test_sync_invoke(
 
 
 async def test_async_invoke_delivers_the_callback(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, protocol: str
 ) -> None:
     await agent(gateway, capability, protocol)
     async with CallbackReceiver() as receiver:
@@ -97,7 +105,7 @@ async def test_async_invoke_delivers_the_callback(
 
 
 async def test_deadline_is_a_504_on_time(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, protocol: str
 ) -> None:
     await agent(gateway, capability, protocol, "--delay-ms", "10000")
     started = time.monotonic()
@@ -109,7 +117,7 @@ async def test_deadline_is_a_504_on_time(
 
 
 async def test_the_agents_own_error_is_a_502_carrying_its_words(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, protocol: str
 ) -> None:
     await agent(gateway, capability, protocol)
     r = await http.post(
@@ -125,7 +133,7 @@ async def test_the_agents_own_error_is_a_502_carrying_its_words(
 
 
 async def test_an_operation_not_served_is_a_502(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, protocol: str
 ) -> None:
     await agent(gateway, capability, protocol)
     r = await http.post(
@@ -137,7 +145,7 @@ async def test_an_operation_not_served_is_a_502(
 
 
 async def test_a_late_answer_completes_the_request(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, protocol: str
 ) -> None:
     await agent(gateway, capability, protocol, "--defer", "--delay-ms", "300")
     r = await http.post(f"{gateway.url}/reach/invoke", json=body(capability))
@@ -147,7 +155,7 @@ async def test_a_late_answer_completes_the_request(
 
 
 async def test_a_redelivered_request_runs_once(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, protocol: str, tmp_path: Path
 ) -> None:
     """Activities run at least once: the same RequestID sent twice executes once."""
     ledger = tmp_path / "ledger"
@@ -181,7 +189,7 @@ async def test_a_redelivered_request_runs_once(
 
 
 async def test_one_capability_on_every_protocol_looks_the_same_to_the_caller(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     agents = await asyncio.gather(*(agent(gateway, capability, p) for p in PROTOCOLS))
     seen: Counter[str] = Counter()
@@ -204,7 +212,7 @@ async def test_one_capability_on_every_protocol_looks_the_same_to_the_caller(
 
 
 async def test_a_payload_over_the_smallest_negotiated_limit_is_refused_before_sending(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, protocol: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger"
     await agent(gateway, capability, protocol, "--ledger", str(ledger))
@@ -220,7 +228,7 @@ async def test_a_payload_over_the_smallest_negotiated_limit_is_refused_before_se
 
 
 async def test_websocket_agent_killed_mid_request_fails_fast_and_the_retry_goes_elsewhere(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger"
     port = free_port()
@@ -256,7 +264,7 @@ async def test_websocket_agent_killed_mid_request_fails_fast_and_the_retry_goes_
 
 
 async def test_mqtt_survives_a_broker_restart(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     async with Broker(tmp_path) as broker:
         await agent(gateway, capability, "mqtt", "--broker", broker.address)
@@ -271,7 +279,7 @@ async def test_mqtt_survives_a_broker_restart(
 # An MQTT agent holds no connection of Reach's: both talk to the broker.
 @pytest.mark.parametrize("protocol", ["http", "grpc", "websocket"])
 async def test_leaving_closes_the_connection(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, protocol: str
 ) -> None:
     a = await agent(gateway, capability, protocol)
     for _ in range(2):
@@ -298,7 +306,7 @@ async def test_leaving_closes_the_connection(
 
 
 async def test_eviction_closes_the_connection(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """An instance that falls silent is evicted after heartbeat_timeout (3 s here), and the
     gateway's connection to it goes with it: no DELETE, no idle timeout involved."""
@@ -321,7 +329,7 @@ async def test_idle_connections_are_closed_and_reopened(
     temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
 ) -> None:
     stack = new_stack(temporal_server, tmp_path, extra={"REACH_TRANSPORT__IDLE_TIMEOUT_S": "1"})
-    gateway = await Gateway(stack).ready()
+    gateway = await GatewayProcess(stack).ready()
     try:
         protocols = ["http", "grpc", "websocket"]
         agents = [await agent(gateway, capability, p) for p in protocols]
@@ -359,7 +367,7 @@ def port_of(address: str) -> int:
 
 
 async def agent_address(
-    http: httpx.AsyncClient, gateway: Gateway, capability: str, instance_id: str
+    http: httpx.AsyncClient, gateway: GatewayProcess, capability: str, instance_id: str
 ) -> str:
     detail = await instances(http, gateway, capability)
     (record,) = [i for i in detail["instances"] if i["instance_id"] == instance_id]
@@ -367,7 +375,7 @@ async def agent_address(
 
 
 async def agent_port(
-    http: httpx.AsyncClient, gateway: Gateway, capability: str, instance_id: str
+    http: httpx.AsyncClient, gateway: GatewayProcess, capability: str, instance_id: str
 ) -> int:
     return port_of(await agent_address(http, gateway, capability, instance_id))
 
@@ -386,7 +394,7 @@ def established(port: int) -> int:
 
 
 async def test_a_stopping_agent_finishes_what_it_started(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, protocol: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, protocol: str, tmp_path: Path
 ) -> None:
     """SIGTERM: the agent leaves (no new traffic) and answers the request it is running."""
     ledger = tmp_path / "ledger"
@@ -417,7 +425,7 @@ runtime.run()
 
 
 async def test_sigterm_stops_an_agent_whose_plain_handler_never_returns(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     script = tmp_path / "stuck_agent.py"
     script.write_text(STUCK_AGENT)
@@ -470,7 +478,7 @@ EXPECTED = {
 
 
 async def test_each_protocols_example_runs_with_one_command_and_leaves_on_sigterm(
-    gateway: Gateway, http: httpx.AsyncClient, protocol: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, protocol: str, tmp_path: Path
 ) -> None:
     script, capability, operation, payload = EXAMPLES[protocol]
     proc = spawn(
@@ -498,7 +506,7 @@ async def test_each_protocols_example_runs_with_one_command_and_leaves_on_sigter
 
 
 async def test_the_readmes_smallest_agent_runs_as_written(
-    gateway: Gateway, http: httpx.AsyncClient, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, tmp_path: Path
 ) -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Write an agent", 1)[1]

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import new_stack
-from tests.helpers import Agent, CallbackReceiver, Gateway, Worker, wait_until
+from tests.helpers import Agent, CallbackReceiver, GatewayProcess, Worker, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -25,8 +25,9 @@ async def test_sigkilled_gateway_worker_mid_request_is_finished_elsewhere(
         key_prefix=redis_prefix,
         heartbeat_timeout=5.0,
     )
-    doomed = Gateway(stack, "doomed")  # API + invoke worker: eager start runs the call here
-    survivor_api = Gateway(stack, "api", worker=False)  # where the agent joins and heartbeats
+    doomed = GatewayProcess(stack, "doomed")  # API + invoke worker: eager start runs the call here
+    # Where the agent joins and heartbeats:
+    survivor_api = GatewayProcess(stack, "api", worker=False)
     survivor = Worker(stack)  # python worker.py: picks the request up after the crash
     await asyncio.gather(doomed.ready(), survivor_api.ready(), survivor.ready())
     ledger = tmp_path / "ledger.txt"
@@ -75,7 +76,7 @@ async def test_a_write_routed_at_the_door_goes_elsewhere_if_its_instance_left_be
     """The door chose an instance, no worker ran the request before that instance left: nothing
     was sent, so even a non-idempotent write goes to the instance that is there."""
     stack = new_stack(temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix)
-    api = await Gateway(stack, "api", worker=False).ready()
+    api = await GatewayProcess(stack, "api", worker=False).ready()
     ledger = tmp_path / "ledger.txt"
     first = await Agent(api, "w-01", "writes", "--ledger", str(ledger)).ready()
     async with CallbackReceiver() as receiver:
@@ -114,9 +115,9 @@ async def test_a_repeat_that_attached_does_not_let_a_lost_write_run_again_elsewh
     stack = new_stack(
         temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix, heartbeat_timeout=2.0
     )
-    doomed = Gateway(stack, "doomed")
+    doomed = GatewayProcess(stack, "doomed")
     # The repeat's gateway runs the invoke worker that re-runs the request after the crash.
-    api = Gateway(stack, "api")
+    api = GatewayProcess(stack, "api")
     await asyncio.gather(doomed.ready(), api.ready())
     ledger = tmp_path / "ledger.txt"
     lost = Agent(api, "lw-01", "lost-writes", "--delay-ms", "30000", "--ledger", str(ledger))

@@ -10,12 +10,12 @@ import pytest
 
 from agent_reach_sdk import AgentRuntime
 from tests.conftest import new_stack
-from tests.helpers import Agent, Gateway, start_agents, wait_until
+from tests.helpers import Agent, GatewayProcess, start_agents, wait_until
 
 pytestmark = pytest.mark.integration
 
 
-async def test_join_negotiates_parameters(gateway: Gateway, http: httpx.AsyncClient) -> None:
+async def test_join_negotiates_parameters(gateway: GatewayProcess, http: httpx.AsyncClient) -> None:
     r = await http.post(
         f"{gateway.url}/reach/agents",
         json={
@@ -45,7 +45,9 @@ async def test_join_negotiates_parameters(gateway: Gateway, http: httpx.AsyncCli
     assert again.json()["error"]["type"] == "unknown_instance"
 
 
-async def test_join_with_unknown_protocol_is_422(gateway: Gateway, http: httpx.AsyncClient) -> None:
+async def test_join_with_unknown_protocol_is_422(
+    gateway: GatewayProcess, http: httpx.AsyncClient
+) -> None:
     r = await http.post(
         f"{gateway.url}/reach/agents",
         json={
@@ -61,7 +63,7 @@ async def test_join_with_unknown_protocol_is_422(gateway: Gateway, http: httpx.A
 
 
 async def test_join_declares_operations_by_name_or_object(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     body = {
         "capability": capability,
@@ -107,7 +109,7 @@ async def test_join_declares_operations_by_name_or_object(
 
 
 async def test_join_weight_and_max_inflight_are_checked_and_shown(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     body = {"capability": capability, "service_address": "127.0.0.1:1"}
     for fields, name in (
@@ -132,7 +134,7 @@ async def test_join_weight_and_max_inflight_are_checked_and_shown(
 
 
 async def test_the_sdk_joins_with_weight_and_max_inflight(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     runtime = AgentRuntime(
         capability,
@@ -155,7 +157,7 @@ async def test_the_sdk_joins_with_weight_and_max_inflight(
 
 
 async def test_silent_instance_is_evicted_within_timeout_plus_interval(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """R11(a) with the test stack's heartbeat_timeout=3s, interval=0.5s."""
     agents = await start_agents(gateway, capability, 2)
@@ -184,7 +186,7 @@ async def test_silent_instance_is_evicted_within_timeout_plus_interval(
 
 
 async def test_agent_rejoins_after_the_gateway_forgets_it(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     agent = await Agent(gateway, f"{capability}-01", capability).ready()
     r = await http.delete(f"{gateway.url}/reach/agents/{agent.instance_id}")
@@ -203,10 +205,10 @@ async def test_agent_rejoins_a_restarted_gateway(
 ) -> None:
     """A memory registry starts empty after a restart; agents notice (404) and join again."""
     stack = new_stack(temporal_server, tmp_path_factory.mktemp("restart"))
-    first = await Gateway(stack, "first").ready()
+    first = await GatewayProcess(stack, "first").ready()
     agent = await Agent(first, "phoenix-01", "phoenix").ready()
     first.proc.stop()
-    second = await Gateway(stack, "second", port=first.port).ready()
+    second = await GatewayProcess(stack, "second", port=first.port).ready()
 
     async def rejoined() -> bool:
         r = await http.get(f"{second.url}/reach/capabilities/phoenix")

@@ -25,7 +25,7 @@ import pytest
 
 from agent_reach_sdk.wire import Answer, Inbound
 from tests.conftest import new_stack
-from tests.helpers import Gateway, Stack, Worker, agent_server, wait_until
+from tests.helpers import GatewayProcess, Stack, Worker, agent_server, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ class Instance:
 
     def __init__(
         self,
-        gateway: Gateway,
+        gateway: GatewayProcess,
         capability: str,
         instance_id: str,
         *,
@@ -144,7 +144,7 @@ async def instances() -> AsyncIterator[Callable[..., Awaitable[list[Instance]]]]
     started: list[Instance] = []
 
     async def start(
-        gateway: Gateway, capability: str, ids: Sequence[str], **fields: Any
+        gateway: GatewayProcess, capability: str, ids: Sequence[str], **fields: Any
     ) -> list[Instance]:
         made = [Instance(gateway, capability, i, **fields) for i in ids]
         started.extend(made)
@@ -183,8 +183,8 @@ def stacks(temporal: str, tmp: Path, prefix: str, count: int, extra: dict[str, s
     ]
 
 
-async def gateways(*stack_list: Stack) -> list[Gateway]:
-    made = [Gateway(s, f"gateway{i}") for i, s in enumerate(stack_list)]
+async def gateways(*stack_list: Stack) -> list[GatewayProcess]:
+    made = [GatewayProcess(s, f"gateway{i}") for i, s in enumerate(stack_list)]
     await asyncio.gather(*(g.ready() for g in made))
     return made
 
@@ -195,7 +195,7 @@ def routing_config(**capabilities: dict[str, Any]) -> dict[str, str]:
 
 
 async def invoke(
-    http: httpx.AsyncClient, gateway: Gateway, capability: str, **body: Any
+    http: httpx.AsyncClient, gateway: GatewayProcess, capability: str, **body: Any
 ) -> httpx.Response:
     return await http.post(
         f"{gateway.url}/reach/invoke",
@@ -209,7 +209,9 @@ async def invoke(
     )
 
 
-async def served_by(http: httpx.AsyncClient, gateway: Gateway, capability: str, **body: Any) -> str:
+async def served_by(
+    http: httpx.AsyncClient, gateway: GatewayProcess, capability: str, **body: Any
+) -> str:
     """The instance that served one successful request."""
     r = await invoke(http, gateway, capability, **body)
     assert r.status_code == 200, r.text

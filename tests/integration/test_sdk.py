@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from agent_reach_sdk import AgentRuntime, OperationError, RequestContext
-from tests.helpers import Agent, CallbackReceiver, Gateway, wait_until
+from tests.helpers import Agent, CallbackReceiver, GatewayProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
-def make_runtime(gateway: Gateway, capability: str) -> tuple[AgentRuntime, list[str]]:
+def make_runtime(gateway: GatewayProcess, capability: str) -> tuple[AgentRuntime, list[str]]:
     runtime = AgentRuntime(
         capability,
         reach_address=gateway.url,
@@ -62,7 +62,7 @@ def make_runtime(gateway: Gateway, capability: str) -> tuple[AgentRuntime, list[
 
 
 async def test_request_id_is_on_the_agents_own_log_records(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     handler = Records()
     logging.getLogger("test.agent").addHandler(handler)
@@ -94,7 +94,7 @@ async def test_request_id_is_on_the_agents_own_log_records(
 
 
 async def test_redelivered_request_is_answered_without_running_again(
-    gateway: Gateway, capability: str
+    gateway: GatewayProcess, capability: str
 ) -> None:
     runtime, executed = make_runtime(gateway, capability)
     async with runtime, httpx.AsyncClient(base_url=f"http://{runtime.service_address}") as agent:
@@ -114,7 +114,7 @@ async def test_redelivered_request_is_answered_without_running_again(
         assert missing.status_code == 404
 
 
-async def test_deadline_is_enforced_by_the_agent(gateway: Gateway, capability: str) -> None:
+async def test_deadline_is_enforced_by_the_agent(gateway: GatewayProcess, capability: str) -> None:
     runtime, executed = make_runtime(gateway, capability)
     async with runtime, httpx.AsyncClient(base_url=f"http://{runtime.service_address}") as agent:
         past = str(int(time.time() * 1000) - 1)
@@ -136,7 +136,7 @@ async def test_deadline_is_enforced_by_the_agent(gateway: Gateway, capability: s
 
 
 async def test_start_and_stop_for_plain_scripts(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     runtime, _ = make_runtime(gateway, capability)
     await asyncio.to_thread(runtime.start)
@@ -168,7 +168,7 @@ def test_instance_ids_default_to_unique_names() -> None:
 
 
 async def test_late_answer_after_the_agent_crashed_and_restarted(
-    gateway: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     """R3: the agent accepted (202), died, and a new process answers with the kept RequestID."""
     ledger = tmp_path / "ledger.txt"

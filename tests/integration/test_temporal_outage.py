@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from gateway_api.devserver import DevServer, free_port
-from tests.helpers import Gateway, Stack, start_agents
+from tests.helpers import GatewayProcess, Stack, start_agents
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ async def test_a_stuck_temporal_answers_503_within_the_rpc_timeout(
             task_queue=f"tq-{uuid.uuid4().hex[:8]}",
             extra={"REACH_TEMPORAL__RPC_TIMEOUT_S": "1"},
         )
-        gateway = await Gateway(stack).ready()
+        gateway = await GatewayProcess(stack).ready()
         await start_agents(gateway, "stuck-cap", 1)
         done = await http.post(
             f"{gateway.url}/reach/invoke", json={"target": "stuck-cap", "operation": "query"}

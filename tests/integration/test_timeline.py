@@ -19,7 +19,7 @@ from temporalio.client import Client
 
 from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
-from tests.helpers import ROOT, Agent, CallbackReceiver, Gateway, start_agents, wait_until
+from tests.helpers import ROOT, Agent, CallbackReceiver, GatewayProcess, start_agents, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -43,17 +43,19 @@ def body(capability: str, **extra: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 async def gw(
     temporal_server: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Gateway]:
+) -> AsyncIterator[GatewayProcess]:
     extra = {"REACH_POLICY__RETRY__BACKOFF_BASE_MS": str(BACKOFF_MS)}
     stack = new_stack(temporal_server, tmp_path_factory.mktemp("timeline"), extra=extra)
-    gateway = Gateway(stack)
+    gateway = GatewayProcess(stack)
     try:
         yield await gateway.ready()
     finally:
         gateway.proc.stop()
 
 
-async def timeline(http: httpx.AsyncClient, gateway: Gateway, request_id: str) -> dict[str, Any]:
+async def timeline(
+    http: httpx.AsyncClient, gateway: GatewayProcess, request_id: str
+) -> dict[str, Any]:
     r = await http.get(f"{gateway.url}/reach/requests/{request_id}/timeline")
     assert r.status_code == 200, r.text
     data: dict[str, Any] = r.json()
@@ -87,7 +89,7 @@ def reach_cli(url: str, *args: str, token: str | None = None) -> Any:
 
 
 async def test_a_retry_reads_in_order_with_growing_offsets(
-    gw: Gateway, http: httpx.AsyncClient, capability: str, tmp_path: Path
+    gw: GatewayProcess, http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     ledger = tmp_path / "ledger.txt"
     # Only the very first call of the two instances fails: attempt 2 goes to the other one.
@@ -147,7 +149,7 @@ async def test_a_retry_reads_in_order_with_growing_offsets(
 
 
 async def test_a_callback_request_shows_its_delivery_attempts(
-    gw: Gateway, http: httpx.AsyncClient, capability: str
+    gw: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gw, capability, 1)
     async with CallbackReceiver(fail_first=1) as receiver:
@@ -183,7 +185,7 @@ async def test_a_callback_request_shows_its_delivery_attempts(
 
 
 async def test_an_unreachable_callback_says_why_without_its_credentials(
-    gw: Gateway, http: httpx.AsyncClient, capability: str
+    gw: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gw, capability, 1)
     request_id = rid()
@@ -206,7 +208,7 @@ async def test_an_unreachable_callback_says_why_without_its_credentials(
 
 
 async def test_a_late_answer_and_a_timeout(
-    gw: Gateway, http: httpx.AsyncClient, capability: str
+    gw: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gw, capability, 1, "--defer", "--delay-ms", "200")
     late = rid()
@@ -238,7 +240,7 @@ async def test_a_late_answer_and_a_timeout(
 
 
 async def test_requests_list_filters_and_the_cli(
-    gw: Gateway, http: httpx.AsyncClient, capability: str
+    gw: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     await start_agents(gw, capability, 1)
     ids = [rid() for _ in range(3)]
@@ -335,7 +337,7 @@ async def test_with_tokens_only_the_caller_or_an_admin_reads_a_request(
     agent_token, record = issue("agents", "agent", [capability])
     store.write(record)
     stack = new_stack(temporal_server, tmp_path)
-    gateway = await Gateway(stack).ready()
+    gateway = await GatewayProcess(stack).ready()
     await Agent(gateway, "a-01", capability, env={"REACH_AGENT_TOKEN": agent_token}).ready()
 
     def auth(name: str) -> dict[str, str]:

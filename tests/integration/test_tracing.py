@@ -33,7 +33,7 @@ import pytest
 from agent_reach_proto import gateway_pb2 as pb
 from reach.telemetry.tracing import read_spans
 from tests.conftest import new_stack
-from tests.helpers import Agent, Gateway
+from tests.helpers import Agent, GatewayProcess
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +45,7 @@ QUEUED = f"traced-queue-{uuid.uuid4().hex[:6]}"
 @pytest.fixture(scope="module", params=["sandboxed", "unsandboxed"])
 async def traced(
     request: pytest.FixtureRequest, temporal_server: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[Gateway, Path]]:
+) -> AsyncIterator[tuple[GatewayProcess, Path]]:
     """A gateway whose spans go to `gw-spans.jsonl` and whose logs are JSON lines (gRPC front
     on a free port); its workflow in the SDK's sandbox (as tests run it) and not (as
     production does)."""
@@ -62,14 +62,16 @@ async def traced(
             "REACH_CAPABILITIES": json.dumps({QUEUED: {"mode": "queue"}}),
         },
     )
-    gateway = Gateway(stack)
+    gateway = GatewayProcess(stack)
     try:
         yield await gateway.ready(), spans
     finally:
         gateway.proc.stop()
 
 
-async def traced_agent(gateway: Gateway, capability: str, protocol: str, spans: Path) -> Agent:
+async def traced_agent(
+    gateway: GatewayProcess, capability: str, protocol: str, spans: Path
+) -> Agent:
     return await Agent(
         gateway,
         f"{capability}-{protocol}",
@@ -164,7 +166,7 @@ def assert_one_tree(
 
 @pytest.mark.parametrize("protocol", ["http", "grpc", "websocket", "mqtt"])
 async def test_one_tree_from_the_caller_to_the_agent(
-    traced: tuple[Gateway, Path],
+    traced: tuple[GatewayProcess, Path],
     http: httpx.AsyncClient,
     capability: str,
     protocol: str,
@@ -188,7 +190,7 @@ async def test_one_tree_from_the_caller_to_the_agent(
 
 
 async def test_the_grpc_front_continues_the_callers_trace(
-    traced: tuple[Gateway, Path], capability: str, tmp_path: Path
+    traced: tuple[GatewayProcess, Path], capability: str, tmp_path: Path
 ) -> None:
     gateway, gateway_file = traced
     agent_file = tmp_path / "agent-spans.jsonl"
@@ -221,7 +223,7 @@ async def test_the_grpc_front_continues_the_callers_trace(
 
 
 async def test_without_a_traceparent_the_request_starts_its_own_trace(
-    traced: tuple[Gateway, Path], http: httpx.AsyncClient, capability: str, tmp_path: Path
+    traced: tuple[GatewayProcess, Path], http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     """A caller that sends none gets a new trace (sample_ratio 1.0), the agent still in it."""
     gateway, gateway_file = traced
@@ -253,7 +255,7 @@ async def test_without_a_traceparent_the_request_starts_its_own_trace(
 
 
 async def test_json_logs_carry_the_request_and_its_trace(
-    traced: tuple[Gateway, Path], http: httpx.AsyncClient, capability: str, tmp_path: Path
+    traced: tuple[GatewayProcess, Path], http: httpx.AsyncClient, capability: str, tmp_path: Path
 ) -> None:
     """The workflow's own decision ("giving up") is a JSON line naming the request and the
     caller's trace."""
@@ -287,7 +289,7 @@ async def test_json_logs_carry_the_request_and_its_trace(
 
 
 async def test_a_queue_mode_call_is_in_the_same_tree(
-    traced: tuple[Gateway, Path], http: httpx.AsyncClient, tmp_path: Path
+    traced: tuple[GatewayProcess, Path], http: httpx.AsyncClient, tmp_path: Path
 ) -> None:
     """A capability in queue mode: the call is a regular activity on reach-cap-<name>, which
     heartbeats; its spans hang in the same places."""
