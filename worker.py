@@ -36,7 +36,7 @@ from activities import ReachActivities
 from activities.codec import data_converter
 from activities.telemetry import RequestIdInterceptor
 from connectors import ConnectorSet
-from reach.config import ConfigError, ReachSettings, TemporalSettings, load_settings
+from reach.config import ConfigError, ReachSettings, TemporalSettings
 from reach.errors import ReachError
 from reach.policy.engine import PolicyEngine
 from reach.policy.state import create_policy_state
@@ -45,6 +45,7 @@ from reach.registry.view import RegistryView
 from reach.routing import Router, check_routing
 from reach.routing.inflight import create_inflight
 from reach.runtime import configure_logging, exit_now, run, settle_heap
+from reach.settings_checks import load_checked_settings
 from reach.store import Store, create_store
 from reach.telemetry import metrics as reach_metrics
 from reach.telemetry import tracing
@@ -381,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     configure_logging()
     try:
-        settings = load_settings(args.config)
+        settings = load_checked_settings(args.config)
         if args.metrics_port is not None:
             settings.metrics.worker_port = args.metrics_port
         configure_logging(telemetry=settings.telemetry)

@@ -27,9 +27,10 @@ import httpx
 
 from gateway_api import cli_certs, cli_ops, cli_tokens, cli_view
 from gateway_api.devserver import DevServer, PortInUse, dies_with_parent, require_free
-from reach.config import CONFIG_ENV_VAR, ConfigError, ReachSettings, config_file, load_settings
+from reach.config import CONFIG_ENV_VAR, ConfigError, ReachSettings, config_file
 from reach.runtime import configure_logging, exit_now, run
 from reach.security.tokens import FileTokenStore, issue
+from reach.settings_checks import load_checked_settings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 KEEP_ALIVE_S = 75  # as nginx's default
@@ -288,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         if args.command == "config":  # checks the file itself: before loading it
             exit_now(cli_view.main(None, args))
-        settings = load_settings(args.config)
+        settings = load_checked_settings(args.config)
         configure_logging(args.verbose, settings.telemetry)  # its format, the sampling
         if args.command in cli_view.COMMANDS:
             exit_now(cli_view.main(settings, args))

@@ -21,8 +21,9 @@ from typing import Any
 
 import httpx
 
-from reach.config import ConfigError, ReachSettings, config_file, load_settings
+from reach.config import ConfigError, ReachSettings, config_file
 from reach.messages import new_request_id
+from reach.settings_checks import load_checked_settings
 
 COMMANDS = frozenset({"invoke", "agents", "capabilities", "config"})
 TOKEN_ENV = "REACH_TOKEN"
@@ -566,7 +567,7 @@ def check_config(args: argparse.Namespace) -> int:
     path = args.check_config or getattr(args, "config", None)
     try:
         file_path = config_file(path)
-        settings = load_settings(file_path)
+        settings = load_checked_settings(file_path)
     except ConfigError as exc:
         if args.json:
             print_json({"ok": False, "error": str(exc)})

@@ -11,13 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reach.config import ConfigError, ReachSettings, RoutingSettings, load_settings
+from reach.config import ConfigError, ReachSettings, RoutingSettings
 from reach.errors import NoInstance
 from reach.registry import HealthReport, JoinRequest, Registry
 from reach.registry.view import CapabilitySnapshot, RegistryView, RouteEntry
 from reach.routing import Router, available, check_routing, hash_key
 from reach.routing.algorithms import HashRing
 from reach.routing.inflight import InflightTracker
+from reach.settings_checks import load_checked_settings
 from reach.store import MemoryStore
 
 
@@ -191,7 +192,7 @@ def test_strategies_are_plug_ins_and_an_unknown_one_stops_start_up(tmp_path: Any
     config = tmp_path / "reach.yaml"
     config.write_text("reach:\n  routing:\n    strategy: nearest\n")
     with pytest.raises(ConfigError, match=f"{config}.*'nearest'.*least_request"):
-        load_settings(config)
+        load_checked_settings(config)
 
 
 def test_capability_routing_overrides_the_defaults() -> None:

@@ -1,0 +1,155 @@
+"""The sections for what Reach connects to: the registry store, agents (transport), callbacks
+and Temporal (with the dev server `reach up` embeds)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from reach.config.base import Section
+from reach.invocation import CallbackPlan
+from reach.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    TEMPORAL_GRPC_LIMIT_BYTES,
+    TEMPORAL_PAYLOAD_LIMIT_BYTES,
+)
+
+
+class RegistrySettings(Section):
+    type: Literal["memory", "redis"] = "memory"
+    heartbeat_timeout: float = Field(default=30.0, gt=0, le=86_400, description="seconds")
+    heartbeat_interval: float = Field(default=5.0, gt=0, description="seconds")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = Field(default="reach", min_length=1)
+    redis_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="Socket timeout for every Redis command: a stuck Redis is a 503, not a hang.",
+    )
+    redis_max_connections: int = Field(
+        default=64,
+        ge=2,
+        le=10_000,
+        description="Connections per process; past them a command waits (up to "
+        "redis_timeout_s) for one to free.",
+    )
+    capability_retention_s: float = Field(
+        default=3600.0,
+        gt=0,
+        le=30 * 86_400,
+        description="How long a capability whose instances all left stays known (503 "
+        "no_instance rather than 404 unknown_capability); then its name is forgotten.",
+    )
+
+    @model_validator(mode="after")
+    def _interval_below_timeout(self) -> RegistrySettings:
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise ValueError("heartbeat_interval must be shorter than heartbeat_timeout")
+        return self
+
+
+class TransportSettings(Section):
+    default_protocol: str = "http"
+    ports: dict[str, Annotated[int, Field(ge=-1, le=65535)]] = Field(
+        default_factory=lambda: {"http": 7600, "grpc": 7601},
+        description="grpc: the gateway's gRPC front (0 = any free port, -1 = off). The HTTP "
+        "port is `listen_port`.",
+    )
+    max_message_bytes: int = Field(
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        ge=1024,
+        description="Largest payload or result, as sent (compact UTF-8 JSON); at most "
+        "temporal.payload_limit_bytes minus 64 KiB for the envelope around it.",
+    )
+    idle_timeout_s: float = Field(
+        default=60.0, gt=0, description="Connections to an agent idle this long are closed."
+    )
+    max_pools: int = Field(
+        default=1024, ge=1, description="Most agent addresses with open connections at once."
+    )
+
+
+class CallbackSettings(CallbackPlan):
+    # Bounded here, not on CallbackPlan: plans already in histories must keep decoding.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    attempt_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    retry_window_s: float = Field(default=3600.0, gt=0, le=30 * 86_400)
+    initial_backoff_s: float = Field(default=1.0, gt=0, le=86_400)
+    max_backoff_s: float = Field(default=60.0, gt=0, le=86_400)
+
+
+class DevServerSettings(Section):
+    """The embedded Temporal dev server that `reach up` starts."""
+
+    db_filename: str = ".reach/temporal.db"
+    port: int = 7233
+    ui_port: int = 8233
+    headless: bool = False
+    retention_hours: float = Field(
+        default=72.0,
+        ge=24,
+        description="How long closed requests are kept, and so how long a RequestID stays "
+        "deduplicated (Temporal's namespace retention; its minimum is one day).",
+    )
+
+
+class TemporalSettings(Section):
+    address: str = "127.0.0.1:7233"
+    namespace: str = "default"
+    task_queue: str = "reach-invoke"
+    connect_wait_s: float = Field(
+        default=30.0, ge=0, le=3600, description="How long start-up waits for Temporal to answer."
+    )
+    rpc_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="How long one call to Temporal (start, describe, update) may take before "
+        "the caller gets a 503: a stuck server is an answer, not a hang.",
+    )
+    payload_limit_bytes: int = Field(
+        default=TEMPORAL_PAYLOAD_LIMIT_BYTES,
+        gt=128 * 1024,
+        description="The cluster's largest payload blob (server dynamic config "
+        "limit.blobSize.error; 2 MiB unless your cluster raised it).",
+    )
+    grpc_limit_bytes: int = Field(
+        default=TEMPORAL_GRPC_LIMIT_BYTES,
+        gt=512 * 1024,
+        description="The largest gRPC message the cluster takes (4 MiB by default).",
+    )
+    workflow_sandbox: bool = Field(
+        default=False,
+        description="Run InvokeWorkflow in the SDK's determinism sandbox. The sandbox re-imports "
+        "the workflow module for every request (~9 ms per invoke here, bench/invoke.py); "
+        "the workflow is Reach's own code, so the test suite runs it sandboxed and replays "
+        "committed histories, and production runs it without.",
+    )
+    inline_activations: bool = Field(
+        default=True,
+        description="Run InvokeWorkflow's activations on the process's event loop rather than "
+        "handing each to a thread (unsandboxed only; the sandbox always uses threads). Saves "
+        "two thread hand-offs per activation: ~1 ms of CPU per invoke, ~10% more throughput "
+        "(bench/invoke.py). It is the SDK's debug_mode path: no deadlock detection, and while an "
+        "activation runs the process serves nothing else, so a slow one (a bug) would hold "
+        "HTTP and heartbeats as long as it ran, where threads fail its task after 2 s. Reach's "
+        "workflow never blocks (the test suite runs it in the sandbox, which refuses blocking "
+        "calls); false restores the thread pool.",
+    )
+    dev_server: DevServerSettings = Field(default_factory=DevServerSettings)
+    ui_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s]+$",
+        description="The Temporal UI's base URL, which the dashboard (/ui) links each request "
+        "to. Default: http://127.0.0.1:<dev_server.ui_port> (no links when dev_server.headless).",
+    )
+
+    @property
+    def ui_base_url(self) -> str | None:
+        """`ui_url`, else the embedded dev server's UI (None: headless, no UI to link to)."""
+        if self.ui_url:
+            return self.ui_url.rstrip("/")
+        return None if self.dev_server.headless else f"http://127.0.0.1:{self.dev_server.ui_port}"

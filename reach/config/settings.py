@@ -1,0 +1,99 @@
+"""`ReachSettings`: the whole `reach:` mapping, its sections and the checks across them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from reach.config.connections import (
+    CallbackSettings,
+    RegistrySettings,
+    TemporalSettings,
+    TransportSettings,
+)
+from reach.config.observability import MetricsSettings, TelemetrySettings
+from reach.config.policy import PolicySettings
+from reach.config.routing import CapabilitySettings, RoutingDefaults, RoutingSettings
+from reach.config.security import AuditSettings, AuthSettings, RuleSettings, SecuritySettings
+from reach.invocation import CapabilityMode
+from reach.limits import max_message_ceiling
+
+
+class ReachSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="REACH_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        allow_inf_nan=False,
+    )
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = Field(default=7600, ge=1, le=65535)
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        default="auto",
+        description="The gateway's and workers' event loop: uvloop when installed (auto), or "
+        "the standard library's. uvloop takes ~1 ms off a durable invoke here (bench/invoke.py).",
+    )
+    public_url: str | None = Field(
+        default=None, description="How agents reach this gateway; defaults to listen host:port."
+    )
+    registry: RegistrySettings = Field(default_factory=RegistrySettings)
+    transport: TransportSettings = Field(default_factory=TransportSettings)
+    policy: PolicySettings = Field(default_factory=PolicySettings)
+    capabilities: dict[str, CapabilitySettings] = Field(default_factory=dict)
+    routing: RoutingDefaults = Field(default_factory=RoutingDefaults)
+    callback: CallbackSettings = Field(default_factory=CallbackSettings)
+    temporal: TemporalSettings = Field(default_factory=TemporalSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    rules: list[RuleSettings] = Field(default_factory=list, description="R19; deny wins")
+    audit: AuditSettings = Field(default_factory=AuditSettings)
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The YAML file is passed as init kwargs by `load_settings`, below the environment.
+        return env_settings, init_settings
+
+    @model_validator(mode="after")
+    def _messages_fit_in_temporal(self) -> ReachSettings:
+        t = self.temporal
+        ceiling = max_message_ceiling(t.payload_limit_bytes, t.grpc_limit_bytes)
+        if self.transport.max_message_bytes > ceiling:
+            raise ValueError(
+                f"transport.max_message_bytes={self.transport.max_message_bytes} cannot be "
+                f"carried: temporal.payload_limit_bytes={t.payload_limit_bytes} and "
+                f"temporal.grpc_limit_bytes={t.grpc_limit_bytes} leave at most {ceiling} "
+                "bytes for a message"
+            )
+        return self
+
+    def routing_for(self, capability: str) -> RoutingSettings:
+        cap = self.capabilities.get(capability)
+        return self.routing.merged(cap.routing if cap else None)
+
+    def capability_mode(self, capability: str) -> CapabilityMode:
+        cap = self.capabilities.get(capability)
+        return cap.mode if cap else "inline"
+
+    @property
+    def gateway_url(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = "127.0.0.1" if self.listen_host in ("0.0.0.0", "::") else self.listen_host
+        return f"http://{host}:{self.listen_port}"
