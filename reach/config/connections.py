@@ -17,11 +17,32 @@ from reach.limits import (
 
 
 class RegistrySettings(Section):
-    type: Literal["memory", "redis"] = "memory"
-    heartbeat_timeout: float = Field(default=30.0, gt=0, le=86_400, description="seconds")
-    heartbeat_interval: float = Field(default=5.0, gt=0, description="seconds")
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = Field(default="reach", min_length=1)
+    type: Literal["memory", "redis"] = Field(
+        default="memory",
+        description="Where instances, breakers, limits and keys live: memory (one process) or "
+        "redis (shared by every gateway and worker).",
+    )
+    heartbeat_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        le=86_400,
+        description="Seconds without a heartbeat before an instance is evicted.",
+    )
+    heartbeat_interval: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds between heartbeats, proposed to agents in the Ack; shorter than "
+        "heartbeat_timeout.",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0", description="The Redis server (type: redis)."
+    )
+    key_prefix: str = Field(
+        default="reach",
+        min_length=1,
+        description="Prefix of every Redis key and channel Reach uses: deployments sharing one "
+        "Redis keep apart by it.",
+    )
     redis_timeout_s: float = Field(
         default=1.0,
         gt=0,
@@ -51,7 +72,11 @@ class RegistrySettings(Section):
 
 
 class TransportSettings(Section):
-    default_protocol: str = "http"
+    default_protocol: str = Field(
+        default="http",
+        description="From the seed's schema (SPEC R7); nothing reads it: a Join that names no "
+        "protocol is http.",
+    )
     ports: dict[str, Annotated[int, Field(ge=-1, le=65535)]] = Field(
         default_factory=lambda: {"http": 7600, "grpc": 7601},
         description="grpc: the gateway's gRPC front (0 = any free port, -1 = off). The HTTP "
@@ -75,19 +100,37 @@ class CallbackSettings(CallbackPlan):
     # Bounded here, not on CallbackPlan: plans already in histories must keep decoding.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    attempt_timeout_s: float = Field(default=10.0, gt=0, le=3600)
-    retry_window_s: float = Field(default=3600.0, gt=0, le=30 * 86_400)
-    initial_backoff_s: float = Field(default=1.0, gt=0, le=86_400)
-    max_backoff_s: float = Field(default=60.0, gt=0, le=86_400)
+    attempt_timeout_s: float = Field(
+        default=10.0, gt=0, le=3600, description="How long one POST to the callback URL may take."
+    )
+    retry_window_s: float = Field(
+        default=3600.0,
+        gt=0,
+        le=30 * 86_400,
+        description="How long a callback is retried until the receiver answers 2xx; then its "
+        "delivery is given_up (the result stays readable).",
+    )
+    initial_backoff_s: float = Field(
+        default=1.0, gt=0, le=86_400, description="The first wait between callback attempts."
+    )
+    max_backoff_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description="The longest wait between callback attempts (the wait doubles up to it).",
+    )
 
 
 class DevServerSettings(Section):
     """The embedded Temporal dev server that `reach up` starts."""
 
-    db_filename: str = ".reach/temporal.db"
-    port: int = 7233
-    ui_port: int = 8233
-    headless: bool = False
+    db_filename: str = Field(
+        default=".reach/temporal.db",
+        description="The dev server's SQLite file: requests outlive a restart of `reach up`.",
+    )
+    port: int = Field(default=7233, description="The dev server's gRPC port (Temporal's frontend).")
+    ui_port: int = Field(default=8233, description="The dev server's Temporal UI port.")
+    headless: bool = Field(default=False, description="true: the dev server serves no UI.")
     retention_hours: float = Field(
         default=72.0,
         ge=24,
@@ -97,9 +140,20 @@ class DevServerSettings(Section):
 
 
 class TemporalSettings(Section):
-    address: str = "127.0.0.1:7233"
-    namespace: str = "default"
-    task_queue: str = "reach-invoke"
+    address: str = Field(
+        default="127.0.0.1:7233",
+        description="The Temporal frontend (host:port); TEMPORAL_ADDRESS wins over it.",
+    )
+    namespace: str = Field(
+        default="default",
+        description="The Temporal namespace; its retention is how long a RequestID is "
+        "deduplicated. TEMPORAL_NAMESPACE wins over it.",
+    )
+    task_queue: str = Field(
+        default="reach-invoke",
+        description="The invoke workflows' task queue (queue-mode calls use "
+        "reach-cap-<capability>).",
+    )
     connect_wait_s: float = Field(
         default=30.0, ge=0, le=3600, description="How long start-up waits for Temporal to answer."
     )
@@ -139,7 +193,10 @@ class TemporalSettings(Section):
         "workflow never blocks (the test suite runs it in the sandbox, which refuses blocking "
         "calls); false restores the thread pool.",
     )
-    dev_server: DevServerSettings = Field(default_factory=DevServerSettings)
+    dev_server: DevServerSettings = Field(
+        default_factory=DevServerSettings,
+        description="The embedded Temporal dev server that `reach up` starts.",
+    )
     ui_url: str | None = Field(
         default=None,
         pattern=r"^https?://[^\s]+$",
