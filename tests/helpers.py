@@ -1,16 +1,19 @@
-"""Real processes for integration tests: gateways, workers, demo agents, a callback receiver."""
+"""Real processes for integration tests (gateways, workers, demo agents, a callback receiver) and
+the calls and waits the tests share."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,6 +150,17 @@ class GatewayProcess:
                     pass
                 await asyncio.sleep(0.1)
         raise TimeoutError(f"gateway not ready:\n{self.proc.output()}")
+
+    async def __aenter__(self) -> GatewayProcess:
+        """Ready to serve; stopped when the block ends, even if it never got ready."""
+        try:
+            return await self.ready()
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.proc.stop()
 
 
 class Worker:
@@ -289,11 +303,40 @@ class CallbackReceiver:
             await asyncio.wait_for(enough(), timeout_s)
 
 
-async def wait_until(predicate: Any, timeout_s: float, every_s: float = 0.1) -> float:
-    """Await an async predicate; return the seconds it took, raise if it never held."""
+def rid() -> str:
+    """A request id no other request uses."""
+    return f"req-{uuid.uuid4().hex}"
+
+
+async def invoke(
+    http: httpx.AsyncClient,
+    gateway: GatewayProcess,
+    capability: str,
+    operation: str = "query",
+    *,
+    caller: str | None = None,
+    **body: Any,
+) -> httpx.Response:
+    """`POST /reach/invoke` of `operation` with an empty payload; `body` adds or replaces fields,
+    `caller` is sent as X-Reach-Caller."""
+    return await http.post(
+        f"{gateway.url}/reach/invoke",
+        json={"target": capability, "operation": operation, "payload": {}, **body},
+        headers={"X-Reach-Caller": caller} if caller is not None else {},
+    )
+
+
+async def wait_until(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float, every_s: float = 0.1
+) -> float:
+    """Until `predicate` (plain or async) holds; return the seconds it took, raise if it never
+    held within `timeout_s`."""
     start = time.monotonic()
     while True:
-        if await predicate():
+        held = predicate()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
             return time.monotonic() - start
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(f"condition not met within {timeout_s}s")

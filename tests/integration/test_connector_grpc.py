@@ -26,7 +26,7 @@ from reach.config import TransportSettings
 from reach.errors import AgentError, DeadlineExceeded, ReachError, TransportError
 from reach.invocation import Endpoint
 from reach.messages import Header, Message, dumps
-from tests.helpers import agent_server
+from tests.helpers import agent_server, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -57,14 +57,6 @@ def endpoint(port: int, max_message_bytes: int | None = None, name: str = "g1") 
         address=f"127.0.0.1:{port}",
         max_message_bytes=max_message_bytes,
     )
-
-
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.02)
 
 
 def counts(conn: GrpcConnector) -> dict[str, int]:
@@ -423,7 +415,7 @@ async def test_an_idle_channel_is_closed_and_the_next_call_reopens_it(agent: Age
     ):
         await conn.invoke(endpoint(proxy.port), message("echo"), 5)
         assert proxy.open == 1
-        await wait_for(lambda: proxy.open == 0, timeout_s=3)
+        await wait_until(lambda: proxy.open == 0, 3)
         assert counts(conn)["reclaimed"] == 1
         assert conn.held() == {}
         assert (await conn.invoke(endpoint(proxy.port), message("echo"), 5)).status == "ok"
@@ -441,7 +433,7 @@ async def test_forget_closes_the_instances_channel(agent: Agent) -> None:
         await conn.invoke(endpoint(proxy.port, name="staying"), message("echo"), 5)
         assert proxy.open == 2
         await conn.forget("leaving")
-        await wait_for(lambda: proxy.open == 1, timeout_s=3)
+        await wait_until(lambda: proxy.open == 1, 3)
         assert conn.held() == {"staying": "cap"}
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -18,18 +17,11 @@ from reach.config import TransportSettings
 from reach.errors import AgentError, AgentFault, DeadlineExceeded, TransportError
 from reach.invocation import Endpoint
 from reach.messages import Header, Message, dumps, json_size
-from tests.helpers import agent_server
+from tests.helpers import agent_server, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
 SEEN: list[Inbound] = []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def agent_error(status: int, type_: str, text: str) -> Answer:
@@ -382,14 +374,6 @@ async def test_a_request_reach_cannot_encode_is_not_retried() -> None:
 # -- bounded clients ------------------------------------------------------------------------------
 
 
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.02)
-
-
 async def test_connections_are_kept_alive_between_calls() -> None:
     async with RawAgent(ok_json) as raw, HttpConnector() as conn:
         for _ in range(5):
@@ -406,10 +390,10 @@ async def test_past_max_pools_the_least_recently_used_address_is_closed() -> Non
         await conn.invoke(b.endpoint(), message("op"), 5)
         await conn.invoke(a.endpoint(), message("op"), 5)  # b is now the least recently used
         await conn.invoke(c.endpoint(), message("op"), 5)
-        await wait_for(lambda: b.open == 0)
+        await wait_until(lambda: b.open == 0, 5)
         assert (a.open, c.open) == (1, 1)
         await conn.invoke(b.endpoint(), message("op"), 5)  # b comes back, a goes
-        await wait_for(lambda: a.open == 0)
+        await wait_until(lambda: a.open == 0, 5)
         assert (b.open, c.open, b.accepted) == (1, 1, 2)
 
 
@@ -418,7 +402,7 @@ async def test_an_idle_address_is_reclaimed() -> None:
     async with RawAgent(ok_json) as raw, HttpConnector(settings) as conn:
         await conn.invoke(raw.endpoint(), message("op"), 5)
         assert raw.open == 1
-        await wait_for(lambda: raw.open == 0, timeout_s=3)
+        await wait_until(lambda: raw.open == 0, 3)
         assert (await conn.invoke(raw.endpoint(), message("op"), 5)).result == {"ok": True}
         assert raw.accepted == 2
 
@@ -437,14 +421,14 @@ async def test_a_client_with_a_request_in_flight_is_never_closed() -> None:
         HttpConnector(settings) as conn,
     ):
         long_call = asyncio.create_task(conn.invoke(busy.endpoint(), message("op"), 5))
-        await wait_for(lambda: busy.open == 1)
+        await wait_until(lambda: busy.open == 1, 5)
         for _ in range(3):  # past max_pools, and past the idle timeout, while busy works
             await conn.invoke(other.endpoint(), message("op"), 5)
             await asyncio.sleep(0.2)
         assert busy.open == 1
         release.set()
         assert (await long_call).result == {"ok": True}
-        await wait_for(lambda: busy.open == 0 and other.open == 0, timeout_s=3)
+        await wait_until(lambda: busy.open == 0 and other.open == 0, 3)
 
 
 async def test_a_reply_that_grows_when_re_encoded_is_measured_as_reach_carries_it() -> None:

@@ -11,7 +11,6 @@ import contextlib
 import gc
 import json
 import shutil
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -32,6 +31,7 @@ from reach.config import TransportSettings
 from reach.errors import AgentError, DeadlineExceeded, TransportError
 from reach.invocation import Endpoint
 from reach.messages import Header, Message, Reply, dumps
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -39,23 +39,8 @@ MACHINE_BROKER = "127.0.0.1:1883"
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def new_id() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
-
-
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.02)
 
 
 async def port_open(port: int) -> bool:
@@ -588,7 +573,7 @@ async def test_an_idle_broker_client_is_reclaimed(broker: str) -> None:
     async with SdkAgent(broker) as agent, MqttConnector(settings) as conn:
         await conn.invoke(agent.endpoint, message("echo"), 5)
         link = only_link(conn)
-        await wait_for(lambda: link.closed and link._task.done(), timeout_s=3)
+        await wait_until(lambda: link.closed and link._task.done(), 3)
         assert len(conn._pools) == 0
         assert (await conn.invoke(agent.endpoint, message("echo"), 5)).status == "ok"
         counts = conn.stats.of("cap")["mqtt"]
@@ -651,7 +636,7 @@ async def test_a_broker_restart_between_two_invokes(own_broker: OwnBroker) -> No
         await own_broker.stop()
         await own_broker.start()
         # The agent comes back by itself: reconnects and subscribes again.
-        await wait_for(lambda: agent.server.connections == 2, timeout_s=10)
+        await wait_until(lambda: agent.server.connections == 2, 10)
         reply_ = await conn.invoke(agent.endpoint, message("echo", {"after": "restart"}), 5)
         assert reply_.result is not None
         assert reply_.result["got"] == {"after": "restart"}
@@ -666,7 +651,7 @@ async def test_requests_in_flight_fail_at_once_when_the_broker_goes(
 ) -> None:
     async with RawAgent(own_broker.address) as silent, MqttConnector() as conn:
         waiting = asyncio.create_task(conn.invoke(silent.endpoint(), message("op"), 30))
-        await wait_for(lambda: len(silent.received) == 1)
+        await wait_until(lambda: len(silent.received) == 1, 5)
         start = time.monotonic()
         await own_broker.stop()
         with pytest.raises(TransportError) as err:

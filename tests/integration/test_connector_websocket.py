@@ -35,7 +35,7 @@ from reach.config import TransportSettings
 from reach.errors import AgentError, DeadlineExceeded, TransportError
 from reach.invocation import Endpoint
 from reach.messages import Header, Message
-from tests.helpers import free_port, spawn
+from tests.helpers import free_port, spawn, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -69,14 +69,6 @@ def endpoint(address: str, max_message_bytes: int | None = None, name: str = "ws
 
 def counters(conn: WebSocketConnector) -> dict[str, int]:
     return conn.stats.of(CAPABILITY).get("websocket", {})
-
-
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.02)
 
 
 # -- an SDK agent in this process -----------------------------------------------------------------
@@ -358,7 +350,7 @@ async def test_an_idle_connection_is_reclaimed(agent: Agent) -> None:
     async with WebSocketConnector(TransportSettings(idle_timeout_s=0.3)) as conn:
         await conn.invoke(agent.endpoint(), message("echo"), 2)
         assert agent.server.connection_count == 1
-        await wait_for(lambda: agent.server.connection_count == 0, timeout_s=3)
+        await wait_until(lambda: agent.server.connection_count == 0, 3)
         assert conn.held() == {}
         stats = counters(conn)
         assert (stats["reclaimed"], stats["failed"]) == (1, 0)
@@ -371,7 +363,7 @@ async def test_forget_closes_the_connection_of_an_instance_that_left(agent: Agen
         await conn.invoke(agent.endpoint(), message("echo"), 2)
         assert conn.held() == {agent.name: CAPABILITY}
         await conn.forget(agent.name)
-        await wait_for(lambda: agent.server.connection_count == 0, timeout_s=3)
+        await wait_until(lambda: agent.server.connection_count == 0, 3)
         assert conn.held() == {}
         assert counters(conn)["reclaimed"] == 1
 
@@ -409,7 +401,7 @@ async def test_a_graceful_close_finishes_requests_in_flight_and_refuses_new_ones
         slow = asyncio.create_task(
             conn.invoke(ep, message("echo", {"sleep": 0.5}, request_id="slow"), 5)
         )
-        await wait_for(lambda: len(agent.seen) == 1)
+        await wait_until(lambda: len(agent.seen) == 1, 5)
         closing = asyncio.create_task(agent.server.close(grace_s=5))
         await asyncio.sleep(0.1)
         with pytest.raises(AgentError) as refused:
@@ -487,7 +479,7 @@ async def start_agent_process(tmp_path: Path, port: int, run: int) -> Any:
     script.write_text(AGENT_PROCESS)
     log = tmp_path / f"agent-{run}.log"
     proc = spawn([sys.executable, str(script), str(port)], {}, log)
-    await wait_for(lambda: "ready" in proc.output() or proc.popen.poll() is not None, 20)
+    await wait_until(lambda: "ready" in proc.output() or proc.popen.poll() is not None, 20)
     assert proc.popen.poll() is None, proc.output()
     return proc
 
@@ -756,7 +748,7 @@ async def test_the_server_closing_refuses_new_connections_while_old_requests_fin
         slow = asyncio.create_task(
             conn.invoke(agent.endpoint(), message("echo", {"sleep": 0.5}, request_id="slow"), 5)
         )
-        await wait_for(lambda: len(agent.seen) == 1)
+        await wait_until(lambda: len(agent.seen) == 1, 5)
         closing = asyncio.create_task(agent.server.close(grace_s=5))
         await asyncio.sleep(0.05)
         with pytest.raises(ConnectionRefusedError):

@@ -6,7 +6,6 @@ routed to (its certificate from Reach's CA, for its own id), on HTTP, gRPC and W
 from __future__ import annotations
 
 import json
-import socket
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +33,7 @@ from reach.invocation import Endpoint
 from reach.messages import Header, Message
 from reach.security.certs import CaFiles, TlsFiles, init_ca, issue_agent
 from tests.conftest import new_stack
-from tests.helpers import Agent, GatewayProcess
+from tests.helpers import Agent, GatewayProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -148,13 +147,6 @@ async def refused(protocol: str, pki: Pki, address: str, instance_id: str) -> Tr
     assert len(CALLS) == before, "the agent's handler ran"
     assert not caught.value.outcome_unknown  # nothing was delivered: safe to send elsewhere
     return caught.value
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # -- (a) the call succeeds ------------------------------------------------------------------------
