@@ -30,7 +30,12 @@ class TelemetrySettings(Section):
         description="traces: file; the JSON-lines file spans are appended to (tests, offline "
         "debugging). Default: .reach/spans.jsonl.",
     )
-    service_name: str = Field(default="agent-reach", min_length=1, max_length=128)
+    service_name: str = Field(
+        default="agent-reach",
+        min_length=1,
+        max_length=128,
+        description="The service.name of the gateway's and workers' spans.",
+    )
     sample_ratio: float = Field(
         default=1.0,
         ge=0.0,

@@ -13,9 +13,20 @@ from reach.messages import MAX_TIMEOUT_MS
 class RetrySettings(Section):
     """How a retryable failure is tried again (R13): exponential backoff on durable timers."""
 
-    max_retries: int = Field(default=2, ge=0, le=10)
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        le=10,
+        description="Attempts after the first, each after a backoff and on another healthy "
+        "instance when there is one.",
+    )
     backoff_base_ms: int = Field(default=1000, ge=1, le=DAY_MS, description="the first backoff")
-    backoff_multiplier: float = Field(default=2.0, ge=1.0, le=10.0)
+    backoff_multiplier: float = Field(
+        default=2.0,
+        ge=1.0,
+        le=10.0,
+        description="Each backoff is the one before times this (1 s, 2 s, 4 s ...).",
+    )
     backoff_cap_ms: int = Field(default=30_000, ge=1, le=DAY_MS, description="no backoff is longer")
     jitter: float = Field(
         default=0.0,
@@ -28,7 +39,10 @@ class RetrySettings(Section):
 class CircuitBreakerSettings(Section):
     """One breaker per capability, shared by every gateway and worker through the store (R14)."""
 
-    enabled: bool = True
+    enabled: bool = Field(
+        default=True,
+        description="false: no breaker; failures never stop traffic to the capability.",
+    )
     error_threshold: int = Field(
         default=3, ge=1, description="failures that open it (consecutive, or within `window`)"
     )
@@ -39,7 +53,13 @@ class CircuitBreakerSettings(Section):
         description="0: `error_threshold` consecutive failures open it; N: that many failures "
         "among the last N outcomes do",
     )
-    open_duration_ms: int = Field(default=10_000, ge=1, le=DAY_MS)
+    open_duration_ms: int = Field(
+        default=10_000,
+        ge=1,
+        le=DAY_MS,
+        description="How long an open breaker fails requests fast (503 circuit_open) before "
+        "letting probes through.",
+    )
     half_open_probes: int = Field(
         default=1, ge=1, le=100, description="requests let through after open_duration_ms"
     )
@@ -54,18 +74,32 @@ class CircuitBreakerSettings(Section):
 class OutlierSettings(Section):
     """Per-instance ejection from routing after consecutive failures."""
 
-    enabled: bool = True
-    consecutive_failures: int = Field(default=3, ge=1, le=1000)
+    enabled: bool = Field(
+        default=True, description="false: failing instances are never ejected from routing."
+    )
+    consecutive_failures: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="Failures in a row (transport errors, 5xx, timeouts) that eject an instance.",
+    )
     base_ejection_ms: int = Field(
         default=30_000, ge=1, le=DAY_MS, description="first ejection; doubles with each repeat"
     )
-    max_ejection_ms: int = Field(default=300_000, ge=1, le=DAY_MS)
+    max_ejection_ms: int = Field(
+        default=300_000,
+        ge=1,
+        le=DAY_MS,
+        description="The longest ejection, however often an instance repeats.",
+    )
 
 
 class LimitSettings(Section):
     """A token bucket: `per_minute` tokens a minute, at most `burst` saved up."""
 
-    per_minute: float = Field(ge=0.01, le=6_000_000, allow_inf_nan=False)
+    per_minute: float = Field(
+        ge=0.01, le=6_000_000, allow_inf_nan=False, description="Tokens added a minute."
+    )
     burst: int | None = Field(
         default=None, ge=1, le=1_000_000_000, description="defaults to per_minute"
     )
@@ -80,7 +114,11 @@ class RateLimitSettings(Section):
 
     per_caller: LimitSettings | None = None
     per_capability: LimitSettings | None = None
-    on_limit: Literal["reject", "queue"] = "reject"
+    on_limit: Literal["reject", "queue"] = Field(
+        default="reject",
+        description="reject: 429 rate_limited with Retry-After; queue: the request waits for a "
+        "token on durable timers.",
+    )
     max_queue_wait_ms: int = Field(
         default=3_600_000,
         ge=0,
@@ -93,8 +131,17 @@ class RateLimitSettings(Section):
 class OperationSettings(Section):
     """Per 'capability:operation' (R23); what is written here overrides what agents declare."""
 
-    timeout_ms: int | None = Field(default=None, ge=1, le=MAX_TIMEOUT_MS)
-    idempotent: bool | None = None
+    timeout_ms: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_TIMEOUT_MS,
+        description="The operation's deadline; a caller's shorter timeout_ms wins.",
+    )
+    idempotent: bool | None = Field(
+        default=None,
+        description="true: retried after a retryable failure without an idempotency_key; overrides"
+        " what agents declare.",
+    )
     retry: RetrySettings | None = None
 
 
@@ -110,7 +157,12 @@ class PolicySettings(Section):
     default_retry: int = Field(
         default=2, ge=0, le=10, description="retry.max_retries, where `retry` does not say"
     )
-    default_timeout_ms: int = Field(default=5000, ge=1, le=MAX_TIMEOUT_MS)
+    default_timeout_ms: int = Field(
+        default=5000,
+        ge=1,
+        le=MAX_TIMEOUT_MS,
+        description="The deadline when neither the caller nor the operation says.",
+    )
     retry: RetrySettings | None = None
     idempotent_operations: list[str] = Field(
         default_factory=list,

@@ -58,10 +58,27 @@ class RoutingSettings(Section):
 class RoutingDefaults(RoutingSettings):
     """The `routing:` section: every capability's defaults, and the view and lease knobs."""
 
-    strategy: str | None = Field(default="round_robin", pattern=r"^[a-z0-9_]{1,64}$")
-    vnodes: int | None = Field(default=100, ge=1, le=1000)
-    balance_factor: float | None = Field(default=1.25, ge=1.0, le=100.0)
-    fallback: str | None = Field(default="round_robin", pattern=r"^[a-z0-9_]{1,64}$")
+    strategy: str | None = Field(
+        default="round_robin",
+        pattern=r"^[a-z0-9_]{1,64}$",
+        description="round_robin, weighted_round_robin, least_request, consistent_hash, or a "
+        "plug-in of the entry-point group agent_reach.routing",
+    )
+    vnodes: int | None = Field(
+        default=100, ge=1, le=1000, description="virtual nodes per instance of weight 1"
+    )
+    balance_factor: float | None = Field(
+        default=1.25,
+        ge=1.0,
+        le=100.0,
+        description="consistent_hash: no instance takes more than this times the mean "
+        "in-flight load (bounded load)",
+    )
+    fallback: str | None = Field(
+        default="round_robin",
+        pattern=r"^[a-z0-9_]{1,64}$",
+        description="the strategy for a consistent_hash request without a key",
+    )
     inflight_lease_s: float = Field(
         default=10.0,
         ge=1.0,
@@ -92,5 +109,10 @@ class RoutingDefaults(RoutingSettings):
 
 
 class CapabilitySettings(Section):
-    mode: CapabilityMode = "inline"
+    mode: CapabilityMode = Field(
+        default="inline",
+        description="inline: the gateway's own worker calls the agent inside the first workflow "
+        "task (the fast path); queue: a regular activity on task queue "
+        "reach-cap-<capability>, served by `worker.py --capability`.",
+    )
     routing: RoutingSettings | None = None

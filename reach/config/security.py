@@ -48,11 +48,26 @@ class RuleSettings(Section):
     """One authorization rule, in R19's shape. `*` matches any caller or capability."""
 
     name: str | None = Field(default=None, max_length=128, description="Named in 403s and audit.")
-    caller: str = Field(min_length=1, max_length=128)
-    target_capability: str = Field(min_length=1, max_length=64)
-    allowed_operations: list[str] = Field(default_factory=list)
-    denied_operations: list[str] = Field(default_factory=list)
-    rate_limit_per_minute: float | None = Field(default=None, ge=0.01, le=6_000_000)
+    caller: str = Field(
+        min_length=1, max_length=128, description="The caller the rule is about, or *."
+    )
+    target_capability: str = Field(
+        min_length=1, max_length=64, description="The capability the rule is about, or *."
+    )
+    allowed_operations: list[str] = Field(
+        default_factory=list,
+        description="Operations the rule allows; once any rule exists, what no rule allows is "
+        "denied.",
+    )
+    denied_operations: list[str] = Field(
+        default_factory=list, description="Operations the rule denies; deny wins over any allow."
+    )
+    rate_limit_per_minute: float | None = Field(
+        default=None,
+        ge=0.01,
+        le=6_000_000,
+        description="A rate limit per caller and capability; past it, 429.",
+    )
 
     @property
     def label(self) -> str:
@@ -62,30 +77,63 @@ class RuleSettings(Section):
 class AuditSettings(Section):
     """One redacted JSON record per invoke, Join, eviction, token change, denial (R20)."""
 
-    sink: Literal["file", "stdout", "both", "none"] = "file"
-    file: str = ".reach/audit.jsonl"
+    sink: Literal["file", "stdout", "both", "none"] = Field(
+        default="file", description="Where audit records go."
+    )
+    file: str = Field(
+        default=".reach/audit.jsonl",
+        description="The audit file (sink: file or both), mode 0600, appended.",
+    )
     max_string: int = Field(
         default=256, ge=8, le=1_000_000, description="Longer strings keep {len, sha256} only."
     )
-    redact_keys: list[str] = Field(default_factory=lambda: list(SECRET_KEY_NAMES))
-    flush_interval_ms: int = Field(default=200, ge=1, le=60_000)
+    redact_keys: list[str] = Field(
+        default_factory=lambda: list(SECRET_KEY_NAMES),
+        description="Values under keys named like these (any depth, any case, also as a suffix) "
+        "are written as ***.",
+    )
+    flush_interval_ms: int = Field(
+        default=200,
+        ge=1,
+        le=60_000,
+        description="Records are written and fsync'd once per batch, this often.",
+    )
 
 
 class TlsSettings(Section):
     """mTLS between Reach and agents: Reach presents `cert_file` and verifies each agent's
     certificate against `ca_file`, for the identity spiffe://<trust_domain>/agent/<id>."""
 
-    enabled: bool = False
-    ca_file: str = ".reach/certs/ca.pem"
-    cert_file: str = ".reach/certs/reach.pem"
-    key_file: str = ".reach/certs/reach-key.pem"
-    trust_domain: str = Field(default="reach.local", pattern=r"^[a-z0-9][a-z0-9.-]{0,252}$")
+    enabled: bool = Field(
+        default=False,
+        description="true: Reach presents its certificate to agents and verifies theirs (`reach "
+        "certs init`).",
+    )
+    ca_file: str = Field(
+        default=".reach/certs/ca.pem", description="The CA agents' certificates must come from."
+    )
+    cert_file: str = Field(
+        default=".reach/certs/reach.pem",
+        description="Reach's own certificate (re-read when it changes).",
+    )
+    key_file: str = Field(
+        default=".reach/certs/reach-key.pem", description="The key of Reach's certificate."
+    )
+    trust_domain: str = Field(
+        default="reach.local",
+        pattern=r"^[a-z0-9][a-z0-9.-]{0,252}$",
+        description="The SPIFFE trust domain of agent identities: "
+        "spiffe://<trust_domain>/agent/<id>.",
+    )
 
 
 class EncryptionSettings(Section):
     """AES-GCM encryption of every payload in workflow history (a Temporal payload codec)."""
 
-    enabled: bool = False
+    enabled: bool = Field(
+        default=False,
+        description="true: every payload is AES-256-GCM encrypted before it reaches Temporal.",
+    )
     active_key: str | None = Field(default=None, description="The key id new payloads use.")
     keys: dict[str, SecretStr] = Field(
         default_factory=dict,

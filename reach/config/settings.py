@@ -34,8 +34,17 @@ class ReachSettings(BaseSettings):
         allow_inf_nan=False,
     )
 
-    listen_host: str = "127.0.0.1"
-    listen_port: int = Field(default=7600, ge=1, le=65535)
+    listen_host: str = Field(
+        default="127.0.0.1",
+        description="The address the gateway binds; beyond loopback it needs tokens, or auth.mode:"
+        " open written on purpose.",
+    )
+    listen_port: int = Field(
+        default=7600,
+        ge=1,
+        le=65535,
+        description="The gateway's HTTP port (the API, /ui, /metrics).",
+    )
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         default="auto",
         description="The gateway's and workers' event loop: uvloop when installed (auto), or "
@@ -44,17 +53,37 @@ class ReachSettings(BaseSettings):
     public_url: str | None = Field(
         default=None, description="How agents reach this gateway; defaults to listen host:port."
     )
-    registry: RegistrySettings = Field(default_factory=RegistrySettings)
-    transport: TransportSettings = Field(default_factory=TransportSettings)
-    policy: PolicySettings = Field(default_factory=PolicySettings)
-    capabilities: dict[str, CapabilitySettings] = Field(default_factory=dict)
+    registry: RegistrySettings = Field(
+        default_factory=RegistrySettings,
+        description="Where instances register and heartbeat, and the store of shared state.",
+    )
+    transport: TransportSettings = Field(
+        default_factory=TransportSettings,
+        description="Ports, message size and connections to agents.",
+    )
+    policy: PolicySettings = Field(
+        default_factory=PolicySettings,
+        description="Timeouts, retries, breakers, ejection, rate limits: defaults, per capability,"
+        " per operation.",
+    )
+    capabilities: dict[str, CapabilitySettings] = Field(
+        default_factory=dict, description="Per capability: its mode and its routing."
+    )
     routing: RoutingDefaults = Field(default_factory=RoutingDefaults)
-    callback: CallbackSettings = Field(default_factory=CallbackSettings)
-    temporal: TemporalSettings = Field(default_factory=TemporalSettings)
+    callback: CallbackSettings = Field(
+        default_factory=CallbackSettings,
+        description="How a result is POSTed to a callback URL and retried.",
+    )
+    temporal: TemporalSettings = Field(
+        default_factory=TemporalSettings, description="The Temporal connection and the workers."
+    )
     auth: AuthSettings = Field(default_factory=AuthSettings)
     rules: list[RuleSettings] = Field(default_factory=list, description="R19; deny wins")
     audit: AuditSettings = Field(default_factory=AuditSettings)
-    security: SecuritySettings = Field(default_factory=SecuritySettings)
+    security: SecuritySettings = Field(
+        default_factory=SecuritySettings,
+        description="Allowed networks, mTLS to agents, encryption of history, signed callbacks.",
+    )
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
