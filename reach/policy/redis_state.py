@@ -36,7 +36,7 @@ from reach.policy.state import (
     breaker_ttl_ms,
     outlier_forget_ms,
 )
-from reach.store.redis import _mapped, _ms
+from reach.store.redis import ttl_ms, unavailable_on_error
 
 _HELPERS = """
 local function now_ms()
@@ -290,7 +290,7 @@ class RedisPolicyState(PolicyState):
         return f"{self._p}:pol:{kind}:{name}"
 
     async def _run(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
-        with _mapped(self._p):
+        with unavailable_on_error(self._p):
             return await script(keys=keys, args=args)
 
     async def view(self, capability: str, breaker: CircuitBreakerSettings) -> CapabilityView:
@@ -348,10 +348,10 @@ class RedisPolicyState(PolicyState):
         return {keys[int(found[i]) - 1]: float(found[i + 1]) for i in range(0, len(found), 2)}
 
     async def claim(self, key: str, value: str, ttl_s: float) -> str:
-        return str(await self._run(self._claim, [self._k("claim", key)], [value, _ms(ttl_s)]))
+        return str(await self._run(self._claim, [self._k("claim", key)], [value, ttl_ms(ttl_s)]))
 
     async def peek(self, key: str) -> str | None:
-        with _mapped(self._p):
+        with unavailable_on_error(self._p):
             held = await self._r.get(self._k("claim", key))
         return None if held is None else str(held)
 

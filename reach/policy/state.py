@@ -134,12 +134,11 @@ def ejection_ms(outlier: OutlierSettings, ejections: int) -> int:
 def create_policy_state(store: Store) -> PolicyState:
     """Policy state beside the registry: in its Redis when it has one, so every process that
     shares the registry shares the breakers, ejections and rate limits too."""
-    from reach.store.redis import RedisStore
-
-    if isinstance(store, RedisStore):
+    redis = store.shared_redis()
+    if redis is not None:
         from reach.policy.redis_state import RedisPolicyState
 
-        return RedisPolicyState(store._r, store._p)
+        return RedisPolicyState(redis.client, redis.prefix)
     return MemoryPolicyState()
 
 

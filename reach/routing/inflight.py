@@ -222,6 +222,12 @@ class InflightTracker:
         absent); routing reads `loads` instead, which merges nothing."""
         return dict(self.loads(capability))
 
+    def own_counts(self) -> dict[str, dict[str, int]]:
+        """This process's own calls in flight, per capability and instance (not the other
+        processes' it reads from Redis): what its metrics report, each process its own."""
+        self._expire_reservations()  # as routing's own reads do: a lapsed pick is no call
+        return {capability: dict(counts) for capability, counts in self._own.items()}
+
     def _add(self, capability: str, instance_id: str, n: int) -> None:
         total = self._totals.get(capability, 0) + n
         if total > 0:
@@ -447,10 +453,11 @@ def create_inflight(
     refresh_s: float = 0.1,
 ) -> InflightTracker:
     """Shared through the store's Redis when it has one; this process alone otherwise."""
-    from reach.store.redis import RedisStore
-
-    if isinstance(store, RedisStore):
-        return SharedInflightTracker(store._r, store._p, lease_s=lease_s, refresh_s=refresh_s)
+    redis = store.shared_redis()
+    if redis is not None:
+        return SharedInflightTracker(
+            redis.client, redis.prefix, lease_s=lease_s, refresh_s=refresh_s
+        )
     return InflightTracker()
 
 

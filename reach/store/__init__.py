@@ -2,6 +2,10 @@
 
 Two backends behind one interface: `memory` (one process) and `redis` (several gateways and
 workers on several hosts; key TTLs make eviction happen even when no gateway is alive).
+
+`create_store` is the one place the configuration picks a backend. State that must be shared
+as widely as the store (policy counters, in-flight counts) asks the store, not the settings:
+`Store.shared_redis()` lends the Redis a store lives in, or None for a process-local store.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ __all__ = ["GroupScan", "MemoryStore", "Record", "Store", "create_store"]
 
 
 def create_store(settings: RegistrySettings) -> Store:
+    """The store `registry.type` names (its `backend`)."""
     if settings.type == "redis":
         from reach.store.redis import RedisStore
 

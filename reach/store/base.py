@@ -24,6 +24,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from reach.store.redis import RedisLink
 
 GROUP_FIELD = "_group"
 """Where a record keeps its group; reserved, not a caller field."""
@@ -60,6 +64,15 @@ def check_fields(fields: Mapping[str, str]) -> None:
 
 class Store(ABC):
     """Grouped expiring records and counters; every method is one atomic step."""
+
+    backend: ClassVar[Literal["memory", "redis"]]
+    """Which backend holds the data: `memory` (this process) or `redis` (shared)."""
+
+    def shared_redis(self) -> RedisLink | None:
+        """The Redis this store lives in, for state that must be shared as widely as the
+        store is (policy counters, in-flight counts); None: the store is this process's
+        alone, and so is that state. The one place a backend is told apart from another."""
+        return None
 
     @abstractmethod
     async def put_record(

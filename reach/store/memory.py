@@ -21,6 +21,8 @@ class MemoryStore(Store):
     tasks in the middle of one. Expired entries are dropped when read and by `expire()`, so
     memory stays bounded even for records nobody reads again."""
 
+    backend = "memory"
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._records: dict[str, tuple[Record, float]] = {}

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -170,7 +171,7 @@ return n
 
 
 @contextlib.contextmanager
-def _mapped(prefix: str) -> Iterator[None]:
+def unavailable_on_error(prefix: str) -> Iterator[None]:
     """The one place Redis failures become a Reach error (503 `unavailable`, retryable)."""
     try:
         yield
@@ -178,8 +179,23 @@ def _mapped(prefix: str) -> Iterator[None]:
         raise Unavailable(f"registry store (redis, prefix {prefix!r}) unavailable: {exc}") from exc
 
 
-def _ms(seconds: float) -> int:
+def ttl_ms(seconds: float) -> int:
+    """A TTL for PEXPIRE and the scripts: whole milliseconds, never 0 (0 would not expire)."""
     return max(1, int(seconds * 1000))
+
+
+@dataclass(frozen=True)
+class RedisLink:
+    """The Redis a store keeps its data in, lent to the state that must be shared exactly as
+    widely as the registry (policy counters, in-flight counts): the same client (its bounded
+    pool, its timeouts, `decode_responses=True`) and the same key prefix."""
+
+    client: aioredis.Redis
+    prefix: str
+
+    def key(self, name: str) -> str:
+        """`name` under this store's prefix (the module docstring lists the store's own keys)."""
+        return f"{self.prefix}:{name}"
 
 
 def _pairs(fields: Mapping[str, str]) -> list[str]:
@@ -201,6 +217,8 @@ def _record(found: Sequence[str] | Mapping[str, str]) -> Record | None:
 
 class RedisStore(Store):
     """Keys live under `<prefix>:`; TTLs are Redis key expiries (they survive any gateway)."""
+
+    backend = "redis"
 
     def __init__(self, client: aioredis.Redis, prefix: str) -> None:
         self._r = client
@@ -244,6 +262,9 @@ class RedisStore(Store):
         )
         return cls(aioredis.Redis.from_pool(pool), prefix)
 
+    def shared_redis(self) -> RedisLink:
+        return RedisLink(self._r, self._p)
+
     def _k(self, key: str) -> str:
         return f"{self._p}:{key}"
 
@@ -254,7 +275,7 @@ class RedisStore(Store):
         return self._k(f"grp:{group}")
 
     async def _run(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
-        with _mapped(self._p):
+        with unavailable_on_error(self._p):
             return await script(keys=keys, args=args)
 
     async def put_record(
@@ -267,7 +288,14 @@ class RedisStore(Store):
         group_ttl_s: float,
     ) -> Record | None:
         keys = [self._rec(record_id), self._grp(group), self._groups]
-        args = [self._grp(""), record_id, group, _ms(ttl_s), _ms(group_ttl_s), *_pairs(fields)]
+        args = [
+            self._grp(""),
+            record_id,
+            group,
+            ttl_ms(ttl_s),
+            ttl_ms(group_ttl_s),
+            *_pairs(fields),
+        ]
         return _record(await self._run(self._put, keys, args))
 
     async def update_record(
@@ -279,8 +307,8 @@ class RedisStore(Store):
         group_ttl_s: float,
     ) -> Record | None:
         keys = [self._rec(record_id), self._groups]
-        args = [self._grp(""), record_id, _ms(ttl_s), _ms(group_ttl_s), *_pairs(fields)]
-        with _mapped(self._p):
+        args = [self._grp(""), record_id, ttl_ms(ttl_s), ttl_ms(group_ttl_s), *_pairs(fields)]
+        with unavailable_on_error(self._p):
             return _record(await self._updates.run(keys, args))
 
     async def delete_record(self, record_id: str) -> Record | None:
@@ -290,7 +318,7 @@ class RedisStore(Store):
     async def get_records(self, record_ids: Sequence[str]) -> list[Record | None]:
         if not record_ids:
             return []
-        with _mapped(self._p):
+        with unavailable_on_error(self._p):
             async with self._r.pipeline(transaction=False) as pipe:
                 for record_id in record_ids:
                     pipe.hgetall(self._rec(record_id))
@@ -317,20 +345,20 @@ class RedisStore(Store):
         return cast(list[str], await self._run(self._expire, [self._groups], [self._grp("")]))
 
     async def incr(self, key: str, ttl_s: float | None = None) -> int:
-        ttl = _ms(ttl_s) if ttl_s is not None else 0
+        ttl = ttl_ms(ttl_s) if ttl_s is not None else 0
         return int(await self._run(self._incr, [self._k(f"ctr:{key}")], [ttl]))
 
     async def hash_set(self, key: str, field: str, value: str) -> None:
-        with _mapped(self._p):
+        with unavailable_on_error(self._p):
             await self._r.hset(self._k(f"h:{key}"), field, value)
 
     async def hash_all(self, key: str) -> dict[str, str]:
-        with _mapped(self._p):
+        with unavailable_on_error(self._p):
             found = await self._r.hgetall(self._k(f"h:{key}"))
         return {str(k): str(v) for k, v in found.items()}
 
     async def publish(self, channel: str, message: str) -> None:
-        with _mapped(self._p):
+        with unavailable_on_error(self._p):
             await self._r.publish(self._k(f"ch:{channel}"), message)
 
     async def subscribe(self, channel: str, listener: Listener) -> Subscription:

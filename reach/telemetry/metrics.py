@@ -365,9 +365,7 @@ _CONNECTION_NOTES = {
 def _inflight_counts(tracker: InflightTracker) -> dict[str, dict[str, int]]:
     """This process's own calls per capability and instance (not the other processes' it
     reads from Redis: each process reports its own, and Prometheus sums them)."""
-    tracker._expire_reservations()  # as routing's own reads do: a lapsed pick is no call
-    own: dict[str, dict[str, int]] = tracker._own
-    return {capability: dict(counts) for capability, counts in own.items()}
+    return tracker.own_counts()
 
 
 def _policy_states(engine: PolicyEngine) -> dict[str, tuple[str | None, int | None]]:

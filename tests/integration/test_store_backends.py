@@ -146,7 +146,8 @@ async def test_create_store_passes_the_redis_timeout(redis_url: str, redis_prefi
     store = create_store(settings)
     try:
         assert isinstance(store, RedisStore)
-        kwargs = store._r.connection_pool.connection_kwargs
+        assert store.backend == "redis"
+        kwargs = store.shared_redis().client.connection_pool.connection_kwargs
         assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (0.7, 0.7)
         assert await store.ping()
     finally:
