@@ -40,11 +40,11 @@ from reach.config import ConfigError, ReachSettings, TemporalSettings
 from reach.errors import ReachError
 from reach.policy.engine import PolicyEngine
 from reach.policy.state import create_policy_state
+from reach.process import configure_logging, exit_now, run, settle_heap
 from reach.registry import Registry
 from reach.registry.view import RegistryView
 from reach.routing import Router, check_routing
 from reach.routing.inflight import create_inflight
-from reach.runtime import configure_logging, exit_now, run, settle_heap
 from reach.settings_checks import load_checked_settings
 from reach.store import Store, create_store
 from reach.telemetry import metrics as reach_metrics

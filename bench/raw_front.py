@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.raw_activity import call_agent, open_client, run_floor
 from bench.raw_workflow import RawWorkflow
 from gateway_api.cli import KEEP_ALIVE_S
-from reach.runtime import loop_factory, settle_heap
+from reach.process import loop_factory, settle_heap
 from workflows.invoke import (
     SA_CALLER,
     SA_CAPABILITY,

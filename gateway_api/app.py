@@ -23,7 +23,7 @@ from gateway_api.routes import admin, agents, codec, health, invoke, metrics, re
 from gateway_api.service import Gateway
 from reach.config import ConfigError, ReachSettings
 from reach.limits import Limits
-from reach.runtime import settle_heap
+from reach.process import settle_heap
 from reach.security.auth import exposure_problem
 from reach.security.door import ConfigWatcher, Door
 from worker import (

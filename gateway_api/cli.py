@@ -28,7 +28,7 @@ import httpx
 from gateway_api import cli_certs, cli_ops, cli_tokens, cli_view
 from gateway_api.devserver import DevServer, PortInUse, dies_with_parent, require_free
 from reach.config import CONFIG_ENV_VAR, ConfigError, ReachSettings, config_file
-from reach.runtime import configure_logging, exit_now, run
+from reach.process import configure_logging, exit_now, run
 from reach.security.tokens import FileTokenStore, issue
 from reach.settings_checks import load_checked_settings
 

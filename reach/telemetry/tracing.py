@@ -102,7 +102,7 @@ def build_provider(
     result = TracerProvider(
         resource=Resource.create({"service.name": service_name}),
         sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
-        # Flushed by `shutdown` (reach.runtime.exit_now leaves without the interpreter's atexit).
+        # Flushed by `shutdown` (reach.process.exit_now leaves without the interpreter's atexit).
         shutdown_on_exit=True,
     )
     result.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=delay_ms))

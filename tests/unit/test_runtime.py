@@ -1,4 +1,4 @@
-"""`reach.runtime.settle_heap`: what a started gateway or worker does to its collector."""
+"""`reach.process.settle_heap`: what a started gateway or worker does to its collector."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # In a child process: freezing the test runner's own heap would outlive this test.
 PROBE = """
 import gc
-from reach.runtime import GC_THRESHOLD, settle_heap
+from reach.process import GC_THRESHOLD, settle_heap
 
 before = gc.get_freeze_count()
 settle_heap()
