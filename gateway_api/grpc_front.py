@@ -80,6 +80,7 @@ from pydantic import TypeAdapter, ValidationError
 from temporalio.service import RPCError
 
 from agent_reach_proto import gateway_pb2 as pb
+from agent_reach_proto import wire
 from gateway_api.errors import error_body, reach_error_of_rpc
 from gateway_api.service import Gateway, status_code_of
 from reach import acceptance
@@ -108,13 +109,14 @@ GRACE_S = 5.0
 # How often readiness is re-checked for the health service.
 HEALTH_EVERY_S = 1.0
 
-ERROR_KEY = "x-reach-error-bin"
-REQUEST_ID_KEY = "x-reach-request-id"
-CALLER_KEY = "x-reach-caller"
-AUTHORIZATION_KEY = "authorization"
-TRACEPARENT_KEY = "traceparent"
-IDEMPOTENCY_KEY = "idempotency-key"
-PUSHBACK_KEY = "grpc-retry-pushback-ms"
+# Metadata keys: the wire contract's (agent_reach_proto.wire, docs/protocols/grpc.md).
+ERROR_KEY = wire.GRPC_ERROR_BIN
+REQUEST_ID_KEY = wire.REQUEST_ID
+CALLER_KEY = wire.CALLER
+AUTHORIZATION_KEY = wire.GRPC_AUTHORIZATION
+TRACEPARENT_KEY = wire.TRACEPARENT
+IDEMPOTENCY_KEY = wire.IDEMPOTENCY_KEY
+PUSHBACK_KEY = wire.GRPC_RETRY_PUSHBACK_MS
 
 # The error's message in `grpc-message`, in UTF-8 bytes (at most three times that on the wire).
 DETAILS_MAX_BYTES = 1024
