@@ -3,8 +3,8 @@
 Resolve an instance, call it through its connector, wait for a late answer if the agent accepted
 the request (202), and hand the result to a callback delivery if the caller gave one. The
 deadline (`deadline_ms`, fixed at acceptance) bounds every step. After a failure the workflow
-asks `reach.policy.next_step` whether to try again (after a durable timer, on another instance)
-or to report.
+asks `reach.policy.retry` what to do — try again (after a durable timer, on the same or another
+instance), wait for the store, or report — and does it (`workflows._attempts`, its base class).
 
 The result is final as soon as it is known: the workflow completes with it, and a callback is
 delivered by a workflow of its own (`DeliverCallbackWorkflow`, id `<request_id>/callback`), so a
@@ -21,65 +21,43 @@ fast path); in `queue` mode they run on task queue `reach-cap-<capability>`, ser
 
 from __future__ import annotations
 
-import builtins
 from datetime import timedelta
 from typing import Any
 
 from pydantic import ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey, WorkflowIDReusePolicy
-from temporalio.exceptions import (
-    ActivityError,
-    ApplicationError,
-    FailureError,
-    TimeoutError,
-    TimeoutType,
-)
+from temporalio.common import SearchAttributeKey, WorkflowIDReusePolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 
 with workflow.unsafe.imports_passed_through():
-    from reach.errors import ERROR_TYPES, AgentFault
     from reach.invocation import (
-        ACTIVITY_CALL,
         ACTIVITY_CLAIM_KEY,
         ACTIVITY_FOLLOW,
         ACTIVITY_RELEASE_KEY,
         ACTIVITY_RELEASE_ROUTE,
-        ACTIVITY_RESOLVE,
-        ACTIVITY_TAKE_TOKEN,
         SIGNAL_LATE_ANSWER,
-        STALE_ROUTE,
         UPDATE_LATE_ANSWER,
         WORKFLOW_INVOKE,
         CallbackInput,
-        CallInput,
-        CallPlan,
         ClaimInput,
         ClaimOutcome,
-        Endpoint,
         FollowInput,
         InvokeInput,
         LateAnswer,
-        ResolveInput,
-        TakeInput,
         answer_key,
         delivery_workflow_id,
         idempotency_scope,
         payload_fingerprint,
-        pin_of,
     )
-    from reach.messages import (
-        AttemptInfo,
-        ErrorInfo,
-        Header,
-        InvokeResponse,
-        Message,
-        Metadata,
-        Reply,
-        RequestStatus,
+    from reach.messages import AttemptInfo, ErrorInfo, InvokeResponse, RequestStatus
+    from workflows._attempts import (
+        ONE_ATTEMPT,
+        STORE_STEP,
+        AttemptLoop,
+        Failed,
     )
-    from reach.policy import GiveUp, next_step, refine_plan
+    from workflows._attempts import capability_queue as capability_queue  # worker.py's
     from workflows.callback import DeliverCallbackWorkflow, deliver
-
 
 SA_CALLER = SearchAttributeKey.for_keyword("ReachCaller")
 SA_CAPABILITY = SearchAttributeKey.for_keyword("ReachCapability")
@@ -88,40 +66,19 @@ SA_STATUS = SearchAttributeKey.for_keyword("ReachStatus")
 SA_INSTANCE = SearchAttributeKey.for_keyword("ReachInstance")
 SEARCH_ATTRIBUTES = (SA_CALLER, SA_CAPABILITY, SA_OPERATION, SA_STATUS, SA_INSTANCE)
 
-ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 # Requests accepted before callbacks had a workflow of their own deliver inline (replay only).
 PATCH_DELIVERY_WORKFLOW = "callback-delivery-workflow"
 QUERY_ATTEMPTS = "attempts"
 # Requests accepted before idempotency keys were claimed in the store skip the claim (replay).
 PATCH_IDEMPOTENCY_CLAIM = "idempotency-key-claim"
-# Requests accepted before a broken call was re-delivered to its instance retried elsewhere.
-PATCH_REDELIVER = "redeliver-same-attempt"
-MAX_REDELIVERIES = 3
-# A queued request checks for a token at most this far apart.
-QUEUE_POLL_MAX_S = 60.0
-REDELIVER_FIRST_S = 0.5
-# Requests accepted before a store outage at routing was waited out give up as they did then.
-PATCH_STORE_OUTAGE_WAIT = "store-outage-wait"
 # Errors that end a request before any agent was sent it: its idempotency key is freed.
 NOTHING_SENT = frozenset(
     {"no_instance", "circuit_open", "rate_limited", "payload_too_large", "unknown_capability"}
 )
-# A workflow's history when its first task runs: started, task scheduled, task started. More
-# means an earlier task ran (and may have sent the call) and was lost with its worker.
-FIRST_TASK_EVENTS = 3
-# Store steps (claims, tokens) are quick; this bounds one that is not. One that fails because
-# the store is away is tried again after 0.5 s, 1 s, 2 s... (at most 10 s apart).
-STORE_STEP = timedelta(seconds=10)
-STORE_RETRY_FIRST_S = 0.5
-STORE_RETRY_MAX_S = 10.0
 # How long freeing an idempotency key keeps trying (it expires on its own anyway).
 RELEASE_WINDOW_MS = 60_000
 # How long a callback delivery may outlive its retry window (the final attempt's own timeout).
 DELIVERY_GRACE = timedelta(minutes=5)
-
-
-def capability_queue(capability: str) -> str:
-    return f"reach-cap-{capability}"
 
 
 def ui_details(inp: InvokeInput, response: InvokeResponse | None) -> str:
@@ -139,66 +96,11 @@ def ui_details(inp: InvokeInput, response: InvokeResponse | None) -> str:
     return line
 
 
-class _Failed(Exception):
-    def __init__(self, error: ErrorInfo, instance_id: str | None) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.instance_id = instance_id
-
-
-class _StaleRoute(Exception):
-    """The instance chosen at the door left before anything was sent: route attempt 1 again."""
-
-
-def _error_of(exc: FailureError, instance_id: str | None) -> _Failed:
-    # Regular activities fail with ActivityError(cause=...); local ones with the cause itself.
-    cause = exc.cause if isinstance(exc, ActivityError) else exc
-    if isinstance(cause, TimeoutError):
-        if cause.type == TimeoutType.HEARTBEAT:
-            info = ErrorInfo(
-                type="transport_error",
-                message="the worker was lost mid-call",
-                retryable=True,
-                outcome_unknown=True,
-            )
-        else:
-            info = ErrorInfo(type="timeout", message="deadline reached", retryable=False)
-    elif isinstance(cause, ApplicationError):
-        details: Any = cause.details[0] if cause.details else {}
-        if not isinstance(details, dict):
-            details = {}
-        # The activities raise only Reach's own types; anything else is a bug in Reach.
-        known = cause.type in ERROR_TYPES
-        info = ErrorInfo(
-            type=cause.type if known else "internal",
-            message=cause.message if known else f"{cause.type}: {cause.message}",
-            retryable=bool(details.get("retryable")),
-            agent=AgentFault.model_validate(details["agent"]) if details.get("agent") else None,
-            retry_after_s=details.get("retry_after_s"),
-            outcome_unknown=details.get("outcome_unknown"),
-        )
-    else:
-        info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
-    return _Failed(info, instance_id)
-
-
 @workflow.defn(name=WORKFLOW_INVOKE, failure_exception_types=[ValidationError])
-class InvokeWorkflow:
+class InvokeWorkflow(AttemptLoop):
     def __init__(self) -> None:
-        self._late: LateAnswer | None = None
-        # Instances this run has called, with the principal that registered each: who may answer.
-        self._sent_to: dict[str, str | None] = {}
+        super().__init__()
         self._final: InvokeResponse | None = None
-        self._attempts: list[AttemptInfo] = []
-        self._waited_ms: int | None = None
-        self._deadline_ms = 0
-        self._sent = False  # whether any attempt got as far as calling an agent
-        self._in_flight = False  # whether the current attempt was sent
-        # The first attempt that was sent and whose outcome was never learnt, if any.
-        self._unknown: _Failed | None = None
-        self._start_ms = 0  # when the request may go: acceptance, or its token (queue)
-        self._plan = CallPlan(timeout_ms=1, idempotent=False, max_retries=0)  # set by _invoke
-        self._door_used = False  # whether the call to the instance chosen at the door began
 
     @workflow.update(name=UPDATE_LATE_ANSWER)
     def submit_late_answer(self, answer: LateAnswer) -> str:
@@ -337,48 +239,6 @@ class InvokeWorkflow:
             CallbackInput(url=url, response=response, plan=inp.callback_plan, caller=inp.caller)
         )
 
-    def _now_ms(self) -> int:
-        return int(workflow.now().timestamp() * 1000)
-
-    def _envelope(
-        self,
-        inp: InvokeInput,
-        status: RequestStatus,
-        *,
-        result: dict[str, Any] | None = None,
-        error: ErrorInfo | None = None,
-        instance_id: str | None = None,
-    ) -> InvokeResponse:
-        return InvokeResponse(
-            request_id=inp.request_id,
-            status=status,
-            duration_ms=max(0, self._now_ms() - inp.accepted_at_ms),
-            result=result,
-            error=error,
-            instance_id=instance_id,
-            attempts=list(self._attempts) or None,
-            waited_ms=self._waited_ms,
-        )
-
-    def _timeout(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:
-        message = f"no answer within timeout_ms={self._plan.timeout_ms}"
-        unknown = None
-        if self._in_flight and not self._plan.idempotent and not inp.idempotency_key:
-            # It was sent and never answered: nobody knows whether the agent ran it.
-            unknown = True
-            message += (
-                f"; agent {instance_id} may have run it: repeat it with an idempotency_key "
-                "so that it runs at most once"
-            )
-        return self._envelope(
-            inp,
-            "timeout",
-            error=ErrorInfo(
-                type="timeout", message=message, retryable=False, outcome_unknown=unknown
-            ),
-            instance_id=instance_id,
-        )
-
     async def _invoke(self, inp: InvokeInput) -> InvokeResponse:
         self._plan = inp.plan
         self._deadline_ms = inp.deadline_ms
@@ -395,7 +255,7 @@ class InvokeWorkflow:
                 owner = await self._store_step(
                     inp, ACTIVITY_CLAIM_KEY, claim, ClaimOutcome, self._deadline_ms
                 )
-            except _Failed as failed:
+            except Failed as failed:
                 return self._envelope(inp, "error", error=failed.error)
             if owner.owner != inp.request_id:
                 return await self._follow(inp, owner)
@@ -405,7 +265,7 @@ class InvokeWorkflow:
                 await self._store_step(
                     inp, ACTIVITY_RELEASE_KEY, claim, bool, self._now_ms() + RELEASE_WINDOW_MS
                 )
-            except _Failed:
+            except Failed:
                 workflow.logger.warning("could not free the idempotency key; it will expire")
         return response
 
@@ -419,7 +279,7 @@ class InvokeWorkflow:
         before an agent was sent it.
         """
         error = response.error
-        if response.status != "error" or error is None or self._unknown is not None:
+        if response.status != "error" or error is None or self._tries.unknown is not None:
             return False
         return error.retryable or (error.type in NOTHING_SENT and not self._sent)
 
@@ -440,7 +300,7 @@ class InvokeWorkflow:
             first: InvokeResponse = await self._run(
                 inp, ACTIVITY_FOLLOW, FollowInput(request_id=owner.owner), InvokeResponse, None
             )
-        except _Failed as failed:
+        except Failed as failed:
             if failed.error.type == "timeout":
                 failed.error.message = (
                     f"request {owner.owner}, which holds idempotency_key "
@@ -459,354 +319,3 @@ class InvokeWorkflow:
                 "waited_ms": None,
             }
         )
-
-    async def _wait_for_token(self, inp: InvokeInput) -> InvokeResponse | None:
-        """`on_limit: queue`: wait on durable timers until every bucket gives a token."""
-        queue = inp.plan.queue
-        assert queue is not None
-        started = self._now_ms()
-        misses = 0
-        while True:
-            try:
-                wait_s: float = await self._store_step(
-                    inp,
-                    ACTIVITY_TAKE_TOKEN,
-                    TakeInput(buckets=queue.buckets),
-                    float,
-                    queue.wait_until_ms,
-                )
-            except _Failed as failed:
-                return self._envelope(inp, "error", error=failed.error)
-            if wait_s <= 0:
-                break
-            if self._now_ms() + wait_s * 1000 >= queue.wait_until_ms:
-                self._waited_ms = self._now_ms() - started
-                return self._envelope(
-                    inp,
-                    "error",
-                    error=ErrorInfo(
-                        type="rate_limited",
-                        message=f"rate limit of {inp.target!r} for caller {inp.caller!r}: no "
-                        f"token freed within the {self._waited_ms} ms this request could wait",
-                        retryable=True,
-                        retry_after_s=max(1, int(wait_s + 0.999)),
-                    ),
-                )
-            # Waiters wake spread out, not all at once for the one token that frees, and less
-            # often the longer they wait (a long wait stays a short history); never past the
-            # time they may wait.
-            misses += 1
-            spread = wait_s * workflow.random().uniform(1.0, 1.5) * min(8.0, 1.25**misses)
-            left_s = (queue.wait_until_ms - self._now_ms()) / 1000
-            await workflow.sleep(max(0.01, min(spread, QUEUE_POLL_MAX_S, left_s)))
-        self._waited_ms = self._now_ms() - started
-        # The call's own time runs from when it may go; a synchronous request's deadline stays.
-        self._start_ms = self._now_ms()
-        if inp.callback:
-            self._deadline_ms = max(self._deadline_ms, self._start_ms + self._plan.timeout_ms)
-        return None
-
-    async def _attempts_until_done(self, inp: InvokeInput) -> InvokeResponse:
-        if inp.plan.queue is not None:
-            refused = await self._wait_for_token(inp)
-            if refused is not None:
-                return refused
-        attempt = 1
-        store_waits = redeliveries = 0
-        tried: list[str] = []
-        # Attempt 1's instance when the door chose it; then the pin of any re-run of attempt 1.
-        first = inp.endpoint
-        pin: str | None = None
-        while True:
-            instance_id: str | None = None
-            if self._late is not None:  # answered before (or between) attempts: nothing to call
-                return self._answered_late(inp, tried[-1] if tried else None)
-            started = self._now_ms()
-            breaker: str | None = None
-            self._in_flight = False
-            try:
-                from_door = first is not None
-                if first is not None:
-                    endpoint, first = first, None
-                    pin = pin_of(endpoint.instance_id, endpoint.joined_at)
-                else:
-                    endpoint = await self._run(
-                        inp,
-                        ACTIVITY_RESOLVE,
-                        ResolveInput(
-                            capability=inp.target,
-                            exclude=tried,
-                            routing_key=inp.hash_key or inp.routing_key,
-                            request_id=inp.request_id,
-                            payload_bytes=inp.payload_bytes,
-                            operation=inp.operation,
-                            attempt=attempt,
-                            deadline_ms=self._deadline_ms,
-                            movable=self._movable(inp),
-                            pin=pin if attempt == 1 else None,
-                        ),
-                        Endpoint,
-                        None,
-                    )
-                instance_id = endpoint.instance_id
-                self._sent_to[instance_id] = endpoint.principal
-                breaker = endpoint.breaker
-                self._plan, self._deadline_ms = refine_plan(
-                    self._plan,
-                    declared_idempotent=endpoint.declared_idempotent,
-                    declared_timeout_ms=endpoint.declared_timeout_ms,
-                    accepted_at_ms=self._start_ms,
-                    deadline_ms=self._deadline_ms,
-                )
-                message = Message(
-                    header=Header(
-                        request_id=inp.request_id,
-                        caller=inp.caller,
-                        target=inp.target,
-                        operation=inp.operation,
-                        attempt=attempt,
-                        deadline_ms=self._deadline_ms,
-                        idempotency_key=inp.idempotency_key,
-                        traceparent=inp.traceparent,
-                    ),
-                    payload=inp.payload,
-                    metadata=Metadata(size_bytes=inp.payload_bytes),
-                )
-                remaining = self._deadline_ms - self._now_ms()
-                movable = self._movable(inp)
-                reply = await self._run(
-                    inp,
-                    ACTIVITY_CALL,
-                    CallInput(
-                        endpoint=endpoint,
-                        message=message,
-                        timeout_ms=max(1, remaining),
-                        judge_timeouts=self._plan.judge_timeouts,
-                        check_first=from_door,
-                        first_run=from_door
-                        and workflow.info().get_current_history_length() <= FIRST_TASK_EVENTS,
-                        movable=movable
-                        if movable is not None
-                        else bool(endpoint.declared_idempotent),
-                    ),
-                    Reply,
-                    instance_id,
-                )
-                outcome = "success" if reply.status == "ok" else "accepted"
-                self._note(attempt, instance_id, outcome, started, breaker)
-                if self._late is not None:
-                    # Acknowledged while the call was still out: that answer came first.
-                    return self._answered_late(inp, instance_id)
-                if reply.status == "ok":
-                    return self._envelope(
-                        inp, "success", result=reply.result, instance_id=instance_id
-                    )
-                return await self._await_late_answer(inp, instance_id)
-            except _StaleRoute as stale:
-                workflow.logger.info("attempt 1 is routed again: %s", stale)
-                pin = None
-                continue
-            except _Failed as failed:
-                self._note(attempt, failed.instance_id, failed.error.type, started, breaker)
-                if self._late is not None:
-                    return self._answered_late(inp, failed.instance_id)
-                if failed.error.type == "timeout":
-                    return self._timeout(inp, failed.instance_id)
-                if failed.error.outcome_unknown and failed.instance_id is not None:
-                    self._unknown = self._unknown or failed
-                    delay_s = REDELIVER_FIRST_S * 2**redeliveries
-                    if (
-                        redeliveries < MAX_REDELIVERIES
-                        and self._now_ms() + delay_s * 1000 < self._deadline_ms
-                        and workflow.patched(PATCH_REDELIVER)
-                    ):
-                        # Sent, then the line or the worker broke: the same attempt again goes
-                        # to the same (pinned) instance, which answers a RequestID it already
-                        # has from memory, never to another one that would run it a second time.
-                        redeliveries += 1
-                        self._attempts[-1].backoff_ms = int(delay_s * 1000)
-                        await workflow.sleep(delay_s)
-                        continue
-                if (
-                    failed.instance_id is None
-                    and failed.error.type == "unavailable"
-                    and workflow.patched(PATCH_STORE_OUTAGE_WAIT)
-                ):
-                    # The store was away while routing: nothing was sent, so whatever the
-                    # operation, the request waits it out (until its deadline) on the same
-                    # attempt.
-                    delay_s = min(STORE_RETRY_MAX_S, STORE_RETRY_FIRST_S * 2**store_waits)
-                    if self._now_ms() + delay_s * 1000 < self._deadline_ms:
-                        store_waits += 1
-                        self._attempts[-1].backoff_ms = int(delay_s * 1000)
-                        await workflow.sleep(delay_s)
-                        continue
-                step = next_step(
-                    self._plan,
-                    attempt=attempt,
-                    retryable=failed.error.retryable and failed.error.type != "circuit_open",
-                    failed_instance=failed.instance_id,
-                    now_ms=self._now_ms(),
-                    deadline_ms=self._deadline_ms,
-                    rand=workflow.random().random() if self._plan.jitter else 0.0,
-                )
-                if isinstance(step, GiveUp):
-                    workflow.logger.info("giving up after attempt %d: %s", attempt, step.reason)
-                    last = self._last_failure(inp, failed)
-                    return self._envelope(
-                        inp, "error", error=last.error, instance_id=last.instance_id
-                    )
-                workflow.logger.info(
-                    "attempt %d failed (%s); retrying in %.1fs",
-                    attempt,
-                    failed.error.type,
-                    step.delay_s,
-                )
-                self._attempts[-1].backoff_ms = int(step.delay_s * 1000)
-                if step.avoid_instance:
-                    tried.append(step.avoid_instance)
-                await workflow.sleep(step.delay_s)
-                attempt += 1
-
-    def _movable(self, inp: InvokeInput) -> bool | None:
-        """Whether a re-run of an attempt may go elsewhere when its instance is gone."""
-        if self._plan.idempotent or inp.idempotency_key:
-            return True
-        return False if self._plan.idempotent_configured else None
-
-    def _last_failure(self, inp: InvokeInput, failed: _Failed) -> _Failed:
-        """What a request that gives up reports. If an attempt was sent and never answered, a
-        request that is neither idempotent nor keyed reports that attempt — it may have run —
-        and is no longer 'retryable', whatever the re-deliveries after it met."""
-        unknown = self._unknown
-        if unknown is None or self._plan.idempotent or inp.idempotency_key:
-            return failed
-        error = unknown.error.model_copy(
-            update={
-                "retryable": False,
-                "outcome_unknown": True,
-                "message": f"{unknown.error.message}; it was sent and its answer never came, "
-                "so it may have run: repeat it with an idempotency_key to be safe",
-            }
-        )
-        return _Failed(error, unknown.instance_id)
-
-    def _note(
-        self,
-        attempt: int,
-        instance_id: str | None,
-        outcome: str,
-        started_ms: int,
-        breaker: str | None,
-    ) -> None:
-        self._attempts.append(
-            AttemptInfo(
-                attempt=attempt,
-                instance_id=instance_id,
-                outcome=outcome,
-                duration_ms=max(0, self._now_ms() - started_ms),
-                breaker=breaker,
-            )
-        )
-
-    async def _store_step(
-        self, inp: InvokeInput, name: str, arg: Any, result_type: type[Any], until_ms: int
-    ) -> Any:
-        """A quick store step (claim, token, release): a local activity, tried again on durable
-        timers while the store is away, until `until_ms` — an accepted request outlives a
-        Redis restart."""
-        delay_s = STORE_RETRY_FIRST_S
-        while True:
-            try:
-                return await workflow.execute_local_activity(
-                    name,
-                    arg,
-                    result_type=result_type,
-                    schedule_to_close_timeout=STORE_STEP,
-                    retry_policy=ONE_ATTEMPT,
-                )
-            except (ActivityError, ApplicationError, TimeoutError) as exc:
-                failed = _error_of(exc, None)
-                if failed.error.type == "timeout":
-                    failed.error = ErrorInfo(
-                        type="unavailable",
-                        message=f"the policy store did not answer ({name})",
-                        retryable=True,
-                    )
-                if not failed.error.retryable or self._now_ms() + delay_s * 1000 >= until_ms:
-                    raise failed from exc
-                workflow.logger.warning(
-                    "%s failed (%s); trying again in %.1fs", name, failed.error.message, delay_s
-                )
-            await workflow.sleep(delay_s)
-            delay_s = min(STORE_RETRY_MAX_S, delay_s * 2)
-
-    async def _run(
-        self,
-        inp: InvokeInput,
-        name: str,
-        arg: Any,
-        result_type: type[Any],
-        instance_id: str | None,
-    ) -> Any:
-        remaining = self._deadline_ms - self._now_ms()
-        if remaining <= 0:
-            raise _Failed(
-                ErrorInfo(type="timeout", message="deadline reached", retryable=False), instance_id
-            )
-        budget = timedelta(milliseconds=remaining)
-        sent_before = self._sent
-        if name == ACTIVITY_CALL:
-            self._sent = self._in_flight = True
-            # The call takes the door's in-flight count over as it begins, whatever follows.
-            self._door_used = self._door_used or (isinstance(arg, CallInput) and arg.check_first)
-        try:
-            if inp.plan.mode == "queue":
-                return await workflow.execute_activity(
-                    name,
-                    arg,
-                    result_type=result_type,
-                    task_queue=capability_queue(inp.target),
-                    schedule_to_close_timeout=budget,
-                    heartbeat_timeout=timedelta(seconds=10) if name == ACTIVITY_CALL else None,
-                    retry_policy=ONE_ATTEMPT,
-                )
-            return await workflow.execute_local_activity(
-                name,
-                arg,
-                result_type=result_type,
-                schedule_to_close_timeout=budget,
-                retry_policy=ONE_ATTEMPT,
-            )
-        except (ActivityError, ApplicationError, TimeoutError) as exc:
-            cause = exc.cause if isinstance(exc, ActivityError) else exc
-            if isinstance(cause, ApplicationError) and cause.type == STALE_ROUTE:
-                self._sent, self._in_flight = sent_before, False  # nothing was sent
-                raise _StaleRoute(cause.message) from exc
-            raise _error_of(exc, instance_id) from exc
-
-    async def _await_late_answer(self, inp: InvokeInput, instance_id: str) -> InvokeResponse:
-        remaining = self._deadline_ms - self._now_ms()
-        try:
-            await workflow.wait_condition(
-                lambda: self._late is not None, timeout=timedelta(milliseconds=max(1, remaining))
-            )
-        except builtins.TimeoutError:
-            return self._timeout(inp, instance_id)
-        return self._answered_late(inp, instance_id)
-
-    def _answered_late(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:
-        """The request's result from the late answer the workflow acknowledged (the first)."""
-        late = self._late
-        assert late is not None
-        if late.status == "success":
-            return self._envelope(inp, "success", result=late.result or {}, instance_id=instance_id)
-        # The agent's words go inside an agent_error; they never choose the caller's status.
-        words = late.error_message or "the agent reported a failure"
-        error = ErrorInfo(
-            type="agent_error",
-            message=f"agent {instance_id} answered late with an error: {words}",
-            retryable=False,
-            agent=AgentFault(type=late.error_type or "agent_error", message=words),
-        )
-        return self._envelope(inp, "error", error=error, instance_id=instance_id)

@@ -3,17 +3,58 @@
 `plan_call` runs once at acceptance and its result travels in the workflow input, so a replay
 decides exactly as the original run did. `refine_plan` folds in what the agents declared at
 Join (learnt at resolve, recorded in history), wherever configuration left a field open.
-`next_step` is the one question the workflow asks after a failed attempt. All three are pure:
-no I/O, no clock, safe inside workflow code. The shared state (breakers, ejections, buckets)
-is `reach.policy.state`; `reach.policy.engine` puts the two together for the activities.
+Whatever fails on the way, the workflow asks `reach.policy.retry` what to do next (try again:
+when, where; wait for the store; give up: reporting what) and carries the answer out. All of
+it is pure: no I/O, no clock, safe inside workflow code. The shared state (breakers,
+ejections, buckets) is `reach.policy.state`; `reach.policy.engine` puts the two together for
+the activities.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from reach.config import PolicySettings
 from reach.invocation import CallPlan, CapabilityMode
+from reach.policy.retry import (
+    REDELIVER,
+    STORE_WAIT,
+    Attempts,
+    Failure,
+    GiveUp,
+    Redeliver,
+    Retry,
+    RouteAgain,
+    Rule,
+    Step,
+    WaitForStore,
+    WaitForToken,
+    after_failure,
+    after_no_token,
+    after_store_failure,
+    backoff_s,
+    next_step,
+)
+
+__all__ = [
+    "REDELIVER",
+    "STORE_WAIT",
+    "Attempts",
+    "Failure",
+    "GiveUp",
+    "Redeliver",
+    "Retry",
+    "RouteAgain",
+    "Rule",
+    "Step",
+    "WaitForStore",
+    "WaitForToken",
+    "after_failure",
+    "after_no_token",
+    "after_store_failure",
+    "backoff_s",
+    "next_step",
+    "plan_call",
+    "refine_plan",
+]
 
 
 def plan_call(
@@ -99,47 +140,3 @@ def refine_plan(
         deadline_ms = min(deadline_ms, accepted_at_ms + limit)
         plan = plan.model_copy(update={"timeout_ms": min(plan.timeout_ms, limit)})
     return plan, deadline_ms
-
-
-def backoff_s(plan: CallPlan, attempt: int, rand: float = 0.0) -> float:
-    """The wait after failed attempt `attempt` (1-based); `rand` in [0, 1) draws the jitter."""
-    if plan.backoff_base_ms is None:  # a plan from before exponential settings
-        listed = plan.backoff_s or [1.0]
-        return listed[min(attempt - 1, len(listed) - 1)]
-    grown = plan.backoff_base_ms * plan.backoff_multiplier ** min(attempt - 1, 64)
-    delay_ms = min(float(plan.backoff_cap_ms), grown)
-    return delay_ms * (1.0 - plan.jitter * rand) / 1000
-
-
-@dataclass(frozen=True)
-class Retry:
-    delay_s: float
-    avoid_instance: str | None
-
-
-@dataclass(frozen=True)
-class GiveUp:
-    reason: str
-
-
-def next_step(
-    plan: CallPlan,
-    *,
-    attempt: int,
-    retryable: bool,
-    failed_instance: str | None,
-    now_ms: int,
-    deadline_ms: int,
-    rand: float = 0.0,
-) -> Retry | GiveUp:
-    """After attempt number `attempt` (1-based) failed: try again, or give up and report."""
-    if not retryable:
-        return GiveUp("the error is not retryable")
-    if attempt > plan.max_retries:
-        if plan.max_retries == 0 and not plan.idempotent:
-            return GiveUp("the operation is not idempotent and the request has no idempotency_key")
-        return GiveUp(f"{plan.max_retries} retries used")
-    delay = backoff_s(plan, attempt, rand)
-    if now_ms + delay * 1000 >= deadline_ms:
-        return GiveUp("no time left before the deadline for another attempt")
-    return Retry(delay_s=delay, avoid_instance=failed_instance)

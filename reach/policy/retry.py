@@ -1,0 +1,273 @@
+"""What a request does after something on its way to an answer fails: every retry decision.
+
+The workflow meets four kinds of failure, asks one of these functions what to do, and carries
+out the answer (a durable timer, a route again, a report); it decides nothing itself:
+
+- `after_failure`, after an attempt failed:
+  - the instance chosen at the door left before anything was sent: route the same attempt
+    again at once (`RouteAgain`);
+  - the attempt was sent and the line or the worker broke before its answer (outcome unknown):
+    deliver the same attempt again, to the same (pinned) instance, which answers a RequestID it
+    already has from memory (`Redeliver`) — never to another one that would run it twice;
+  - the policy store was away while routing (nothing was sent, so whatever the operation): wait
+    it out on the same attempt (`WaitForStore`);
+  - anything else: `next_step`, the plan's retries on other instances (`Retry`), or report
+    (`GiveUp`, with the failure the caller is told of);
+- `after_store_failure`, after a quick store step (claim, token, release) failed: the same
+  store backoff (`WaitForStore`) or report;
+- `after_no_token`, when a queued request found no rate-limit token: when to look again
+  (`WaitForToken`) or refuse.
+
+All pure: the clock comes in as numbers. Two inputs come in as functions, asked only at the
+point where they matter, because asking leaves a mark in the request's history that a replay
+must meet in the same place: `follows(rule)` (whether this request follows a rule added after
+it may have been accepted: the workflow answers from `workflow.patched`, which records a
+marker) and `draw()` (the workflow's next random number, for jitter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from reach.invocation import CallPlan
+from reach.messages import ErrorInfo
+
+# A broken call is re-delivered to its instance at most this often, 0.5 s, 1 s, 2 s apart.
+MAX_REDELIVERIES = 3
+REDELIVER_FIRST_S = 0.5
+# The store's backoff (routing, claims, tokens, releases): 0.5 s, 1 s, 2 s... at most 10 s.
+STORE_RETRY_FIRST_S = 0.5
+STORE_RETRY_MAX_S = 10.0
+# A queued request checks for a token at most this far apart.
+QUEUE_POLL_MAX_S = 60.0
+# The shortest timer a queued request sets (a token due any moment is not looked for in a loop).
+QUEUE_POLL_MIN_S = 0.01
+
+# Rules added after requests were accepted that a request in flight may predate.
+Rule = Literal["redeliver", "store_wait"]
+REDELIVER: Rule = "redeliver"
+STORE_WAIT: Rule = "store_wait"
+
+NOT_IDEMPOTENT = "the operation is not idempotent and the request has no idempotency_key"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What one attempt (or store step) met, as the workflow saw it."""
+
+    error: ErrorInfo
+    # The instance it was sent to, or was about to be: None when it failed before one was chosen.
+    instance_id: str | None = None
+    # The instance chosen at the door had left before the call: nothing was sent.
+    stale_route: bool = False
+
+
+@dataclass(frozen=True)
+class Attempts:
+    """Where a request's attempts stand; `after_failure` returns the next one."""
+
+    number: int = 1  # the attempt being made (1-based)
+    avoid: tuple[str, ...] = ()  # instances a later attempt must not go to (they failed)
+    redeliveries: int = 0
+    store_waits: int = 0
+    rerouted: bool = False
+    # The first attempt that was sent and whose outcome was never learnt, if any.
+    unknown: Failure | None = None
+
+
+@dataclass(frozen=True)
+class RouteAgain:
+    """The same attempt, routed again now (the door's choice is dropped)."""
+
+
+@dataclass(frozen=True)
+class Redeliver:
+    """The same attempt, to the same instance, after `delay_s`."""
+
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class WaitForStore:
+    """The same step again after `delay_s`: the store was away."""
+
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class WaitForToken:
+    """Look for a rate-limit token again after `delay_s`."""
+
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class Retry:
+    """The next attempt after `delay_s`, not on `avoid_instance`."""
+
+    delay_s: float
+    avoid_instance: str | None
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop and report `report` (None from `next_step`, which knows no failure)."""
+
+    reason: str
+    report: Failure | None = None
+
+
+Step = RouteAgain | Redeliver | WaitForStore | Retry | GiveUp
+
+
+def backoff_s(plan: CallPlan, attempt: int, rand: float = 0.0) -> float:
+    """The wait after failed attempt `attempt` (1-based); `rand` in [0, 1) draws the jitter."""
+    if plan.backoff_base_ms is None:  # a plan from before exponential settings
+        listed = plan.backoff_s or [1.0]
+        return listed[min(attempt - 1, len(listed) - 1)]
+    grown = plan.backoff_base_ms * plan.backoff_multiplier ** min(attempt - 1, 64)
+    delay_ms = min(float(plan.backoff_cap_ms), grown)
+    return delay_ms * (1.0 - plan.jitter * rand) / 1000
+
+
+def redeliver_delay_s(redeliveries: int) -> float:
+    """The wait before re-delivery number `redeliveries` + 1."""
+    return REDELIVER_FIRST_S * 2.0 ** min(redeliveries, 64)
+
+
+def store_backoff_s(waits: int) -> float:
+    """The wait after the store was found away `waits` + 1 times by one step."""
+    return min(STORE_RETRY_MAX_S, STORE_RETRY_FIRST_S * 2.0 ** min(waits, 64))
+
+
+def next_step(
+    plan: CallPlan,
+    *,
+    attempt: int,
+    retryable: bool,
+    failed_instance: str | None,
+    now_ms: int,
+    deadline_ms: int,
+    rand: float = 0.0,
+) -> Retry | GiveUp:
+    """After attempt number `attempt` (1-based) failed: try again, or give up and report."""
+    if not retryable:
+        return GiveUp("the error is not retryable")
+    if attempt > plan.max_retries:
+        if plan.max_retries == 0 and not plan.idempotent:
+            return GiveUp(NOT_IDEMPOTENT)
+        return GiveUp(f"{plan.max_retries} retries used")
+    delay = backoff_s(plan, attempt, rand)
+    if now_ms + delay * 1000 >= deadline_ms:
+        return GiveUp("no time left before the deadline for another attempt")
+    return Retry(delay_s=delay, avoid_instance=failed_instance)
+
+
+def _always(rule: Rule) -> bool:
+    return True
+
+
+def _no_draw() -> float:
+    return 0.0
+
+
+def after_failure(
+    plan: CallPlan,
+    tries: Attempts,
+    failure: Failure,
+    *,
+    keyed: bool,
+    now_ms: int,
+    deadline_ms: int,
+    follows: Callable[[Rule], bool] = _always,
+    draw: Callable[[], float] = _no_draw,
+) -> tuple[Step, Attempts]:
+    """After attempt `tries.number` failed with `failure`: the next step, and where the
+    attempts then stand. `keyed`: the request has an idempotency key."""
+    if failure.stale_route and not tries.rerouted:
+        # Nothing was sent: no timer, and it is still the same attempt. Only the door's choice
+        # can be stale, so this happens once; anything after it is an ordinary failure.
+        return RouteAgain(), replace(tries, rerouted=True)
+    if failure.error.type == "timeout":
+        return GiveUp("deadline reached", report=failure), tries
+    if failure.error.outcome_unknown and failure.instance_id is not None:
+        if tries.unknown is None:
+            tries = replace(tries, unknown=failure)
+        delay_s = redeliver_delay_s(tries.redeliveries)
+        if (
+            tries.redeliveries < MAX_REDELIVERIES
+            and now_ms + delay_s * 1000 < deadline_ms
+            and follows(REDELIVER)
+        ):
+            return Redeliver(delay_s), replace(tries, redeliveries=tries.redeliveries + 1)
+    if failure.instance_id is None and failure.error.type == "unavailable" and follows(STORE_WAIT):
+        delay_s = store_backoff_s(tries.store_waits)
+        if now_ms + delay_s * 1000 < deadline_ms:
+            return WaitForStore(delay_s), replace(tries, store_waits=tries.store_waits + 1)
+    step = next_step(
+        plan,
+        attempt=tries.number,
+        # An open breaker says when to come back (retry_after_s): the caller's to wait, not ours.
+        retryable=failure.error.retryable and failure.error.type != "circuit_open",
+        failed_instance=failure.instance_id,
+        now_ms=now_ms,
+        deadline_ms=deadline_ms,
+        rand=draw() if plan.jitter else 0.0,
+    )
+    sent = failure.instance_id is not None
+    if isinstance(step, Retry) and sent and not (plan.idempotent or keyed):
+        # Plans never allow this (`plan_call` gives such a request no retries); kept here too,
+        # so that no plan, however it was made, can run a call twice on two instances.
+        step = GiveUp(NOT_IDEMPOTENT)
+    if isinstance(step, GiveUp):
+        return replace(step, report=reported(plan, tries, failure, keyed=keyed)), tries
+    avoid = (*tries.avoid, step.avoid_instance) if step.avoid_instance else tries.avoid
+    return step, replace(tries, number=tries.number + 1, avoid=avoid)
+
+
+def reported(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) -> Failure:
+    """What a request that gives up reports. If an attempt was sent and never answered, a
+    request that is neither idempotent nor keyed reports that attempt — it may have run — and
+    is no longer 'retryable', whatever the re-deliveries after it met."""
+    unknown = tries.unknown
+    if unknown is None or plan.idempotent or keyed:
+        return failure
+    error = unknown.error.model_copy(
+        update={
+            "retryable": False,
+            "outcome_unknown": True,
+            "message": f"{unknown.error.message}; it was sent and its answer never came, "
+            "so it may have run: repeat it with an idempotency_key to be safe",
+        }
+    )
+    return Failure(error, unknown.instance_id)
+
+
+def after_store_failure(
+    waits: int, failure: Failure, *, now_ms: int, until_ms: int
+) -> WaitForStore | GiveUp:
+    """A quick store step failed for the `waits` + 1st time: wait for the store (an accepted
+    request outlives a Redis restart) until `until_ms`, unless the failure is for good."""
+    delay_s = store_backoff_s(waits)
+    if not failure.error.retryable:
+        return GiveUp("the store refused the step", report=failure)
+    if now_ms + delay_s * 1000 >= until_ms:
+        return GiveUp("no time left to wait for the store", report=failure)
+    return WaitForStore(delay_s)
+
+
+def after_no_token(
+    wait_s: float, *, miss: int, now_ms: int, until_ms: int, draw: Callable[[], float]
+) -> WaitForToken | GiveUp:
+    """A queued request found no token for the `miss`-th time (1-based); the buckets say one
+    frees in `wait_s`. Waiters wake spread out, not all at once for the one token that frees,
+    and less often the longer they wait (a long wait stays a short history); never past
+    `until_ms`, the time they may wait. `draw` is asked only for a wait."""
+    if now_ms + wait_s * 1000 >= until_ms:
+        return GiveUp("no token frees before the request may no longer wait")
+    # uniform(1.0, 1.5) as `random.Random.uniform` computes it, from the one draw.
+    spread = wait_s * (1.0 + 0.5 * draw()) * min(8.0, 1.25 ** min(miss, 64))
+    left_s = (until_ms - now_ms) / 1000
+    return WaitForToken(max(QUEUE_POLL_MIN_S, min(spread, QUEUE_POLL_MAX_S, left_s)))

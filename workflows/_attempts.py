@@ -1,0 +1,507 @@
+"""The attempts of one request: route, call, wait for a late answer — and after each failure,
+carry out what `reach.policy.retry` decides (a timer, a route again, a report).
+
+`AttemptLoop` is `InvokeWorkflow`'s base: the request's life (idempotency, callbacks, its
+handlers) is in `workflows.invoke`; how it reaches an answer is here. Nothing here decides
+whether, when or where to try again: each failure becomes a `Failure`, and the step the policy
+returns is executed as it is. The policy asks whether a request follows a rule newer than it
+through `workflow.patched`, at the points these patches were always asked, so every history
+recorded before replays as it ran.
+"""
+
+from __future__ import annotations
+
+import builtins
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    FailureError,
+    TimeoutError,
+    TimeoutType,
+)
+
+with workflow.unsafe.imports_passed_through():
+    from reach.errors import ERROR_TYPES, AgentFault
+    from reach.invocation import (
+        ACTIVITY_CALL,
+        ACTIVITY_RESOLVE,
+        ACTIVITY_TAKE_TOKEN,
+        STALE_ROUTE,
+        CallInput,
+        CallPlan,
+        Endpoint,
+        InvokeInput,
+        LateAnswer,
+        ResolveInput,
+        TakeInput,
+        pin_of,
+    )
+    from reach.messages import (
+        AttemptInfo,
+        ErrorInfo,
+        Header,
+        InvokeResponse,
+        Message,
+        Metadata,
+        Reply,
+        RequestStatus,
+    )
+    from reach.policy import (
+        REDELIVER,
+        Attempts,
+        Failure,
+        GiveUp,
+        RouteAgain,
+        Rule,
+        after_failure,
+        after_no_token,
+        after_store_failure,
+        refine_plan,
+    )
+
+ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
+# Requests accepted before a broken call was re-delivered to its instance retried elsewhere;
+# those accepted before a store outage at routing was waited out gave up as they did then.
+PATCH_REDELIVER = "redeliver-same-attempt"
+PATCH_STORE_OUTAGE_WAIT = "store-outage-wait"
+# A workflow's history when its first task runs: started, task scheduled, task started. More
+# means an earlier task ran (and may have sent the call) and was lost with its worker.
+FIRST_TASK_EVENTS = 3
+# Store steps (claims, tokens) are quick; this bounds one that is not.
+STORE_STEP = timedelta(seconds=10)
+
+
+def capability_queue(capability: str) -> str:
+    return f"reach-cap-{capability}"
+
+
+class Failed(Exception):
+    def __init__(self, error: ErrorInfo, instance_id: str | None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.instance_id = instance_id
+
+
+class StaleRoute(Exception):
+    """The instance chosen at the door left before anything was sent."""
+
+
+def error_of(exc: FailureError, instance_id: str | None) -> Failed:
+    # Regular activities fail with ActivityError(cause=...); local ones with the cause itself.
+    cause = exc.cause if isinstance(exc, ActivityError) else exc
+    if isinstance(cause, TimeoutError):
+        if cause.type == TimeoutType.HEARTBEAT:
+            info = ErrorInfo(
+                type="transport_error",
+                message="the worker was lost mid-call",
+                retryable=True,
+                outcome_unknown=True,
+            )
+        else:
+            info = ErrorInfo(type="timeout", message="deadline reached", retryable=False)
+    elif isinstance(cause, ApplicationError):
+        details: Any = cause.details[0] if cause.details else {}
+        if not isinstance(details, dict):
+            details = {}
+        # The activities raise only Reach's own types; anything else is a bug in Reach.
+        known = cause.type in ERROR_TYPES
+        info = ErrorInfo(
+            type=cause.type if known else "internal",
+            message=cause.message if known else f"{cause.type}: {cause.message}",
+            retryable=bool(details.get("retryable")),
+            agent=AgentFault.model_validate(details["agent"]) if details.get("agent") else None,
+            retry_after_s=details.get("retry_after_s"),
+            outcome_unknown=details.get("outcome_unknown"),
+        )
+    else:
+        info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
+    return Failed(info, instance_id)
+
+
+def follows(rule: Rule) -> bool:
+    """Whether this request follows `rule` (it was accepted after the rule was added)."""
+    return workflow.patched(PATCH_REDELIVER if rule == REDELIVER else PATCH_STORE_OUTAGE_WAIT)
+
+
+class AttemptLoop:
+    def __init__(self) -> None:
+        self._late: LateAnswer | None = None
+        # Instances this run has called, with the principal that registered each: who may answer.
+        self._sent_to: dict[str, str | None] = {}
+        self._attempts: list[AttemptInfo] = []
+        self._tries = Attempts()
+        self._waited_ms: int | None = None
+        self._deadline_ms = 0
+        self._sent = False  # whether any attempt got as far as calling an agent
+        self._in_flight = False  # whether the current attempt was sent
+        self._start_ms = 0  # when the request may go: acceptance, or its token (queue)
+        self._plan = CallPlan(timeout_ms=1, idempotent=False, max_retries=0)  # set by _invoke
+        self._door_used = False  # whether the call to the instance chosen at the door began
+
+    def _now_ms(self) -> int:
+        return int(workflow.now().timestamp() * 1000)
+
+    def _envelope(
+        self,
+        inp: InvokeInput,
+        status: RequestStatus,
+        *,
+        result: dict[str, Any] | None = None,
+        error: ErrorInfo | None = None,
+        instance_id: str | None = None,
+    ) -> InvokeResponse:
+        return InvokeResponse(
+            request_id=inp.request_id,
+            status=status,
+            duration_ms=max(0, self._now_ms() - inp.accepted_at_ms),
+            result=result,
+            error=error,
+            instance_id=instance_id,
+            attempts=list(self._attempts) or None,
+            waited_ms=self._waited_ms,
+        )
+
+    def _timeout(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:
+        message = f"no answer within timeout_ms={self._plan.timeout_ms}"
+        unknown = None
+        if self._in_flight and not self._plan.idempotent and not inp.idempotency_key:
+            # It was sent and never answered: nobody knows whether the agent ran it.
+            unknown = True
+            message += (
+                f"; agent {instance_id} may have run it: repeat it with an idempotency_key "
+                "so that it runs at most once"
+            )
+        return self._envelope(
+            inp,
+            "timeout",
+            error=ErrorInfo(
+                type="timeout", message=message, retryable=False, outcome_unknown=unknown
+            ),
+            instance_id=instance_id,
+        )
+
+    async def _wait_for_token(self, inp: InvokeInput) -> InvokeResponse | None:
+        """`on_limit: queue`: wait on durable timers until every bucket gives a token."""
+        queue = inp.plan.queue
+        assert queue is not None
+        started = self._now_ms()
+        misses = 0
+        while True:
+            try:
+                wait_s: float = await self._store_step(
+                    inp,
+                    ACTIVITY_TAKE_TOKEN,
+                    TakeInput(buckets=queue.buckets),
+                    float,
+                    queue.wait_until_ms,
+                )
+            except Failed as failed:
+                return self._envelope(inp, "error", error=failed.error)
+            if wait_s <= 0:
+                break
+            misses += 1
+            step = after_no_token(
+                wait_s,
+                miss=misses,
+                now_ms=self._now_ms(),
+                until_ms=queue.wait_until_ms,
+                draw=workflow.random().random,
+            )
+            if isinstance(step, GiveUp):
+                self._waited_ms = self._now_ms() - started
+                return self._envelope(
+                    inp,
+                    "error",
+                    error=ErrorInfo(
+                        type="rate_limited",
+                        message=f"rate limit of {inp.target!r} for caller {inp.caller!r}: no "
+                        f"token freed within the {self._waited_ms} ms this request could wait",
+                        retryable=True,
+                        retry_after_s=max(1, int(wait_s + 0.999)),
+                    ),
+                )
+            await workflow.sleep(step.delay_s)
+        self._waited_ms = self._now_ms() - started
+        # The call's own time runs from when it may go; a synchronous request's deadline stays.
+        self._start_ms = self._now_ms()
+        if inp.callback:
+            self._deadline_ms = max(self._deadline_ms, self._start_ms + self._plan.timeout_ms)
+        return None
+
+    async def _attempts_until_done(self, inp: InvokeInput) -> InvokeResponse:
+        if inp.plan.queue is not None:
+            refused = await self._wait_for_token(inp)
+            if refused is not None:
+                return refused
+        # Attempt 1's instance when the door chose it; then the pin of any re-run of attempt 1.
+        first = inp.endpoint
+        pin: str | None = None
+        while True:
+            tries = self._tries
+            if self._late is not None:  # answered before (or between) attempts: nothing to call
+                return self._answered_late(inp, tries.avoid[-1] if tries.avoid else None)
+            door, first = first, None
+            if door is not None:
+                pin = pin_of(door.instance_id, door.joined_at)
+            try:
+                return await self._attempt(inp, door, pin if tries.number == 1 else None)
+            except StaleRoute as stale:
+                workflow.logger.info("attempt 1 is routed again: %s", stale)
+                error = ErrorInfo(type="no_instance", message=str(stale), retryable=True)
+                failure = Failure(error, stale_route=True)
+            except Failed as failed:
+                if self._late is not None:
+                    return self._answered_late(inp, failed.instance_id)
+                failure = Failure(failed.error, failed.instance_id)
+            step, self._tries = after_failure(
+                self._plan,
+                tries,
+                failure,
+                keyed=bool(inp.idempotency_key),
+                now_ms=self._now_ms(),
+                deadline_ms=self._deadline_ms,
+                follows=follows,
+                draw=workflow.random().random,
+            )
+            if isinstance(step, GiveUp):
+                workflow.logger.info("giving up after attempt %d: %s", tries.number, step.reason)
+                assert step.report is not None
+                return self._reported(inp, step.report)
+            if isinstance(step, RouteAgain):
+                pin = None
+                continue
+            workflow.logger.info(
+                "attempt %d failed (%s); %s in %.1fs",
+                tries.number,
+                failure.error.type,
+                type(step).__name__,
+                step.delay_s,
+            )
+            self._attempts[-1].backoff_ms = int(step.delay_s * 1000)
+            await workflow.sleep(step.delay_s)
+
+    def _reported(self, inp: InvokeInput, report: Failure) -> InvokeResponse:
+        if report.error.type == "timeout":
+            return self._timeout(inp, report.instance_id)
+        return self._envelope(inp, "error", error=report.error, instance_id=report.instance_id)
+
+    async def _attempt(
+        self, inp: InvokeInput, door: Endpoint | None, pin: str | None
+    ) -> InvokeResponse:
+        """Attempt `self._tries.number`, on `door` (the door's choice) or where resolve routes
+        it: the request's result, or `Failed` (recorded) / `StaleRoute` (nothing sent)."""
+        attempt = self._tries.number
+        started = self._now_ms()
+        breaker: str | None = None
+        self._in_flight = False
+        try:
+            if door is not None:
+                endpoint = door
+            else:
+                endpoint = await self._run(
+                    inp,
+                    ACTIVITY_RESOLVE,
+                    ResolveInput(
+                        capability=inp.target,
+                        exclude=list(self._tries.avoid),
+                        routing_key=inp.hash_key or inp.routing_key,
+                        request_id=inp.request_id,
+                        payload_bytes=inp.payload_bytes,
+                        operation=inp.operation,
+                        attempt=attempt,
+                        deadline_ms=self._deadline_ms,
+                        movable=self._movable(inp),
+                        pin=pin,
+                    ),
+                    Endpoint,
+                    None,
+                )
+            instance_id = endpoint.instance_id
+            self._sent_to[instance_id] = endpoint.principal
+            breaker = endpoint.breaker
+            self._plan, self._deadline_ms = refine_plan(
+                self._plan,
+                declared_idempotent=endpoint.declared_idempotent,
+                declared_timeout_ms=endpoint.declared_timeout_ms,
+                accepted_at_ms=self._start_ms,
+                deadline_ms=self._deadline_ms,
+            )
+            message = Message(
+                header=Header(
+                    request_id=inp.request_id,
+                    caller=inp.caller,
+                    target=inp.target,
+                    operation=inp.operation,
+                    attempt=attempt,
+                    deadline_ms=self._deadline_ms,
+                    idempotency_key=inp.idempotency_key,
+                    traceparent=inp.traceparent,
+                ),
+                payload=inp.payload,
+                metadata=Metadata(size_bytes=inp.payload_bytes),
+            )
+            remaining = self._deadline_ms - self._now_ms()
+            movable = self._movable(inp)
+            reply = await self._run(
+                inp,
+                ACTIVITY_CALL,
+                CallInput(
+                    endpoint=endpoint,
+                    message=message,
+                    timeout_ms=max(1, remaining),
+                    judge_timeouts=self._plan.judge_timeouts,
+                    check_first=door is not None,
+                    first_run=door is not None
+                    and workflow.info().get_current_history_length() <= FIRST_TASK_EVENTS,
+                    movable=movable if movable is not None else bool(endpoint.declared_idempotent),
+                ),
+                Reply,
+                instance_id,
+            )
+        except Failed as failed:
+            self._note(attempt, failed.instance_id, failed.error.type, started, breaker)
+            raise
+        outcome = "success" if reply.status == "ok" else "accepted"
+        self._note(attempt, instance_id, outcome, started, breaker)
+        if self._late is not None:
+            # Acknowledged while the call was still out: that answer came first.
+            return self._answered_late(inp, instance_id)
+        if reply.status == "ok":
+            return self._envelope(inp, "success", result=reply.result, instance_id=instance_id)
+        return await self._await_late_answer(inp, instance_id)
+
+    def _movable(self, inp: InvokeInput) -> bool | None:
+        """Whether a re-run of an attempt may go elsewhere when its instance is gone."""
+        if self._plan.idempotent or inp.idempotency_key:
+            return True
+        return False if self._plan.idempotent_configured else None
+
+    def _note(
+        self,
+        attempt: int,
+        instance_id: str | None,
+        outcome: str,
+        started_ms: int,
+        breaker: str | None,
+    ) -> None:
+        self._attempts.append(
+            AttemptInfo(
+                attempt=attempt,
+                instance_id=instance_id,
+                outcome=outcome,
+                duration_ms=max(0, self._now_ms() - started_ms),
+                breaker=breaker,
+            )
+        )
+
+    async def _store_step(
+        self, inp: InvokeInput, name: str, arg: Any, result_type: type[Any], until_ms: int
+    ) -> Any:
+        """A quick store step (claim, token, release): a local activity, tried again on durable
+        timers while the store is away, until `until_ms`."""
+        waits = 0
+        while True:
+            try:
+                return await workflow.execute_local_activity(
+                    name,
+                    arg,
+                    result_type=result_type,
+                    schedule_to_close_timeout=STORE_STEP,
+                    retry_policy=ONE_ATTEMPT,
+                )
+            except (ActivityError, ApplicationError, TimeoutError) as exc:
+                failed = error_of(exc, None)
+                if failed.error.type == "timeout":
+                    failed.error = ErrorInfo(
+                        type="unavailable",
+                        message=f"the policy store did not answer ({name})",
+                        retryable=True,
+                    )
+                step = after_store_failure(
+                    waits, Failure(failed.error), now_ms=self._now_ms(), until_ms=until_ms
+                )
+                if isinstance(step, GiveUp):
+                    raise failed from exc
+                workflow.logger.warning(
+                    "%s failed (%s); trying again in %.1fs",
+                    name,
+                    failed.error.message,
+                    step.delay_s,
+                )
+                waits += 1
+                await workflow.sleep(step.delay_s)
+
+    async def _run(
+        self,
+        inp: InvokeInput,
+        name: str,
+        arg: Any,
+        result_type: type[Any],
+        instance_id: str | None,
+    ) -> Any:
+        remaining = self._deadline_ms - self._now_ms()
+        if remaining <= 0:
+            raise Failed(
+                ErrorInfo(type="timeout", message="deadline reached", retryable=False), instance_id
+            )
+        budget = timedelta(milliseconds=remaining)
+        sent_before = self._sent
+        if name == ACTIVITY_CALL:
+            self._sent = self._in_flight = True
+            # The call takes the door's in-flight count over as it begins, whatever follows.
+            self._door_used = self._door_used or (isinstance(arg, CallInput) and arg.check_first)
+        try:
+            if inp.plan.mode == "queue":
+                return await workflow.execute_activity(
+                    name,
+                    arg,
+                    result_type=result_type,
+                    task_queue=capability_queue(inp.target),
+                    schedule_to_close_timeout=budget,
+                    heartbeat_timeout=timedelta(seconds=10) if name == ACTIVITY_CALL else None,
+                    retry_policy=ONE_ATTEMPT,
+                )
+            return await workflow.execute_local_activity(
+                name,
+                arg,
+                result_type=result_type,
+                schedule_to_close_timeout=budget,
+                retry_policy=ONE_ATTEMPT,
+            )
+        except (ActivityError, ApplicationError, TimeoutError) as exc:
+            cause = exc.cause if isinstance(exc, ActivityError) else exc
+            if isinstance(cause, ApplicationError) and cause.type == STALE_ROUTE:
+                self._sent, self._in_flight = sent_before, False  # nothing was sent
+                raise StaleRoute(cause.message) from exc
+            raise error_of(exc, instance_id) from exc
+
+    async def _await_late_answer(self, inp: InvokeInput, instance_id: str) -> InvokeResponse:
+        remaining = self._deadline_ms - self._now_ms()
+        try:
+            await workflow.wait_condition(
+                lambda: self._late is not None, timeout=timedelta(milliseconds=max(1, remaining))
+            )
+        except builtins.TimeoutError:
+            return self._timeout(inp, instance_id)
+        return self._answered_late(inp, instance_id)
+
+    def _answered_late(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:
+        """The request's result from the late answer the workflow acknowledged (the first)."""
+        late = self._late
+        assert late is not None
+        if late.status == "success":
+            return self._envelope(inp, "success", result=late.result or {}, instance_id=instance_id)
+        # The agent's words go inside an agent_error; they never choose the caller's status.
+        words = late.error_message or "the agent reported a failure"
+        error = ErrorInfo(
+            type="agent_error",
+            message=f"agent {instance_id} answered late with an error: {words}",
+            retryable=False,
+            agent=AgentFault(type=late.error_type or "agent_error", message=words),
+        )
+        return self._envelope(inp, "error", error=error, instance_id=instance_id)
