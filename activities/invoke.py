@@ -19,6 +19,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.telemetry import traced_call
+from agent_reach_proto import wire
 from connectors import ConnectorSet
 from connectors._guard import GuardedTransport, refusal_in
 from reach.config import SecuritySettings
@@ -258,8 +259,8 @@ class ReachActivities:
         body = response.model_dump_json(exclude_none=True).encode()
         headers = {
             "Content-Type": "application/json",
-            "X-Reach-Request-Id": response.request_id,
-            "X-Reach-Delivery-Attempt": str(info.attempt),
+            wire.HTTP_REQUEST_ID: response.request_id,
+            wire.HTTP_DELIVERY_ATTEMPT: str(info.attempt),
         }
         secret = self._webhook_secret(inp.caller)
         if secret is not None:

@@ -7,6 +7,8 @@ and a JSON body. Each server translates the status into its protocol's own terms
 code, a frame field, an MQTT user property) with the same meaning everywhere:
 
     200 result   202 accepted (answer later)   4xx/5xx error body {"error": {...}}
+
+The names are the wire contract's (`agent_reach_proto.wire`, docs/protocols/).
 """
 
 from __future__ import annotations
@@ -15,16 +17,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# The metadata names, lower case, the same on every protocol: the contract's, re-exported.
+from agent_reach_proto.wire import ATTEMPT as ATTEMPT
+from agent_reach_proto.wire import CALLER as CALLER
+from agent_reach_proto.wire import DEADLINE_MS as DEADLINE_MS
+from agent_reach_proto.wire import IDEMPOTENCY_KEY as IDEMPOTENCY_KEY
+from agent_reach_proto.wire import METADATA_NAMES as METADATA_NAMES
+from agent_reach_proto.wire import REQUEST_ID as REQUEST_ID
+from agent_reach_proto.wire import TRACEPARENT as TRACEPARENT
 from reach.messages import dumps
-
-# Metadata names, lower case, the same on every protocol.
-REQUEST_ID = "x-reach-request-id"
-CALLER = "x-reach-caller"
-ATTEMPT = "x-reach-attempt"
-DEADLINE_MS = "x-reach-deadline-ms"
-IDEMPOTENCY_KEY = "idempotency-key"
-TRACEPARENT = "traceparent"
-METADATA_NAMES = (REQUEST_ID, CALLER, ATTEMPT, DEADLINE_MS, IDEMPOTENCY_KEY, TRACEPARENT)
 
 
 @dataclass(frozen=True)

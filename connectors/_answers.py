@@ -1,7 +1,7 @@
 """What an agent's answer means, the same on every protocol that carries an HTTP-style status.
 
 HTTP carries it as the response status, WebSocket frames and MQTT replies as a `status` field,
-and the SDK's gRPC agents as the `x-reach-status` trailer (see each connector's wire contract).
+and the SDK's gRPC agents as the `x-reach-status` trailer (docs/protocols/, a page each).
 One table decides, deliberately:
 
     200             result (a JSON object; any other JSON value is wrapped as {"value": ...})

@@ -1,80 +1,13 @@
 """gRPC connector: one unary call, `reach.agent.v1.Agent/Invoke`, per request.
 
-Wire contract (what a non-SDK agent implements; the service is `protos/agent_reach_proto/
-agent.proto`, package `reach.agent.v1`, plaintext HTTP/2; with `security.tls.enabled`, mTLS:
-Reach presents its certificate and the agent's must be from Reach's CA for the name
-`<instance id>.agent.<trust domain>`, see `connectors._tls`):
-
-    service Agent { rpc Invoke(InvokeRequest) returns (InvokeReply); }
-    InvokeRequest { string operation = 1; bytes payload = 2; }
-    InvokeReply   { bool accepted = 1;    bytes result = 2; }
-
-Service address: `host:port` or `grpc://host:port` (normalized to `host:port`; IPv6 in
-brackets). The request: `operation` names the operation, `payload` is the JSON payload as
-`reach.messages.dumps` encodes it (one compact UTF-8 JSON object, never larger than the size Reach
-accepted; an agent's own gRPC receive limit should allow that plus about 1 KiB). Request
-metadata, lower-case keys and visible-ASCII values (the same names as on every protocol):
-
-    x-reach-request-id   always: the RequestID; the same on a re-delivery (answer from cache)
-    x-reach-caller       always: who asked
-    x-reach-attempt      always: 1, 2, ... (an attempt after a retryable failure)
-    x-reach-deadline-ms  when set: the request's absolute deadline, Unix epoch milliseconds
-    idempotency-key      when set: the caller's idempotency key
-    traceparent          when set: W3C trace context
-
-The call carries a gRPC deadline equal to the request's remaining time (`grpc-timeout`); Reach
-also ends the call itself at that moment, so a slow agent is a `timeout`, never a hang.
-
-The reply: `accepted = true` means the request is taken and its answer comes later through
-`POST /reach/requests/{request_id}/result` on the gateway (`result` is then ignored). Otherwise
-`result` is the result, one JSON object in compact UTF-8 (any other JSON value is wrapped as
-`{"value": ...}`; empty bytes are `{}`). The whole InvokeReply may be at most the
-`max_message_bytes` negotiated at Join plus 64 bytes of protobuf framing: gRPC refuses a bigger
-one on receipt (a non-retryable `agent_error` naming the limit), and a result that passes the
-limit once re-encoded, is not standard JSON, or is not an InvokeReply at all is a non-retryable
-`agent_error` for that request alone; the channel and the other requests on it carry on.
-
-A failure is a gRPC status. An agent that knows the HTTP-style status of its answer sends it in
-the trailing metadata `x-reach-status` (three digits, 100-599; the SDK's server always does, a
-non-SDK agent may): then that status decides, through the one table HTTP, WebSocket and MQTT
-answers are read with (`connectors._answers`: 504 timeout; 404 and 413 final; 429 and 5xx
-retryable; other final), with the status details as the error body's `message` and
-`x-reach-error-type` as its `type`, so the same answer reads the same on every protocol (the
-same message, `AgentFault.status` the HTTP-style status). 200 and 202 are not failures and are
-ignored there, as is anything else that is not a status. Without `x-reach-status`, the code
-alone decides Reach's error type and whether another attempt may help (`STATUS_TABLE` below):
-
-    OK                                                  the reply above
-    DEADLINE_EXCEEDED                                   timeout
-    UNAVAILABLE, CANCELLED                              transport_error, retryable
-    RESOURCE_EXHAUSTED, ABORTED, INTERNAL, UNKNOWN,     agent_error, retryable
-      DATA_LOSS
-    INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,        agent_error, not retryable
-      PERMISSION_DENIED, FAILED_PRECONDITION,
-      OUT_OF_RANGE, UNIMPLEMENTED, UNAUTHENTICATED
-
-The status details (`grpc-message`, UTF-8) are the agent's message. An agent may add trailing
-metadata: `x-reach-status` (above), `x-reach-error-type` (its own error type) and
-`x-reach-retryable: false` (another attempt cannot help; it can withhold a retry, never ask for
-one). The agent's type and the status details (its message) travel only inside the error's
-`AgentFault`, whose `status` is `x-reach-status` when sent, else the numeric gRPC code (14 for
-UNAVAILABLE); they never choose Reach's error type. Without `x-reach-status`, a transport code
-(UNAVAILABLE, CANCELLED) that carries `x-reach-error-type` was said by the agent itself, over a
-working connection: it is an `agent_error` (same retryable flag) so that the agent's words are
-kept, as an HTTP agent's 503 is. RESOURCE_EXHAUSTED "larger than max" is gRPC's own size refusal
-(of the reply here, or of the payload at the agent): not retryable, as the same bytes would be
-refused again.
-
-Trailers up to 64 KiB are read (gRPC's default, 8 KiB, refused at random past it and always
-past 16 KiB, would turn a chatty agent's final answer into a retryable failure). Keep the
-details short all the same (the SDK sends at most 1 KiB of UTF-8, at most 3 KiB once
-percent-encoded): other gRPC clients keep the default.
-
-The SDK's server sends `x-reach-status` and maps its answers onto these codes for generic
-clients (`agent_reach_sdk.servers.grpc`): 504 DEADLINE_EXCEEDED, 404 UNIMPLEMENTED, 413
-RESOURCE_EXHAUSTED with `x-reach-retryable: false`, 429 RESOURCE_EXHAUSTED, 400/422
-INVALID_ARGUMENT, 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 409 ALREADY_EXISTS, 503
-UNAVAILABLE, other 5xx INTERNAL, other 4xx FAILED_PRECONDITION.
+The wire contract (what an agent written without the SDK implements: the service in
+`protos/agent_reach_proto/agent.proto`, the address, the request metadata, the reply, what a
+failure's code and trailers mean, mTLS) is `docs/protocols/grpc.md`; its names are
+`agent_reach_proto.wire`'s. Here a failure with `x-reach-status` is read through the table every
+protocol shares (`connectors._answers`), one without it through `STATUS_TABLE`; trailers up to
+`MAX_METADATA_BYTES` are read, since gRPC's 8 KiB default would turn a chatty agent's final answer
+into a retryable failure. The call's gRPC deadline is the request's remaining time, and Reach
+also ends the call itself at that moment.
 
 Connections: one `grpc.aio` channel per instance and address (HTTP/2 multiplexes every request
 on it), opened on first use, closed when idle past `transport.idle_timeout_s` or when the instance
@@ -96,6 +29,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
+from agent_reach_proto import wire
 from agent_reach_proto.agent_pb2 import InvokeReply, InvokeRequest
 from connectors._address import check_characters, check_host, check_port, refuse
 from connectors._answers import reply_for_status, too_large
@@ -116,17 +50,18 @@ from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
 from reach.security.netguard import host_port
 
-METHOD = "/reach.agent.v1.Agent/Invoke"
+METHOD = wire.GRPC_INVOKE_METHOD
 
-MD_REQUEST_ID = "x-reach-request-id"
-MD_CALLER = "x-reach-caller"
-MD_ATTEMPT = "x-reach-attempt"
-MD_DEADLINE = "x-reach-deadline-ms"
-MD_IDEMPOTENCY_KEY = "idempotency-key"
-MD_TRACEPARENT = "traceparent"
-MD_ERROR_TYPE = "x-reach-error-type"
-MD_RETRYABLE = "x-reach-retryable"
-MD_STATUS = "x-reach-status"
+# The contract's metadata keys under this module's older names.
+MD_REQUEST_ID = wire.REQUEST_ID
+MD_CALLER = wire.CALLER
+MD_ATTEMPT = wire.ATTEMPT
+MD_DEADLINE = wire.DEADLINE_MS
+MD_IDEMPOTENCY_KEY = wire.IDEMPOTENCY_KEY
+MD_TRACEPARENT = wire.TRACEPARENT
+MD_ERROR_TYPE = wire.GRPC_ERROR_TYPE
+MD_RETRYABLE = wire.GRPC_RETRYABLE
+MD_STATUS = wire.GRPC_STATUS
 
 # InvokeReply's framing around `result`: tags, a length varint and `accepted`. A reply within
 # the limit always fits; one past it is refused by gRPC before it is held whole.
@@ -217,15 +152,7 @@ def check_grpc_address(address: str) -> str:
 
 def wire_metadata(message: Message) -> list[tuple[str, str]]:
     """The request's metadata, each entry only when the request has it."""
-    h = message.header
-    metadata = [(MD_REQUEST_ID, h.request_id), (MD_CALLER, h.caller), (MD_ATTEMPT, str(h.attempt))]
-    if h.deadline_ms is not None:
-        metadata.append((MD_DEADLINE, str(h.deadline_ms)))
-    if h.idempotency_key:
-        metadata.append((MD_IDEMPOTENCY_KEY, h.idempotency_key))
-    if h.traceparent:
-        metadata.append((MD_TRACEPARENT, h.traceparent))
-    return metadata
+    return wire.metadata(message.header)
 
 
 def _trailing(exc: grpc.aio.AioRpcError) -> dict[str, str]:

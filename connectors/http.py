@@ -1,24 +1,9 @@
 """HTTP connector: `POST {service_address}/reach/{operation}` with the JSON payload as body.
 
-Wire contract (what a non-SDK agent implements): headers `X-Reach-Request-Id`, `X-Reach-Caller`,
-`X-Reach-Deadline-Ms` (absolute, epoch ms), `X-Reach-Attempt`, `Idempotency-Key`, `traceparent`;
-the body is the payload as `reach.messages.dumps` encodes it (compact UTF-8 JSON), so it is never
-larger than the size Reach accepted. 200 with a JSON object = result (any other JSON value is
-wrapped as `{"value": ...}`); 202 = accepted, the answer comes later through
-`POST /reach/requests/{request_id}/result`.
-
-The reply body may be at most the `max_message_bytes` negotiated at Join, as sent: a bigger one
-is refused (non-retryable `agent_error`) before or while it is read, never held whole, because
-Temporal could not carry it. Agents should answer in compact UTF-8 JSON for the same reason.
-
-Every other status means what `connectors._answers` says (the table every protocol shares):
-504 is a `timeout`, 429 and 5xx are retryable `agent_error`s, the rest are not. The whole call,
-reading the reply included, ends at the request's deadline.
-
-mTLS (`security.tls.enabled`, `connectors._tls`): `host:port` is called as https://host:port,
-http:// is refused, and every connection presents Reach's certificate and requires the agent's
-to be from Reach's CA for the name `<instance id>.agent.<trust domain>` (sent as SNI with each
-request; the address's host only says where to connect).
+The wire contract (what an agent written without the SDK implements: the headers, the body,
+what each status means, the size limit, mTLS) is `docs/protocols/http.md`; its names are
+`agent_reach_proto.wire`'s. A reply past the negotiated size is refused as soon as that is known,
+never held whole; the whole call, reading the reply included, ends at the request's deadline.
 
 Connections: one httpx client (its own keep-alive pool) per instance, opened on first use,
 closed when idle past `transport.idle_timeout_s` or when the instance leaves the registry.
@@ -33,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 
+from agent_reach_proto import wire
 from connectors._address import check_http_address
 from connectors._answers import reply_for_status, too_large
 from connectors._guard import GuardedTransport, refusal_in
@@ -51,10 +37,11 @@ from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
 from reach.security.netguard import AddressGuard, host_port
 
-HEADER_REQUEST_ID = "X-Reach-Request-Id"
-HEADER_CALLER = "X-Reach-Caller"
-HEADER_DEADLINE = "X-Reach-Deadline-Ms"
-HEADER_ATTEMPT = "X-Reach-Attempt"
+# The contract's header names under this module's older names.
+HEADER_REQUEST_ID = wire.HTTP_REQUEST_ID
+HEADER_CALLER = wire.HTTP_CALLER
+HEADER_DEADLINE = wire.HTTP_DEADLINE_MS
+HEADER_ATTEMPT = wire.HTTP_ATTEMPT
 
 # Enough for any error an agent means to tell; the rest of a longer body is not read.
 MAX_ERROR_BODY_BYTES = 64 * 1024
@@ -72,19 +59,8 @@ def tls_base_url(address: str) -> str | None:
 
 
 def wire_headers(message: Message) -> dict[str, str]:
-    h = message.header
-    headers = {
-        HEADER_REQUEST_ID: h.request_id,
-        HEADER_CALLER: h.caller,
-        HEADER_ATTEMPT: str(h.attempt),
-        "Content-Type": message.metadata.content_type,
-    }
-    if h.deadline_ms is not None:
-        headers[HEADER_DEADLINE] = str(h.deadline_ms)
-    if h.idempotency_key:
-        headers["Idempotency-Key"] = h.idempotency_key
-    if h.traceparent:
-        headers["traceparent"] = h.traceparent
+    headers = wire.http_headers(message.header)
+    headers["Content-Type"] = message.metadata.content_type
     return headers
 
 
@@ -275,7 +251,7 @@ class HttpConnector(PooledConnector):
                 async with asyncio.timeout(max(timeout_s, 0.001)), pool.value.shard() as http:
                     request = http.build_request(
                         "POST",
-                        f"/reach/{message.header.operation}",
+                        f"{wire.HTTP_PATH_PREFIX}{message.header.operation}",
                         content=body,
                         headers=wire_headers(message),
                         timeout=max(timeout_s, 0.001),

@@ -1,75 +1,13 @@
 """MQTT 5 connector: requests and replies through a broker, paired by MQTT 5 properties.
 
-Wire contract (what an agent written without the SDK implements)
------------------------------------------------------------------
-Address. An MQTT agent's service address is `mqtt://<broker-host>:<port>/<request topic>`
-(port 1883 when left out; Reach stores it with the port written out). The request topic is
-everything after the `/` that ends `host:port`, taken as it is: visible ASCII, no wildcard
-(`+`, `#`), not starting with `$`. The SDK's agents use
-`reach/agents/<instance_id>/<random per process>/requests`. The agent connects to that broker
-with MQTT 5 and subscribes to its request topic with QoS 1.
-Reach uses no persistent sessions, so a request published while no one is subscribed is lost;
-the broker says so (see "Delivery" below) and the request fails at once.
-
-Request. One PUBLISH to the request topic, QoS 1, not retained:
-
-    payload                   the JSON payload exactly as Reach measures it: compact UTF-8 JSON
-    Response Topic            where to answer: `reach/replies/<random id>`, one per Reach process
-    Correlation Data          opaque bytes to copy into the reply unchanged. Reach sends the
-                              UTF-8 text `<request id>/<n>`, n unique per call in the process,
-                              so that a late reply to an earlier attempt of the same request
-                              cannot be taken for the answer to a later one. Never parse it: the
-                              RequestID is the `x-reach-request-id` user property.
-    Content Type              application/json
-    Message Expiry Interval   the seconds left to the request's deadline, rounded up: the broker
-                              drops a request nobody took in time
-    User Properties           ("operation", <operation name>), and the request's metadata under
-                              the names and in the forms of the HTTP headers:
-                              x-reach-request-id, x-reach-caller, x-reach-attempt,
-                              x-reach-deadline-ms (absolute, Unix epoch ms), and when set
-                              idempotency-key and traceparent
-
-Delivery. The broker acknowledges the request with a PUBACK, whose MQTT 5 reason code Reach
-reads. 0x10 "No matching subscribers" (Mosquitto 2 sends it) means no agent got the
-request, typically an agent away or not yet subscribed again after a broker restart: the
-request fails at once with a retryable `transport_error` "no agent subscribed to <topic>",
-and the workflow's retry policy tries it again after its backoff (nothing ran, so this is safe
-whatever the operation). A failure reason code (0x80 and up: not authorized, quota exceeded,
-...) fails it at once too, retryable unless the code says the packet itself is wrong (0x90
-Topic Name invalid, 0x99 Payload format invalid). Both count as `failed`. A broker that
-acknowledges with 0x00 although no one is subscribed leaves the request to end as a `timeout`.
-
-Reply. One PUBLISH to the Response Topic, QoS 1 (QoS 0 is accepted), not retained:
-
-    Correlation Data          the request's, byte for byte
-    User Property             ("status", <HTTP-style status code, in decimal>)
-    payload                   the body: for 200 the result, a JSON object (any other JSON value
-                              is wrapped as {"value": ...}); for errors
-                              {"error": {"type": ..., "message": ..., "retryable": ...}};
-                              for 202 anything or nothing
-
-Statuses mean what `connectors._answers` says, the table every protocol with a status shares:
-200 result, 202 accepted (the answer comes later through `POST /reach/requests/{id}/result` on
-Reach's HTTP port, as on every protocol), 504 `timeout`, 429 and 5xx retryable `agent_error`,
-every other status a final `agent_error` carrying the agent's error object. A 200 body may be
-at most the `max_message_bytes` negotiated at Join, as sent and as Reach re-encodes it; a bigger
-one is a final `agent_error`. Only the first 64 KiB of an error body are read.
-
-Malformed replies are an error for their own request only: no `status` user property, or one
-that is not an integer from 100 to 599, or a 200 body that is not standard JSON, is a final
-`agent_error`. A reply whose Correlation Data matches no request waiting in this process (made
-up, or for a request that already ended) is logged and dropped. Reach announces a Maximum Packet
-Size of 64 MiB when it connects, so the broker drops a bigger reply and that request ends as a
-`timeout`.
-
-A request can arrive more than once (a QoS 1 re-delivery, or a retry with a higher
-x-reach-attempt): the agent answers a RequestID it has seen with its first answer (the SDK
-does this from its cache).
-
-Timing and breaks. The whole call (connecting, publishing, waiting) ends at the request's
-deadline as `timeout`. When the connection to the broker breaks, every request waiting on it
-fails at once with a retryable `transport_error` (it may or may not have reached the agent; the
-workflow's idempotency policy decides whether to try again), and the client reconnects.
+The wire contract (what an agent written without the SDK implements: the address, the request
+PUBLISH and its properties, what the broker's PUBACK means, the reply, what each status means,
+malformed replies, timing and breaks) is `docs/protocols/mqtt.md`; its names, and the connect
+helpers both ends use, are `agent_reach_proto.wire`'s. Here: `request_properties` builds a
+request's properties, `puback_error` reads the PUBACK (0x10 "No matching subscribers": no agent
+got it, a retryable `transport_error` at once), `answer_of` reads a reply through the table every
+protocol shares (`connectors._answers`). The Correlation Data is `<request id>/<n>`, n unique per
+call in the process, so a late reply to an earlier attempt cannot answer a later one.
 
 Connections
 -----------
@@ -85,19 +23,8 @@ PUBACK says it went nowhere counts `failed` for its own capability; `opened`, `r
 `transport.idle_timeout_s`. It belongs to no instance: `held()` is empty and an instance leaving
 the registry closes nothing.
 
-Brokers
--------
-MQTT 5 authenticates clients to the broker, not publishers to each other: whoever may publish to
-a Response Topic can answer a request, and whoever may subscribe to a request topic receives its
-payload. Give the broker ACLs: only Reach's clients read `reach/replies/#`; each agent reads
-only its own request topic; agents publish only to `reach/replies/#`. Without them, any client
-of the broker can read or forge results.
-
-Run the broker with TCP_NODELAY: for Mosquitto, `set_tcp_nodelay true` in mosquitto.conf (it
-is off by default). Both Reach and the SDK set it on their sockets, but without it at the
-broker each call waits ~40 ms on Nagle's algorithm and delayed ACKs there, since a request and
-its reply are each one small packet the broker forwards (measured here: 44 ms per call without
-it, 4 ms with it). The broker must speak MQTT 5 (Mosquitto 1.6 and later do).
+Brokers: ACLs (who may read and forge results), TCP_NODELAY at the broker (~40 ms a call
+without it) and MQTT 5 are in `docs/protocols/mqtt.md`.
 """
 
 from __future__ import annotations
@@ -109,8 +36,7 @@ import itertools
 import logging
 import math
 import secrets
-import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any, cast
 
 import aiomqtt
@@ -118,8 +44,9 @@ import paho.mqtt.client as paho_mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from agent_reach_proto import wire
+from agent_reach_proto.wire import paho_client as paho_client
 from connectors._address import check_characters, check_host, check_port, refuse
 from connectors._answers import reply_for_status, too_large
 from connectors._pools import ConnectionStats, Counter, Pools
@@ -138,24 +65,22 @@ from reach.messages import Message, Reply, dumps
 
 log = logging.getLogger("connectors.mqtt")
 
-DEFAULT_PORT = 1883
-REPLY_PREFIX = "reach/replies/"
-OPERATION = "operation"
-STATUS = "status"
-# The metadata names every protocol uses (the HTTP header names, lower case).
-REQUEST_ID = "x-reach-request-id"
-CALLER = "x-reach-caller"
-ATTEMPT = "x-reach-attempt"
-DEADLINE_MS = "x-reach-deadline-ms"
-IDEMPOTENCY_KEY = "idempotency-key"
-TRACEPARENT = "traceparent"
+DEFAULT_PORT = wire.MQTT_DEFAULT_PORT
+REPLY_PREFIX = wire.MQTT_REPLY_PREFIX
+OPERATION = wire.MQTT_OPERATION
+STATUS = wire.MQTT_STATUS
+# The contract's metadata names (the HTTP header names, lower case) under this module's names.
+REQUEST_ID = wire.REQUEST_ID
+CALLER = wire.CALLER
+ATTEMPT = wire.ATTEMPT
+DEADLINE_MS = wire.DEADLINE_MS
+IDEMPOTENCY_KEY = wire.IDEMPOTENCY_KEY
+TRACEPARENT = wire.TRACEPARENT
 
-# Far above any negotiated limit, so that an oversized reply still arrives and becomes a clear
-# agent_error; only beyond it does the broker drop a reply (and the request times out).
-MAX_PACKET_BYTES = 64 * 1024 * 1024
+# Reach announces wire.MQTT_MAX_PACKET_BYTES, far above any negotiated limit, so that an
+# oversized reply still arrives and becomes a clear agent_error; only beyond it does the broker
+# drop a reply (and the request times out).
 MAX_ERROR_BODY_BYTES = 64 * 1024
-KEEPALIVE_S = 30
-CONNECT_TIMEOUT_S = 5.0
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 # PUBACK reason codes (MQTT 5, 3.4.2.1). 0x10: the broker took the request, and no one had
@@ -206,26 +131,14 @@ def new_properties(packet_type: int) -> Properties:
 def request_properties(
     message: Message, reply_topic: str, correlation: bytes, timeout_s: float
 ) -> Properties:
-    """The MQTT 5 properties of a request PUBLISH (see the wire contract above)."""
+    """The MQTT 5 properties of a request PUBLISH (docs/protocols/mqtt.md)."""
     h = message.header
     props = new_properties(PacketTypes.PUBLISH)
     props.ResponseTopic = reply_topic
     props.CorrelationData = correlation
     props.ContentType = message.metadata.content_type
     props.MessageExpiryInterval = max(1, math.ceil(timeout_s))
-    pairs = [
-        (OPERATION, h.operation),
-        (REQUEST_ID, h.request_id),
-        (CALLER, h.caller),
-        (ATTEMPT, str(h.attempt)),
-    ]
-    if h.deadline_ms is not None:
-        pairs.append((DEADLINE_MS, str(h.deadline_ms)))
-    if h.idempotency_key:
-        pairs.append((IDEMPOTENCY_KEY, h.idempotency_key))
-    if h.traceparent:
-        pairs.append((TRACEPARENT, h.traceparent))
-    props.UserProperty = pairs
+    props.UserProperty = [(OPERATION, h.operation), *wire.metadata(h)]
     return props
 
 
@@ -317,18 +230,14 @@ def map_mqtt_exceptions(broker: str) -> Iterator[None]:
 # The one place this module relies on aiomqtt's internals (pinned: aiomqtt 2.5.1 on paho-mqtt
 # 2.2; tests/unit/ and tests/integration/test_connector_mqtt.py check each assumption, so an
 # upgrade that breaks one fails there, not in production):
-#   - `aiomqtt.Client._client` is the paho client it drives; aiomqtt has no public handle on it.
+#   - `aiomqtt.Client._client` is the paho client it drives; aiomqtt has no public handle on it
+#     (`agent_reach_proto.wire.paho_client`, shared with the connect helpers and the SDK).
 #   - aiomqtt drives paho's socket from the event loop (add_reader/add_writer), so paho's
 #     callbacks run on the loop's thread, inside its read handler: never during `publish()`.
 #   - aiomqtt installs its own `on_publish` (callback API version 2) in its constructor and
 #     ignores the reason code it is given; `AckedPublisher` chains in front of it.
 # Everything used on the paho client itself is paho's public API: `publish()` returning
 # `MQTTMessageInfo` (`rc`, `mid`), the `on_publish` property, `socket()`, `disconnect()`.
-
-
-def paho_client(client: aiomqtt.Client) -> paho_mqtt.Client:
-    """The paho client inside an aiomqtt client."""
-    return client._client
 
 
 class AckedPublisher:
@@ -384,42 +293,6 @@ class AckedPublisher:
     def waiting(self) -> int:
         """How many PUBACKs are awaited."""
         return len(self._acks)
-
-
-def _drop(client: aiomqtt.Client) -> None:
-    """Close the socket a failed or cancelled connect left open.
-
-    aiomqtt 2.5 keeps it after a CONNACK that never came (or a cancelled connect), with its
-    reader still registered; paho's own `disconnect()` closes it on the loop's next write.
-    """
-    paho = paho_client(client)
-    if paho.socket() is not None:
-        paho.disconnect()
-
-
-@contextlib.asynccontextmanager
-async def connected(client: aiomqtt.Client) -> AsyncIterator[aiomqtt.Client]:
-    """`async with client`, except that a connect that fails or is cancelled leaves no socket
-    behind (the cancelled connect runs to its end, at most the client's timeout, first)."""
-    entering = asyncio.ensure_future(client.__aenter__())
-    try:
-        await asyncio.shield(entering)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await entering
-            await client.__aexit__(None, None, None)
-        _drop(client)
-        raise
-    except Exception:
-        _drop(client)
-        raise
-    try:
-        yield client
-    except BaseException as exc:
-        await client.__aexit__(type(exc), exc, exc.__traceback__)
-        raise
-    else:
-        await client.__aexit__(None, None, None)
 
 
 # -- one connection per broker --------------------------------------------------------------------
@@ -497,38 +370,18 @@ class BrokerLink:
             return None
         return puback_error(ack.result(), topic, self.broker)
 
-    def _new_client(self) -> aiomqtt.Client:
-        props = new_properties(PacketTypes.CONNECT)
-        props.MaximumPacketSize = MAX_PACKET_BYTES
-        props.SessionExpiryInterval = 0
-        client = aiomqtt.Client(
-            self.host,
-            self.port,
-            identifier=f"reach-{secrets.token_hex(8)}",
-            protocol=aiomqtt.ProtocolVersion.V5,
-            clean_start=True,
-            keepalive=KEEPALIVE_S,
-            timeout=CONNECT_TIMEOUT_S,
-            properties=props,
-            # A request or reply is one small packet: Nagle and delayed ACKs would add ~40 ms.
-            socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
-        )
-        client.pending_calls_threshold = 1 << 30  # many requests in flight is normal here
-        return client
-
     async def _run(self) -> None:
         delay = BACKOFF_FIRST_S
         while not self.closed:
-            client = self._new_client()
+            client = wire.mqtt_client(
+                self.host, self.port, identifier=f"reach-{secrets.token_hex(8)}"
+            )
             publisher = AckedPublisher(client)
             subscribed = False
             error: BaseException | None = None
             try:
-                async with connected(client):
-                    options = SubscribeOptions(qos=1)
-                    granted = await client.subscribe(self.reply_topic, options=options)
-                    if any(getattr(code, "value", code) >= 0x80 for code in granted):
-                        raise aiomqtt.MqttError(f"subscribing to the reply topic failed: {granted}")
+                async with wire.mqtt_connected(client):
+                    await wire.mqtt_subscribe(client, self.reply_topic)
                     subscribed = True
                     self.connects += 1
                     if self.connects > 1:

@@ -1,86 +1,12 @@
 """WebSocket connector: one persistent, multiplexed connection per agent instance, JSON frames.
 
-Wire contract (what a non-SDK agent implements)
-------------------------------------------------
-
-The agent is the WebSocket server (RFC 6455); Reach is the client. Its service address is
-
-    host:port                       Reach connects to ws://host:port/reach
-    ws://host[:port][/path]         the path as given, /reach when there is none
-    wss://host[:port][/path]        the same over TLS (the system's trust store)
-
-With mTLS on (`security.tls.enabled`, `connectors._tls`), `host:port` means wss://host:port/reach,
-ws:// is refused, and every connection presents Reach's certificate and requires the agent's
-to be from Reach's CA for `<instance id>.agent.<trust domain>`.
-
-Reach offers no subprotocol and no extension (no permessage-deflate): frames carry the bytes
-Reach measured. It follows no redirect (a 3xx is a refused handshake, as is a 4xx; a 5xx or 429
-is worth another attempt). A handshake for any other path should be refused (the SDK answers
-404). Each
-gateway or worker process holds at most one connection per instance, so an agent serves several
-connections, each with many requests in flight.
-
-Every message is one UTF-8 JSON object in a text frame. Reach sends a request frame:
-
-    {"type": "request",
-     "request_id": "req-6f1c...",
-     "operation": "query",
-     "headers": {"x-reach-request-id": "req-6f1c...",
-                 "x-reach-caller": "alice",
-                 "x-reach-attempt": "1",
-                 "x-reach-deadline-ms": "1767225600000",
-                 "idempotency-key": "order-42",
-                 "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},
-     "payload": {"text": "durable retries", "top_k": 2}}
-
-- `request_id` is Reach's RequestID: echo it in the reply.
-- `headers` has the metadata under the same lower-case names as the HTTP headers, every value a
-  string: `x-reach-deadline-ms` is absolute (Unix epoch milliseconds), `x-reach-attempt` counts
-  from 1; `x-reach-deadline-ms`, `idempotency-key` and `traceparent` appear only when set.
-- `payload` is the caller's JSON object, encoded as Reach measures it (compact UTF-8), so it is
-  never larger than the `max_message_bytes` negotiated at Join.
-
-The agent answers every request with exactly one reply frame, whenever it is done (in any order;
-requests on one connection run concurrently):
-
-    {"type": "reply", "request_id": "req-6f1c...", "status": 200, "body": {"passages": []}}
-
-`status` is an HTTP-style integer meaning what it means on every protocol (`connectors._answers`):
-
-    200         `body` is the result (a JSON object; any other JSON value is wrapped as
-                {"value": ...}; absent or null is {})
-    202         accepted: the answer comes later through POST /reach/requests/{request_id}/result
-    504         timeout (the operation passed the request's deadline)
-    404, 413    agent_error, not retryable (operation not served; payload refused)
-    429, 5xx    agent_error, retryable
-    other       agent_error, not retryable
-
-An error's body is `{"error": {"type": ..., "message": ..., "retryable": false}}`: the agent's own
-words, carried inside the `agent_error`; `"retryable": false` can withhold a retry, never ask for
-one.
-
-A RequestID can arrive again (a re-delivery after a lost answer), even while the first is still
-running: answer each frame, with the same answer (the SDK answers the second from the first).
-Replies carrying the same `request_id` are therefore interchangeable, and Reach hands each one
-to the oldest request still waiting for that id on the connection (first in, first out).
-
-Limits and malformed frames: a 200 `body`, re-encoded as compact UTF-8 JSON, may be at most the
-negotiated `max_message_bytes` (nested at most 64 levels, no NaN, Infinity or lone surrogates);
-otherwise that request fails with a non-retryable `agent_error`. A frame over 6 x that limit +
-64 KiB ends the connection (close 1009), failing every request in flight on it. Anything else
-Reach cannot use is a problem for one request at most, never for the connection:
-
-- a reply whose `status` is not an integer from 100 to 599, or whose `body` is not standard
-  JSON, fails that request (`agent_error`, not retryable);
-- a frame that is not a JSON object (not UTF-8, not JSON, truncated) or has no `"type"`: when a
-  single `"request_id"` can still be read from its text, that request fails the same way at
-  once; otherwise the frame is logged and dropped;
-- a reply for a `request_id` no request waits for (e.g. one that passed its deadline) is dropped;
-- a frame whose `"type"` is another string is ignored (reserved for extensions);
-- a binary frame is read like a text frame: some libraries send encoded JSON that way.
-
-Keepalive: Reach pings every `PING_INTERVAL_S` (20 s) and closes a connection whose pong has not
-come within `PING_TIMEOUT_S` (20 s); every WebSocket library answers pings on its own.
+The wire contract (what an agent written without the SDK implements: the address, the request
+and reply frames, what each status means, limits, which malformed frames cost what, keepalive,
+mTLS) is `docs/protocols/websocket.md`; its names are `agent_reach_proto.wire`'s. Here: Reach
+pings every `PING_INTERVAL_S` and closes a connection whose pong is `PING_TIMEOUT_S` late; a
+frame Reach cannot use costs one request at most (the one it names, if it names one), never the
+connection, except a frame past `frame_limit`, which ends it (close 1009); replies carrying the
+same `request_id` go to the oldest request waiting for that id on the connection.
 
 Connections
 -----------
@@ -104,7 +30,6 @@ import contextlib
 import json
 import logging
 import random
-import re
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -124,6 +49,7 @@ from websockets.exceptions import (
 from websockets.frames import CloseCode
 from websockets.protocol import State
 
+from agent_reach_proto import wire
 from connectors._address import check_http_address
 from connectors._answers import reply_for_status
 from connectors._pools import ConnectionStats, Pools
@@ -144,7 +70,7 @@ from reach.security.netguard import host_port
 
 log = logging.getLogger("connectors.websocket")
 
-DEFAULT_PATH = "/reach"
+DEFAULT_PATH = wire.WS_DEFAULT_PATH
 PING_INTERVAL_S = 20.0
 PING_TIMEOUT_S = 20.0
 OPEN_TIMEOUT_S = 10.0  # TCP connect and handshake; the request's own deadline may end it sooner
@@ -156,15 +82,13 @@ BACKOFF_MAX_S = 5.0
 FRAME_GROWTH = 6
 FRAME_OVERHEAD = 64 * 1024
 
-HEADER_REQUEST_ID = "x-reach-request-id"
-HEADER_CALLER = "x-reach-caller"
-HEADER_ATTEMPT = "x-reach-attempt"
-HEADER_DEADLINE = "x-reach-deadline-ms"
-HEADER_IDEMPOTENCY_KEY = "idempotency-key"
-HEADER_TRACEPARENT = "traceparent"
-
-# A RequestID (reach.messages.REQUEST_ID_PATTERN) named in a frame Reach could not parse.
-_REQUEST_ID_IN_TEXT = re.compile(rb'"request_id"\s*:\s*"([A-Za-z0-9][A-Za-z0-9._:-]{0,127})"')
+# The contract's metadata names under this module's older names.
+HEADER_REQUEST_ID = wire.REQUEST_ID
+HEADER_CALLER = wire.CALLER
+HEADER_ATTEMPT = wire.ATTEMPT
+HEADER_DEADLINE = wire.DEADLINE_MS
+HEADER_IDEMPOTENCY_KEY = wire.IDEMPOTENCY_KEY
+HEADER_TRACEPARENT = wire.TRACEPARENT
 
 Frame = dict[str, Any]
 
@@ -230,23 +154,12 @@ def backoff_s(failures: int) -> float:
 def request_frame(message: Message) -> bytes:
     """The request frame for `message`, encoded once as sent."""
     h = message.header
-    headers = {
-        HEADER_REQUEST_ID: h.request_id,
-        HEADER_CALLER: h.caller,
-        HEADER_ATTEMPT: str(h.attempt),
-    }
-    if h.deadline_ms is not None:
-        headers[HEADER_DEADLINE] = str(h.deadline_ms)
-    if h.idempotency_key:
-        headers[HEADER_IDEMPOTENCY_KEY] = h.idempotency_key
-    if h.traceparent:
-        headers[HEADER_TRACEPARENT] = h.traceparent
     frame = {
-        "type": "request",
-        "request_id": h.request_id,
-        "operation": h.operation,
-        "headers": headers,
-        "payload": message.payload,
+        wire.WS_TYPE: wire.WS_REQUEST,
+        wire.WS_REQUEST_ID: h.request_id,
+        wire.WS_OPERATION: h.operation,
+        wire.WS_HEADERS: dict(wire.metadata(h)),
+        wire.WS_PAYLOAD: message.payload,
     }
     try:
         return dumps(frame)
@@ -256,22 +169,20 @@ def request_frame(message: Message) -> bytes:
         ) from exc
 
 
-def request_id_in(data: bytes) -> str | None:
-    """The one RequestID named in the text of a frame that could not be parsed, if any."""
-    found = set(_REQUEST_ID_IN_TEXT.findall(data))
-    return found.pop().decode("ascii") if len(found) == 1 else None
+# The one RequestID named in a frame that could not be parsed (the SDK's server reads it too).
+request_id_in = wire.request_id_in
 
 
 def read_reply(endpoint: Endpoint, frame: Frame, limit: int) -> Reply:
     """The Reply a reply frame stands for, or the typed error (the shared status table)."""
-    status = frame.get("status")
+    status = frame.get(wire.WS_STATUS)
     if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599:
         raise AgentError(
             f"agent {endpoint.instance_id} sent a reply frame whose status {status!r:.40} is not "
             "an HTTP-style integer",
             retryable=False,
         )
-    body = frame.get("body")
+    body = frame.get(wire.WS_BODY)
     try:
         raw = b"" if body is None else dumps(body)
     except (ValueError, RecursionError) as exc:  # NaN, Infinity, lone surrogates
@@ -421,9 +332,9 @@ class _Socket:
         if not isinstance(frame, dict):
             self._refuse(data, "a frame that is not a JSON object")
             return
-        kind = frame.get("type")
-        request_id = frame.get("request_id")
-        if kind != "reply":
+        kind = frame.get(wire.WS_TYPE)
+        request_id = frame.get(wire.WS_REQUEST_ID)
+        if kind != wire.WS_REPLY:
             if isinstance(kind, str):  # reserved for extensions
                 log.debug("agent at %s sent a %r frame; ignored", self.link.address, kind[:40])
             else:

@@ -29,6 +29,8 @@ into a retryable transport failure. 1 KiB of UTF-8 is at most 3 KiB on the wire.
 
 gRPC's receive limit is fixed when the server starts (`max_body_bytes` then, plus the request's
 framing); `max_body_bytes` lowered after Join is enforced here, per request, with the 413 answer.
+
+The wire contract it serves: `docs/protocols/grpc.md` (names: `agent_reach_proto.wire`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
+from agent_reach_proto import wire
 from agent_reach_proto.agent_pb2 import InvokeReply, InvokeRequest
 from agent_reach_sdk.servers import AgentServer, split_hostport
 from agent_reach_sdk.wire import INTERNAL_ERROR, Answer, Dispatch, Inbound, error_answer
@@ -49,10 +52,10 @@ from reach.security.certs import CertificateError, TlsFiles, reach_identity_for
 
 log = logging.getLogger("agent_reach_sdk.server")
 
-SERVICE = "reach.agent.v1.Agent"
-ERROR_TYPE = "x-reach-error-type"
-RETRYABLE = "x-reach-retryable"
-STATUS = "x-reach-status"
+SERVICE = wire.GRPC_AGENT_SERVICE
+ERROR_TYPE = wire.GRPC_ERROR_TYPE
+RETRYABLE = wire.GRPC_RETRYABLE
+STATUS = wire.GRPC_STATUS
 # The error's message in `grpc-message`, in UTF-8 bytes (at most three times that on the wire).
 DETAILS_MAX_BYTES = 1024
 # The error's type in `x-reach-error-type` (visible ASCII, so characters are bytes).

@@ -4,6 +4,8 @@ h11 does the parsing (chunked bodies, pipelining, `Expect: 100-continue`, and th
 that keeps request smuggling out); this module only moves bytes. Each response leaves in a
 single write with TCP_NODELAY: headers and body as two small sends meet Nagle's algorithm and
 delayed ACKs and cost ~40 ms per call.
+
+The wire contract it serves: `docs/protocols/http.md` (names: `agent_reach_proto.wire`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import h11
 
+from agent_reach_proto import wire
 from agent_reach_sdk.servers import AgentServer, split_hostport
 from agent_reach_sdk.wire import INTERNAL_ERROR, Answer, Dispatch, Inbound, error_answer
 from reach.security.certs import peer_spiffe_ids, reach_identity_for, server_context
@@ -25,7 +28,7 @@ log = logging.getLogger("agent_reach_sdk.server")
 
 MAX_HEADER_BYTES = 64 * 1024
 READ_CHUNK = 64 * 1024
-PREFIX = "/reach/"
+PREFIX = wire.HTTP_PATH_PREFIX
 # A kept-alive connection may wait this long for its next request: longer than Reach keeps an
 # idle connection (transport.idle_timeout_s, 60 s), so Reach, not the agent, closes it first
 # and never sends on a connection the agent is closing.

@@ -1,5 +1,6 @@
 """The agent's MQTT 5 server: requests from a broker topic, replies to each request's Response
-Topic (the wire contract is in `connectors.mqtt`).
+Topic (the wire contract is in `docs/protocols/mqtt.md`, its names and the connect helpers in
+`agent_reach_proto.wire`).
 
 Here `listen` and `advertise` name the BROKER (`host:port` or `mqtt://host:port`), not a socket
 of the agent's own: the agent connects out to `listen`, and joins Reach with
@@ -19,31 +20,26 @@ broker), so a request published while it is away reaches no one: the broker tell
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
-import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiomqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from agent_reach_proto import wire
 from agent_reach_sdk.servers import AgentServer, split_hostport
 from agent_reach_sdk.wire import INTERNAL_ERROR, Answer, Dispatch, Inbound, error_answer
 
 log = logging.getLogger("agent_reach_sdk.server")
 
-DEFAULT_PORT = 1883
-OPERATION = "operation"
-STATUS = "status"
-# The most a request may be as the broker sends it; the runtime's negotiated limit is checked
-# per request (413), this only keeps an absurd packet out of memory.
-MAX_PACKET_BYTES = 64 * 1024 * 1024
-KEEPALIVE_S = 30
-CONNECT_TIMEOUT_S = 5.0
+DEFAULT_PORT = wire.MQTT_DEFAULT_PORT
+OPERATION = wire.MQTT_OPERATION
+STATUS = wire.MQTT_STATUS
+# The most a request may be as the broker sends it is wire.MQTT_MAX_PACKET_BYTES (announced by
+# `wire.mqtt_client`); the runtime's negotiated limit is checked per request (413), that only
+# keeps an absurd packet out of memory.
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 2.0
 # Requests running at once; past it, a retryable 503 at once, so a flood of requests cannot
@@ -66,43 +62,6 @@ def _properties(packet_type: int) -> Properties:
 
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _drop(client: aiomqtt.Client) -> None:
-    """Close the socket a failed or cancelled connect left open.
-
-    aiomqtt 2.5 keeps it after a CONNACK that never came (or a cancelled connect), with its
-    reader still registered; paho's own `disconnect()` closes it on the loop's next write.
-    aiomqtt has no public handle on its paho client, hence `_client`.
-    """
-    paho = client._client
-    if paho.socket() is not None:
-        paho.disconnect()
-
-
-@contextlib.asynccontextmanager
-async def connected(client: aiomqtt.Client) -> AsyncIterator[aiomqtt.Client]:
-    """`async with client`, except that a connect that fails or is cancelled leaves no socket
-    behind (the cancelled connect runs to its end, at most the client's timeout, first)."""
-    entering = asyncio.ensure_future(client.__aenter__())
-    try:
-        await asyncio.shield(entering)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await entering
-            await client.__aexit__(None, None, None)
-        _drop(client)
-        raise
-    except Exception:
-        _drop(client)
-        raise
-    try:
-        yield client
-    except BaseException as exc:
-        await client.__aexit__(type(exc), exc, exc.__traceback__)
-        raise
-    else:
-        await client.__aexit__(None, None, None)
 
 
 class MqttAgentServer(AgentServer):
@@ -163,38 +122,15 @@ class MqttAgentServer(AgentServer):
 
     # -- the connection -----------------------------------------------------------------------
 
-    def _new_client(self) -> aiomqtt.Client:
-        props = _properties(PacketTypes.CONNECT)
-        props.MaximumPacketSize = MAX_PACKET_BYTES
-        props.SessionExpiryInterval = 0
-        client = aiomqtt.Client(
-            self._host,
-            self._port,
-            identifier=f"reach-agent-{secrets.token_hex(8)}",
-            protocol=aiomqtt.ProtocolVersion.V5,
-            clean_start=True,
-            keepalive=KEEPALIVE_S,
-            timeout=CONNECT_TIMEOUT_S,
-            properties=props,
-            # A request or reply is one small packet: Nagle and delayed ACKs would add ~40 ms.
-            socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
-        )
-        client.pending_calls_threshold = 1 << 30  # many replies in flight is normal here
-        return client
-
     async def _run(self) -> None:
         delay = BACKOFF_FIRST_S
         while not self._closing:
-            client = self._new_client()
+            client = wire.mqtt_client(
+                self._host, self._port, identifier=f"reach-agent-{secrets.token_hex(8)}"
+            )
             try:
-                async with connected(client):
-                    # Retained messages are no requests: a request is answered once, when sent.
-                    options = SubscribeOptions(
-                        qos=1, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND
-                    )
-                    granted = await client.subscribe(self.topic, options=options)
-                    if any(getattr(code, "value", code) >= 0x80 for code in granted):
-                        raise aiomqtt.MqttError(f"the broker refused the subscription: {granted}")
+                async with wire.mqtt_connected(client):
+                    await wire.mqtt_subscribe(client, self.topic)
                     self._client = client
                     self.connections += 1
                     delay = BACKOFF_FIRST_S

@@ -1,10 +1,10 @@
 """The agent's WebSocket server: Reach's request frames in, reply frames out, on `websockets`.
 
-The wire contract is written out in `connectors.websocket` (the connector Reach calls with);
-this module serves it. Each request frame runs in its own task, so one connection carries many
-requests at once and a slow operation never holds up a fast one; each reply leaves as one text
-frame built once around the runtime's answer as encoded (`Answer.content()`), so a remembered
-answer goes out byte for byte as it did the first time.
+The wire contract is written out in `docs/protocols/websocket.md` (its names in
+`agent_reach_proto.wire`); this module serves it. Each request frame runs in its own task, so
+one connection carries many requests at once and a slow operation never holds up a fast one;
+each reply leaves as one text frame built once around the runtime's answer as encoded
+(`Answer.content()`), so a remembered answer goes out byte for byte as it did the first time.
 
 Frames are read as bytes and parsed here rather than by the library, so that one request's
 broken frame (not UTF-8, not JSON) costs that request alone: websockets would close the whole
@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from http import HTTPStatus
 from typing import Any
 
@@ -41,14 +40,15 @@ from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
+from agent_reach_proto import wire
 from agent_reach_sdk.servers import AgentServer, split_hostport
-from agent_reach_sdk.wire import INTERNAL_ERROR, REQUEST_ID, Answer, Dispatch, Inbound, error_answer
+from agent_reach_sdk.wire import INTERNAL_ERROR, Answer, Dispatch, Inbound, error_answer
 from reach.messages import dumps
 from reach.security.certs import peer_spiffe_ids, reach_identity_for, server_context
 
 log = logging.getLogger("agent_reach_sdk.server")
 
-DEFAULT_PATH = "/reach"
+DEFAULT_PATH = wire.WS_DEFAULT_PATH
 # Room in a frame for everything around the payload: type, ids, operation, headers.
 FRAME_OVERHEAD = 64 * 1024
 # Requests one connection may have running at once; past it, a retryable 503 (one Reach
@@ -58,17 +58,15 @@ PING_INTERVAL_S = 20.0
 PING_TIMEOUT_S = 20.0
 CLOSE_TIMEOUT_S = 2.0
 
-_REQUEST_ID_IN_TEXT = re.compile(rb'"request_id"\s*:\s*"([A-Za-z0-9][A-Za-z0-9._:-]{0,127})"')
+# A reply frame's fixed parts, spelled once: `{"type":"reply","request_id":` ... `,"status":`
+# ... `,"body":`.
+_REPLY_OPEN = f'{{"{wire.WS_TYPE}":"{wire.WS_REPLY}","{wire.WS_REQUEST_ID}":'.encode()
+_REPLY_STATUS = f',"{wire.WS_STATUS}":'.encode()
+_REPLY_BODY = f',"{wire.WS_BODY}":'.encode()
 
 
 def _bad(message: str) -> Answer:
     return error_answer(400, "invalid_request", message)
-
-
-def _request_id_in(data: bytes) -> str | None:
-    """The one RequestID named in the text of a frame that could not be parsed, if any."""
-    found = set(_REQUEST_ID_IN_TEXT.findall(data))
-    return found.pop().decode("ascii") if len(found) == 1 else None
 
 
 def parse_request(data: bytes, max_body_bytes: int) -> tuple[str | None, Inbound | Answer | None]:
@@ -77,27 +75,27 @@ def parse_request(data: bytes, max_body_bytes: int) -> tuple[str | None, Inbound
     try:
         frame: Any = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError):
-        return _request_id_in(data), _bad("the frame is not UTF-8 JSON")
+        return wire.request_id_in(data), _bad("the frame is not UTF-8 JSON")
     if not isinstance(frame, dict):
         return None, None
-    request_id = frame.get("request_id")
+    request_id = frame.get(wire.WS_REQUEST_ID)
     if not isinstance(request_id, str) or not request_id:
         return None, None
-    kind = frame.get("type")
-    if kind != "request":
+    kind = frame.get(wire.WS_TYPE)
+    if kind != wire.WS_REQUEST:
         # Another type is reserved for extensions: not ours to answer.
         return request_id, (None if isinstance(kind, str) else _bad('"type" must be "request"'))
-    operation = frame.get("operation")
+    operation = frame.get(wire.WS_OPERATION)
     if not isinstance(operation, str) or not operation:
         return request_id, _bad('"operation" must be a non-empty string')
-    headers = frame.get("headers")
+    headers = frame.get(wire.WS_HEADERS)
     if headers is None:
         headers = {}
     if not isinstance(headers, dict) or not all(isinstance(v, str) for v in headers.values()):
         return request_id, _bad('"headers" must map names to strings')
     names = {str(name).lower(): value for name, value in headers.items()}
-    names.setdefault(REQUEST_ID, request_id)  # the runtime deduplicates by it
-    payload = frame.get("payload")
+    names.setdefault(wire.REQUEST_ID, request_id)  # the runtime deduplicates by it
+    payload = frame.get(wire.WS_PAYLOAD)
     if payload is None:
         payload = {}
     if not isinstance(payload, dict):
@@ -121,11 +119,11 @@ def reply_frame(request_id: str, answer: Answer) -> bytes:
     body = answer.content() or b"null"
     return b"".join(
         (
-            b'{"type":"reply","request_id":',
+            _REPLY_OPEN,
             dumps(request_id),
-            b',"status":',
+            _REPLY_STATUS,
             str(int(answer.status)).encode(),
-            b',"body":',
+            _REPLY_BODY,
             body,
             b"}",
         )
