@@ -18,6 +18,7 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from temporalio.service import RPCError, RPCStatusCode
 
+from agent_reach_proto import wire
 from reach.errors import (
     ErrorType,
     InternalError,
@@ -46,7 +47,7 @@ _TRANSIENT = {
 
 
 def envelope_response(response: InvokeResponse, status_code: int) -> Response:
-    headers = {"X-Reach-Request-Id": response.request_id} if response.request_id else {}
+    headers = {wire.HTTP_REQUEST_ID: response.request_id} if response.request_id else {}
     if response.error is not None and response.error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, response.error.retry_after_s))
     if response.replayed_from:
