@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: up test lint fmt test-only fuzz-quick fuzz bench bench-routing install clean proto
+.PHONY: up test lint docs docs-build fmt test-only fuzz-quick fuzz bench bench-routing install clean proto
 
 # The fuzz runs happen in a network namespace of their own with only loopback up, so no URL the
 # fuzzer makes up (callbacks, agent addresses) can send a packet off this machine.
@@ -28,6 +28,18 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The docs site (mkdocs.yml). `make docs` serves it with live reload on DOCS_PORT (default: a free
+# port, printed); `make docs-build` builds it into site/ with --strict, so a broken link fails.
+DOCS_PORT ?= $(shell $(PY) -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# Material 9.7+ prints a banner about MkDocs 2.0 on every run; it says nothing about this site.
+DOCS_ENV := NO_MKDOCS_2_WARNING=1
+
+docs: $(STAMP)
+	$(DOCS_ENV) $(BIN)/mkdocs serve --dev-addr 127.0.0.1:$(DOCS_PORT)
+
+docs-build: $(STAMP)
+	$(DOCS_ENV) $(BIN)/mkdocs build --strict --quiet
+
 # Regenerate the committed protobuf modules after editing protos/agent_reach_proto/*.proto.
 proto: $(STAMP)
 	PYTHON=$(BIN)/python protos/generate.sh
@@ -36,7 +48,7 @@ fmt: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: lint test-only
+test: lint docs-build test-only
 
 # Two workers, each with its own Temporal dev server; whole files per worker, so a module's
 # gateway fixture starts once. `make test-only XDIST=` runs serially.
