@@ -23,9 +23,12 @@ import httpx
 from agent_reach_sdk.servers.http import HttpAgentServer
 from agent_reach_sdk.wire import Answer, Dispatch, Inbound
 from gateway_api.devserver import free_port
+from reach.messages import Header, Message
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_SCRIPT = ROOT / "examples" / "knowledge_retriever.py"
+# The W3C Trace Context example: a valid traceparent for messages to carry.
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def _env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -229,6 +232,25 @@ async def start_agents(
     agents = [Agent(gateway, f"{capability}-{i:02d}", capability, *flags) for i in range(count)]
     await asyncio.gather(*(a.ready() for a in agents))
     return agents
+
+
+def message(
+    operation: str, payload: dict[str, Any] | None = None, *, deadline_s: float = 5.0, **header: Any
+) -> Message:
+    """A message as a connector is handed one: a second attempt with an idempotency key and a
+    traceparent, so every header it carries has a value; `header` replaces any field."""
+    fields: dict[str, Any] = {
+        "request_id": f"req-{uuid.uuid4().hex[:12]}",
+        "caller": "tester",
+        "target": "cap",
+        "operation": operation,
+        "attempt": 2,
+        "deadline_ms": int((time.time() + deadline_s) * 1000),
+        "idempotency_key": "key-1",
+        "traceparent": TRACEPARENT,
+        **header,
+    }
+    return Message(header=Header(**fields), payload={"q": "x"} if payload is None else payload)
 
 
 class PathServer(HttpAgentServer):

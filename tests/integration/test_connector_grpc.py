@@ -7,6 +7,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import grpc
@@ -25,28 +26,16 @@ from gateway_api.devserver import free_port
 from reach.config import TransportSettings
 from reach.errors import AgentError, DeadlineExceeded, ReachError, TransportError
 from reach.invocation import Endpoint
-from reach.messages import Header, Message, dumps
-from tests.helpers import agent_server, wait_until
+from reach.messages import dumps
+from tests.helpers import TRACEPARENT, agent_server, wait_until
+from tests.helpers import message as a_message
 
 pytestmark = pytest.mark.integration
 
+# Deadlines past the 5 s most calls here are given, so the call's own timeout is what ends them.
+message = partial(a_message, deadline_s=10.0)
+
 AGENT_LIMIT = 64 * 1024
-TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-def message(operation: str, payload: dict[str, Any] | None = None, **header: Any) -> Message:
-    fields: dict[str, Any] = {
-        "request_id": f"req-{uuid.uuid4().hex}",
-        "caller": "tester",
-        "target": "cap",
-        "operation": operation,
-        "attempt": 2,
-        "deadline_ms": int(time.time() * 1000) + 10_000,
-        "idempotency_key": "key-1",
-        "traceparent": TRACEPARENT,
-        **header,
-    }
-    return Message(header=Header(**fields), payload={"q": "x"} if payload is None else payload)
 
 
 def endpoint(port: int, max_message_bytes: int | None = None, name: str = "g1") -> Endpoint:

@@ -16,8 +16,8 @@ from connectors.http import HttpConnector
 from reach.config import TransportSettings
 from reach.errors import AgentError, AgentFault, DeadlineExceeded, TransportError
 from reach.invocation import Endpoint
-from reach.messages import Header, Message, dumps, json_size
-from tests.helpers import agent_server, free_port, wait_until
+from reach.messages import dumps, json_size
+from tests.helpers import TRACEPARENT, agent_server, free_port, message, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -57,21 +57,6 @@ async def handler(request: Inbound) -> Answer:
     return agent_error(404, "invalid_request", "unknown op")
 
 
-def message(operation: str, payload: dict[str, Any] | None = None, **header: Any) -> Message:
-    fields: dict[str, Any] = {
-        "request_id": "req-1",
-        "caller": "tester",
-        "target": "cap",
-        "operation": operation,
-        "attempt": 2,
-        "deadline_ms": int(time.time() * 1000) + 5000,
-        "idempotency_key": "key-1",
-        "traceparent": "00-abc-def-01",
-        **header,
-    }
-    return Message(header=Header(**fields), payload={"q": "x"} if payload is None else payload)
-
-
 def endpoint(port: int, max_message_bytes: int | None = None, name: str = "a1") -> Endpoint:
     return Endpoint(
         instance_id=name,
@@ -95,15 +80,16 @@ async def agent() -> AsyncIterator[Endpoint]:
 async def test_http_connector_outcomes(agent: Endpoint) -> None:
     ep = agent
     async with HttpConnector() as conn:
-        reply = await conn.invoke(ep, message("ok"), 2)
+        sent = message("ok")
+        reply = await conn.invoke(ep, sent, 2)
         assert reply.status == "ok"
         assert reply.result == {"got": {"q": "x"}}
         h = SEEN[-1].headers
-        assert h["x-reach-request-id"] == "req-1"
+        assert h["x-reach-request-id"] == sent.header.request_id
         assert h["x-reach-caller"] == "tester"
         assert h["x-reach-attempt"] == "2"
         assert h["idempotency-key"] == "key-1"
-        assert h["traceparent"] == "00-abc-def-01"
+        assert h["traceparent"] == TRACEPARENT
         assert int(h["x-reach-deadline-ms"]) > time.time() * 1000
         assert (await conn.invoke(ep, message("list"), 2)).result == {"value": [1, 2]}
         assert (await conn.invoke(ep, message("later"), 2)).status == "accepted"

@@ -30,13 +30,12 @@ from connectors.mqtt import BrokerLink, MqttConnector, new_properties
 from reach.config import TransportSettings
 from reach.errors import AgentError, DeadlineExceeded, TransportError
 from reach.invocation import Endpoint
-from reach.messages import Header, Message, Reply, dumps
-from tests.helpers import free_port, wait_until
+from reach.messages import Reply, dumps
+from tests.helpers import TRACEPARENT, free_port, message, wait_until
 
 pytestmark = pytest.mark.integration
 
 MACHINE_BROKER = "127.0.0.1:1883"
-TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def new_id() -> str:
@@ -58,21 +57,6 @@ async def broker() -> str:
     if not await port_open(1883):
         pytest.fail("Mosquitto is not answering on 127.0.0.1:1883 (see the env skill)")
     return MACHINE_BROKER
-
-
-def message(operation: str, payload: dict[str, Any] | None = None, **header: Any) -> Message:
-    fields: dict[str, Any] = {
-        "request_id": f"req-{uuid.uuid4().hex[:12]}",
-        "caller": "tester",
-        "target": "cap",
-        "operation": operation,
-        "attempt": 2,
-        "deadline_ms": int(time.time() * 1000) + 5000,
-        "idempotency_key": "key-1",
-        "traceparent": TRACEPARENT,
-        **header,
-    }
-    return Message(header=Header(**fields), payload={"q": "x"} if payload is None else payload)
 
 
 def endpoint(address: str, instance_id: str, max_message_bytes: int | None = None) -> Endpoint:

@@ -34,27 +34,11 @@ from connectors.websocket import WebSocketConnector
 from reach.config import TransportSettings
 from reach.errors import AgentError, DeadlineExceeded, TransportError
 from reach.invocation import Endpoint
-from reach.messages import Header, Message
-from tests.helpers import free_port, spawn, wait_until
+from tests.helpers import free_port, message, spawn, wait_until
 
 pytestmark = pytest.mark.integration
 
-CAPABILITY = "ws-cap"
-
-
-def message(operation: str, payload: dict[str, Any] | None = None, **header: Any) -> Message:
-    fields: dict[str, Any] = {
-        "request_id": "req-1",
-        "caller": "tester",
-        "target": CAPABILITY,
-        "operation": operation,
-        "attempt": 2,
-        "deadline_ms": int(time.time() * 1000) + 5000,
-        "idempotency_key": "key-1",
-        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-        **header,
-    }
-    return Message(header=Header(**fields), payload={"q": "x"} if payload is None else payload)
+CAPABILITY = "cap"  # where helpers.message sends
 
 
 def endpoint(address: str, max_message_bytes: int | None = None, name: str = "ws-1") -> Endpoint:
@@ -143,7 +127,7 @@ async def agent() -> AsyncIterator[Agent]:
 async def test_results_metadata_and_the_status_table(agent: Agent) -> None:
     ep = agent.endpoint()
     async with WebSocketConnector() as conn:
-        reply = await conn.invoke(ep, message("echo"), 2)
+        reply = await conn.invoke(ep, message("echo", request_id="req-1"), 2)
         assert reply.status == "ok"
         assert reply.result == {"got": {"q": "x"}, "request_id": "req-1"}
         ctx = agent.seen[-1]
