@@ -1,0 +1,293 @@
+"""The dispatcher: the operations an agent serves, and how one request becomes one answer.
+
+Every protocol server hands it the same `Inbound` and sends back the `Answer` (agent_reach_sdk.
+wire). In order: the operation is looked up (404 if not served), an earlier delivery of the same
+RequestID answers instead (the answer cache), the metadata is read into a `RequestContext`, the
+handler runs under the request's deadline (the deadline keeper), and its result is checked: a
+result that is not standard JSON or larger than the `max_message_bytes` negotiated at Join is
+not sent (Reach could not carry it) and the caller gets a typed error instead.
+
+The hot path: one await of the handler's task per call, no other task, nothing re-computed that
+registration could work out once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import inspect
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent_reach_sdk import wire
+from agent_reach_sdk._answers import AnswerCache
+from agent_reach_sdk._deadlines import LATEST_DEADLINE_MS, DeadlineKeeper, DeadlinePassed
+from agent_reach_sdk.context import Deferred, RequestContext, current_request_id
+from agent_reach_sdk.tracing import traced_dispatch
+from agent_reach_sdk.wire import Answer, Inbound, error_answer
+from reach.messages import MAX_TIMEOUT_MS
+
+log = logging.getLogger("agent_reach_sdk")
+
+OperationFunc = Callable[..., Any]
+
+
+class OperationError(Exception):
+    """Raise from an operation to answer with a typed error instead of a result."""
+
+    def __init__(self, message: str, *, type: str = "agent_error", status: int = 422) -> None:
+        """`status` is HTTP-style and decides whether Reach may retry: 429 and 5xx yes, other
+        4xx no, 504 is a timeout. Only 400-599 say that the same way on every protocol."""
+        if not 400 <= status <= 599:
+            raise ValueError(f"OperationError status must be 400-599, not {status}")
+        super().__init__(message)
+        self.message = message
+        self.type = type
+        self.status = status
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        *,
+        capability: str,
+        instance_id: str,
+        protocol: str,
+        max_message_bytes: int,
+        answers: AnswerCache,
+        deadlines: DeadlineKeeper,
+    ) -> None:
+        # Each operation with how it is called, worked out once at registration rather than per
+        # call; one entry, so a dispatch never pairs a re-registered function with an old shape.
+        self.calls: dict[str, tuple[OperationFunc, Shape]] = {}
+        self.declared: dict[str, dict[str, Any]] = {}  # only operations that declare something
+        self.max_message_bytes = max_message_bytes  # the negotiated one, once joined
+        self.executed = 0  # operations actually run (re-deliveries answered from memory excluded)
+        self.tracer: Any = None  # an OpenTelemetry Tracer when tracing is on
+        self._answers = answers
+        self._deadlines = deadlines
+        self._span_attributes = {
+            "reach.capability": capability,
+            "reach.instance_id": instance_id,
+            "reach.protocol": protocol,
+        }
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def operation(
+        self, name: str, *, idempotent: bool | None = None, timeout_ms: int | None = None
+    ) -> Callable[[OperationFunc], OperationFunc]:
+        if idempotent is not None and not isinstance(idempotent, bool):
+            raise TypeError(f"idempotent must be a bool or None, not {idempotent!r}")
+        if timeout_ms is not None and (
+            isinstance(timeout_ms, bool)
+            or not isinstance(timeout_ms, int)
+            or not 1 <= timeout_ms <= MAX_TIMEOUT_MS
+        ):
+            raise ValueError(
+                f"timeout_ms must be an integer from 1 to {MAX_TIMEOUT_MS} (24 h), not "
+                f"{timeout_ms!r}"
+            )
+        declared: dict[str, Any] = {}
+        if idempotent is not None:
+            declared["idempotent"] = idempotent
+        if timeout_ms is not None:
+            declared["timeout_ms"] = timeout_ms
+
+        def register(func: OperationFunc) -> OperationFunc:
+            self.calls[name] = (func, Shape.of(func))
+            if declared:
+                self.declared[name] = declared
+            else:
+                self.declared.pop(name, None)
+            return func
+
+        return register
+
+    @property
+    def operations(self) -> list[str]:
+        return sorted(self.calls)
+
+    def join_operations(self) -> list[str | dict[str, Any]]:
+        """The Join body's `operations`: a plain name, or an object with what it declares."""
+        return [
+            {"name": name, **self.declared[name]} if name in self.declared else name
+            for name in self.operations
+        ]
+
+    # -- serving --------------------------------------------------------------------------------
+
+    async def dispatch(self, request: Inbound) -> Answer:
+        """Answer one request, whatever protocol it came by; with tracing on, in a server span
+        that continues the request's traceparent."""
+        if self.tracer is not None:
+            return await traced_dispatch(self.tracer, request, self._answer, self._span_attributes)
+        return await self._answer(request)
+
+    async def _answer(self, request: Inbound) -> Answer:
+        name = request.operation
+        call = self.calls.get(name)
+        if call is None:
+            return error_answer(404, "invalid_request", f"operation {name!r} is not served here")
+        request_id = request.headers.get(wire.REQUEST_ID) or f"local-{time.time_ns()}"
+        answers = self._answers
+        earlier = answers.earlier(request_id)
+        if earlier is not None:
+            return earlier if isinstance(earlier, Answer) else await earlier
+        future = answers.begin(request_id)
+        try:
+            answer = await self._execute(call, name, request_id, request)
+        except asyncio.CancelledError:
+            answers.cancelled(request_id, future)
+            raise
+        except BaseException as exc:
+            answers.failed(request_id, future, exc)
+            raise
+        answers.answered(request_id, future, answer)
+        return answer
+
+    async def _execute(
+        self, call: tuple[OperationFunc, Shape], name: str, request_id: str, request: Inbound
+    ) -> Answer:
+        h = request.headers
+        try:
+            deadline = int(h[wire.DEADLINE_MS]) if h.get(wire.DEADLINE_MS) else None
+            attempt = int(h.get(wire.ATTEMPT) or "1")
+        except ValueError:
+            return error_answer(
+                400, "invalid_request", "X-Reach-Deadline-Ms and X-Reach-Attempt are integers"
+            )
+        if deadline is not None and not 0 <= deadline <= LATEST_DEADLINE_MS:
+            return error_answer(
+                400,
+                "invalid_request",
+                "X-Reach-Deadline-Ms is milliseconds since the Unix epoch, "
+                f"0 to {LATEST_DEADLINE_MS}",
+            )
+        ctx = RequestContext(
+            request_id=request_id,
+            operation=name,
+            caller=h.get(wire.CALLER, "anonymous"),
+            attempt=attempt,
+            deadline_ms=deadline,
+            idempotency_key=h.get(wire.IDEMPOTENCY_KEY),
+            headers=dict(h),
+        )
+        try:
+            payload = json.loads(request.body or b"{}")
+        except ValueError:
+            return error_answer(400, "invalid_request", "body is not JSON")
+        remaining = (deadline / 1000 - time.time()) if deadline is not None else None
+        if remaining is not None and remaining <= 0:
+            return error_answer(504, "timeout", "the request's deadline passed before it started")
+        token = current_request_id.set(request_id)
+        try:
+            self.executed += 1
+            func, shape = call
+            result = await self._deadlines.run(
+                request_id, shape.call(func, payload, ctx), remaining
+            )
+        except DeadlinePassed:
+            log.warning("operation %s passed its deadline", name)
+            return error_answer(504, "timeout", "the operation passed the request's deadline")
+        except OperationError as exc:
+            return error_answer(exc.status, exc.type, exc.message)
+        except Exception as exc:
+            log.exception("operation %s failed", name)
+            return error_answer(500, "agent_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            current_request_id.reset(token)
+        if isinstance(result, Deferred):
+            return Answer(202, {"request_id": request_id, "status": "accepted"})
+        return self._checked(name, result)
+
+    def _checked(self, name: str, result: Any) -> Answer:
+        """The handler's result as an answer Reach can carry, else the error that says why."""
+        if not isinstance(result, dict):
+            result = {"value": result}
+        answer = Answer(200, result)
+        try:
+            size = len(answer.content())
+        except (TypeError, ValueError) as exc:
+            log.error("operation %s returned a result that is not standard JSON: %s", name, exc)
+            return error_answer(500, "agent_error", f"the result is not standard JSON: {exc}")
+        if size > self.max_message_bytes:
+            log.error(
+                "operation %s returned %d bytes, more than the negotiated max_message_bytes %d;"
+                " not sent",
+                name,
+                size,
+                self.max_message_bytes,
+            )
+            return error_answer(
+                500,
+                "result_too_large",
+                f"the result of {name} is {size} bytes > negotiated {self.max_message_bytes}",
+                retryable=False,
+            )
+        return answer
+
+
+class Shape:
+    """How an operation is called: with the context or without, on the loop or in a thread."""
+
+    __slots__ = ("is_async", "takes_ctx")
+
+    def __init__(self, takes_ctx: bool, is_async: bool) -> None:
+        self.takes_ctx = takes_ctx
+        self.is_async = is_async
+
+    @classmethod
+    def of(cls, func: OperationFunc) -> Shape:
+        # An object (not a class) whose __call__ is a coroutine function is awaited too.
+        is_async = inspect.iscoroutinefunction(func) or (
+            not inspect.isclass(func)
+            and inspect.iscoroutinefunction(getattr(func, "__call__", None))  # noqa: B004
+        )
+        return cls(len(inspect.signature(func).parameters) >= 2, is_async)
+
+    async def call(self, func: OperationFunc, payload: Any, ctx: RequestContext) -> Any:
+        args = (payload, ctx) if self.takes_ctx else (payload,)
+        try:
+            if self.is_async:
+                return await func(*args)
+            result = await _in_daemon_thread(func, *args)
+            if inspect.isawaitable(result):  # a plain function that hands back a coroutine
+                return await result
+            return result
+        except (KeyboardInterrupt, SystemExit, GeneratorExit) as exc:
+            # The handler's own, not the process's (run() takes signals on the loop): as an
+            # Exception it is the request's error instead of the event loop's end.
+            raise RuntimeError(f"the handler raised {type(exc).__name__}") from exc
+
+
+async def _in_daemon_thread(func: Callable[..., Any], *args: Any) -> Any:
+    """Run a plain (blocking) handler in a thread of its own, with the caller's context (the
+    RequestID for logs). A daemon thread, unlike `asyncio.to_thread`'s pool: a handler stuck
+    past the shutdown grace cannot keep the process from exiting on SIGTERM."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not done.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = context.run(func, *args)
+        except BaseException as exc:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(settle, functools.partial(done.set_exception, exc))
+        else:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, functools.partial(done.set_result, result))
+
+    threading.Thread(target=run, name="reach-handler", daemon=True).start()
+    return await done

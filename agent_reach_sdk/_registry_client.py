@@ -1,0 +1,290 @@
+"""The registry client: what an agent says to the gateway (R2, R3, R21).
+
+Join (with what each operation declares), a heartbeat with a health report every
+`heartbeat_interval` seconds, Leave at stop, and late answers (`send_result`) for requests
+accepted with `ctx.defer()`. An instance the gateway no longer knows (evicted, or a gateway
+restarted with an empty registry) joins again at its next heartbeat.
+
+A gateway that refuses (a 4xx: a loopback address outside `security.allow_networks`, no token
+or one that may not serve this capability, ...) is named in the log with its own message, once
+per change of what it says rather than at every retry, and a 401/403 says how to get a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from reach.messages import dumps
+
+log = logging.getLogger("agent_reach_sdk")
+_debug = logging.getLogger("agent_reach_sdk.heartbeat")
+
+LATE_ANSWER_TIMEOUT_S = 30.0
+
+HealthCheck = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
+
+
+class JoinRefused(RuntimeError):
+    """The gateway answered the Join with an error (the message says what it said)."""
+
+
+def refusal(r: httpx.Response) -> str:
+    """What the gateway said, from its error envelope: `422 invalid_request: <message>`.
+
+    A body in another shape (a proxy's page, an older gateway) is quoted, shortened."""
+    error: Any = None
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        kind = f" {error['type']}" if isinstance(error.get("type"), str) else ""
+        return f"{r.status_code}{kind}: {error['message']}"
+    text = r.text.strip()
+    reason = f"{r.status_code} {r.reason_phrase}".strip()
+    return f"{reason}: {text[:300]}" if text else reason
+
+
+class RegistryClient:
+    def __init__(
+        self,
+        *,
+        reach_url: str,
+        token: str | None,
+        capability: str,
+        instance_id: str,
+        protocol: str,
+        service_address: str,
+        heartbeat_interval: float,
+        health_check: HealthCheck | None,
+        max_message_bytes: int,
+        async_callback: bool,
+        weight: int,
+        max_inflight: int | None,
+        operations: Callable[[], list[str | dict[str, Any]]],
+        running: Callable[[], int],
+        on_join: Callable[[int], None],
+    ) -> None:
+        """`operations` gives the Join's operation list, `running` the requests in flight (for
+        the health report); `on_join` hears the `max_message_bytes` a Join negotiated."""
+        self.reach_url = reach_url
+        # The agent token (R18): Join, heartbeats, leave and late answers carry it.
+        self.token = token
+        self.capability = capability
+        self.instance_id = instance_id
+        self.protocol = protocol
+        self.service_address = service_address
+        self.heartbeat_interval = heartbeat_interval
+        self.health_check = health_check
+        self.max_message_bytes = max_message_bytes
+        self.async_callback = async_callback
+        self.weight = weight
+        self.max_inflight = max_inflight
+        self.ack: dict[str, Any] | None = None
+        self.client: httpx.AsyncClient | None = None
+        self.joined = threading.Event()
+        self._operations = operations
+        self._running = running
+        self._on_join = on_join
+        self._heartbeats: asyncio.Task[None] | None = None
+        self._refused: str | None = None  # the refusal last logged, until the gateway accepts
+
+    def open(self) -> None:
+        self.client = self.new_client()
+
+    def new_client(self) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return httpx.AsyncClient(
+            base_url=self.reach_url, headers=headers, timeout=5.0, trust_env=False
+        )
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    # -- join, heartbeats, leave ----------------------------------------------------------------
+
+    async def join(self) -> None:
+        assert self.client is not None
+        body: dict[str, Any] = {
+            "capability": self.capability,
+            "instance_id": self.instance_id,
+            "protocol": self.protocol,
+            "service_address": self.service_address,
+            "heartbeat_interval": self.heartbeat_interval,
+            "operations": self._operations(),
+            "max_message_bytes": self.max_message_bytes,
+            "async_callback": self.async_callback,
+        }
+        # Only when not the default: a gateway that predates them refuses unknown fields.
+        if self.weight != 1:
+            body["weight"] = self.weight
+        if self.max_inflight is not None:
+            body["max_inflight"] = self.max_inflight
+        r = await self.client.post("/reach/agents", json=body)
+        if r.status_code != 200:
+            raise JoinRefused(f"Reach refused the join: {self._refused_by(r, 'join')}")
+        self._accepted()
+        self.ack = r.json()
+        self.heartbeat_interval = float(self.ack["heartbeat_interval"])
+        self.max_message_bytes = int(self.ack["max_message_bytes"])
+        self._on_join(self.max_message_bytes)
+        self.joined.set()
+        log.info(
+            "joined Reach capability=%s instance=%s address=%s heartbeat=%.1fs",
+            self.capability,
+            self.instance_id,
+            self.service_address,
+            self.heartbeat_interval,
+        )
+
+    def start_heartbeats(self) -> None:
+        self._heartbeats = asyncio.create_task(self._heartbeat_loop())
+
+    async def stop_heartbeats(self) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+            await asyncio.gather(self._heartbeats, return_exceptions=True)
+            self._heartbeats = None
+
+    async def leave(self) -> None:
+        if self.client is not None and self.joined.is_set():
+            try:
+                await self.client.delete(f"/reach/agents/{self.instance_id}")
+                log.info("left Reach instance=%s", self.instance_id)
+            except httpx.HTTPError:
+                pass
+        self.joined.clear()
+
+    async def health(self) -> dict[str, Any]:
+        report: dict[str, Any] = {"status": "ok", "checks": {}}
+        if self.health_check is not None:
+            try:
+                got = self.health_check()
+                if inspect.isawaitable(got):
+                    got = await got
+                report.update(got)
+            except Exception as exc:
+                report = {"status": "unhealthy", "checks": {"health_check": repr(exc)}}
+        report["inflight"] = self._running()
+        return report
+
+    async def _heartbeat_loop(self) -> None:
+        assert self.client is not None
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                if not self.joined.is_set():
+                    await self.join()
+                    continue
+                r = await self.client.put(
+                    f"/reach/agents/{self.instance_id}/heartbeat", json=await self.health()
+                )
+                if r.status_code == 404:
+                    # Evicted, or the gateway restarted with an empty registry: join again.
+                    log.warning(
+                        "Reach no longer knows instance %s; joining again", self.instance_id
+                    )
+                    self.joined.clear()
+                    await self.join()
+                elif r.status_code == 200:
+                    self._accepted()
+                else:
+                    self._refused_by(r, "heartbeat")
+            except (httpx.HTTPError, RuntimeError) as exc:
+                _debug.debug("heartbeat failed: %r", exc)
+
+    # -- refusals -------------------------------------------------------------------------------
+
+    def _refused_by(self, r: httpx.Response, what: str) -> str:
+        """Log what the gateway said, once until it says something else; return it."""
+        said = refusal(r)
+        if said == self._refused:
+            _debug.debug("Reach still refuses the %s: %s", what, said)
+            return said
+        self._refused = said
+        if r.status_code in (401, 403):
+            log.error("%s", self._token_advice(said, what))
+        elif r.status_code < 500:
+            log.error("Reach refused the %s of instance %s: %s", what, self.instance_id, said)
+        else:
+            log.warning("Reach could not take the %s (%s); retrying", what, said)
+        return said
+
+    def _token_advice(self, said: str, what: str) -> str:
+        whose = "this agent's token" if self.token else "this agent (it has no token)"
+        return (
+            f"the gateway refused {whose} at {what} ({said}): issue one with `reach tokens "
+            f"issue --principal NAME --agent --capability {self.capability}` and pass "
+            "token=... to AgentRuntime (or set $REACH_AGENT_TOKEN)"
+        )
+
+    def _accepted(self) -> None:
+        if self._refused is not None:
+            log.info("Reach accepts instance %s again", self.instance_id)
+            self._refused = None
+
+    # -- late answers ---------------------------------------------------------------------------
+
+    async def send_result(
+        self,
+        request_id: str,
+        result: dict[str, Any] | None = None,
+        *,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        body: dict[str, Any] = {"instance_id": self.instance_id}
+        if error_type or error_message:
+            body.update(status="error", error_type=error_type, error_message=error_message)
+        else:
+            size = len(dumps(result or {}))
+            if size > self.max_message_bytes:
+                raise ValueError(
+                    f"the result for {request_id} is {size} bytes > negotiated "
+                    f"max_message_bytes {self.max_message_bytes}"
+                )
+            body.update(status="success", result=result or {})
+        content = dumps(body)
+        if self.client is not None:
+            await self._post_result(self.client, request_id, content)
+            return
+        # Not running (e.g. a restarted process answering an old request): a one-off client.
+        async with self.new_client() as client:
+            await self._post_result(client, request_id, content)
+
+    async def _post_result(
+        self, client: httpx.AsyncClient, request_id: str, content: bytes, attempts: int = 8
+    ) -> None:
+        for attempt in range(attempts):
+            try:
+                r = await client.post(
+                    f"/reach/requests/{request_id}/result",
+                    content=content,
+                    headers={"Content-Type": "application/json"},
+                    # Longer than Reach waits for a worker to take it (2 x rpc_timeout_s), so
+                    # the SDK hears Reach's answer instead of resending over it.
+                    timeout=LATE_ANSWER_TIMEOUT_S,
+                )
+            except httpx.HTTPError as exc:
+                log.warning("late answer for %s not delivered (%r); retrying", request_id, exc)
+            else:
+                if r.status_code in (200, 202):
+                    return
+                if r.status_code in (401, 403):
+                    advice = self._token_advice(refusal(r), "late answer")
+                    raise RuntimeError(f"Reach refused the late answer: {advice}")
+                if r.status_code < 500:
+                    raise RuntimeError(f"Reach refused the late answer: {refusal(r)}")
+            await asyncio.sleep(0.5 * 2**attempt)
+        raise RuntimeError(f"could not deliver the late answer for {request_id}")

@@ -1,0 +1,81 @@
+"""The runtime's keyword arguments checked once, at construction: bounds, ids, mTLS files.
+
+Everything here raises `ValueError` naming the argument, so a mistake fails where the agent is
+built rather than at Join (where Reach would refuse it with less to go on).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from pathlib import Path
+
+from reach.security.certs import TlsFiles, identity_of
+
+MAX_WEIGHT = 1000
+MAX_INFLIGHT = 1_000_000
+
+
+def reach_url(address: str | None) -> str:
+    """The gateway's base URL: the argument, else `$REACH_ADDRESS`, else 127.0.0.1:7600."""
+    address = (address or os.environ.get("REACH_ADDRESS", "127.0.0.1:7600")).rstrip("/")
+    return address if "://" in address else f"http://{address}"
+
+
+def check_int(name: str, value: object, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ValueError(f"{name} must be an integer from 1 to {maximum}, not {value!r}")
+
+
+def default_instance_id(capability: str) -> str:
+    """Unique per process and start: `<capability>-<host>-<pid>-<4 hex>`."""
+    host = socket.gethostname().split(".", 1)[0].lower() or "host"
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in host)[:32]
+    return f"{capability}-{host}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def tls_files(protocol: str, cert: str | None, key: str | None, ca: str | None) -> TlsFiles | None:
+    """The agent's mTLS files, from the arguments or else the environment; None without."""
+    given = {
+        "tls_cert": cert or os.environ.get("REACH_AGENT_TLS_CERT") or None,
+        "tls_key": key or os.environ.get("REACH_AGENT_TLS_KEY") or None,
+        "tls_ca": ca or os.environ.get("REACH_AGENT_TLS_CA") or None,
+    }
+    if not any(given.values()):
+        return None
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise ValueError(
+            f"mTLS needs tls_cert, tls_key and tls_ca (or $REACH_AGENT_TLS_CERT/KEY/CA); "
+            f"missing: {', '.join(missing)}"
+        )
+    if protocol == "mqtt":
+        raise ValueError(
+            "mTLS is not served by the MQTT agent server: Reach reaches MQTT agents through "
+            "the broker, which authenticates both sides (configure TLS on the broker)"
+        )
+    return TlsFiles(
+        Path(str(given["tls_ca"])), Path(str(given["tls_cert"])), Path(str(given["tls_key"]))
+    )
+
+
+def certified_id(tls: TlsFiles | None) -> str | None:
+    """The instance id in the agent's certificate (spiffe://<td>/agent/<id>), if any."""
+    if tls is None:
+        return None
+    try:
+        identity = identity_of(tls.cert)
+    except OSError as exc:
+        raise ValueError(f"cannot read the agent certificate {tls.cert}: {exc}") from None
+    return identity[1] if identity else None
+
+
+def check_certified(tls: TlsFiles | None, instance_id: str) -> None:
+    certified = certified_id(tls)
+    if tls is not None and certified != instance_id:
+        raise ValueError(
+            f"the certificate {tls.cert} is for agent {certified!r}, not {instance_id!r}: "
+            "Reach would refuse the Join (issue one with `reach certs issue --agent "
+            f"{instance_id}`)"
+        )
