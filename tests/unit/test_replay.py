@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import base64
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio import workflow
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
@@ -34,6 +36,54 @@ async def test_history_replays_without_nondeterminism(path: Path) -> None:
     history = WorkflowHistory.from_json(f"replay-{path.stem}", path.read_text())
     result = await replayer.replay_workflow(history, raise_on_replay_failure=True)
     assert result.replay_failure is None
+
+
+# Histories whose timers an earlier formula set: their count is checked, not their lengths.
+EARLIER_TIMERS = {"rate-limit-queue": "recorded before queued waiters woke less often (1.25**n)"}
+
+
+def _seconds(duration: str) -> float:
+    assert duration.endswith("s")
+    return float(duration[:-1])
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
+async def test_a_replay_sets_the_timers_its_history_recorded(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replay checks which commands a workflow emits, not how long a timer runs: a changed
+    backoff, re-delivery or store wait would replay cleanly. So each timer the code sets
+    (`workflow.sleep`, a `wait_condition` timeout) is compared with the one recorded."""
+    set_s: list[float] = []
+    sleep, wait_condition = workflow.sleep, workflow.wait_condition
+
+    async def timed_sleep(duration: float | timedelta, **kw: Any) -> None:
+        set_s.append(duration.total_seconds() if isinstance(duration, timedelta) else duration)
+        await sleep(duration, **kw)
+
+    async def timed_wait(fn: Any, **kw: Any) -> None:
+        limit = kw.get("timeout")
+        if limit is not None:
+            set_s.append(limit.total_seconds() if isinstance(limit, timedelta) else limit)
+        await wait_condition(fn, **kw)
+
+    monkeypatch.setattr(workflow, "sleep", timed_sleep)
+    monkeypatch.setattr(workflow, "wait_condition", timed_wait)
+    history = WorkflowHistory.from_json(f"replay-{path.stem}", path.read_text())
+    replayer = Replayer(
+        workflows=[InvokeWorkflow, DeliverCallbackWorkflow], data_converter=PAYLOAD_CONVERTER
+    )
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=True)
+    assert result.replay_failure is None
+    recorded = [
+        _seconds(e["timerStartedEventAttributes"]["startToFireTimeout"])
+        for e in _events(path.stem)
+        if "timerStartedEventAttributes" in e
+    ]
+    if path.stem in EARLIER_TIMERS:
+        assert len(set_s) == len(recorded)
+    else:
+        assert set_s == pytest.approx(recorded, abs=1e-6)
 
 
 def _events(name: str) -> list[dict[str, Any]]:
