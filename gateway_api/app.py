@@ -18,14 +18,14 @@ import reach
 from gateway_api import grpc_front
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath, is_invoke
-from gateway_api.finishes import Finishes
+from gateway_api.gateway import Gateway
 from gateway_api.routes import admin, agents, codec, health, invoke, metrics, requests, ui
-from gateway_api.service import Gateway
+from gateway_api.temporal_adapter import Finishes
 from reach.config import ConfigError, ReachSettings
 from reach.limits import Limits
 from reach.process import settle_heap
 from reach.security.auth import exposure_problem
-from reach.security.door import ConfigWatcher, Door
+from reach.security.guard import ConfigWatcher, Guard
 from worker import (
     announce_retention,
     build_services,
@@ -80,21 +80,21 @@ def create_app(
         await announce_retention(client, client.namespace)
         services = build_services(settings)
         await services.start()
-        door = Door(settings, services.registry.store)
-        await door.start()
-        problem = exposure_problem(settings.auth.mode, settings.listen_host, door.auth.required)
+        guard = Guard(settings, services.registry.store)
+        await guard.start()
+        problem = exposure_problem(settings.auth.mode, settings.listen_host, guard.auth.required)
         if problem is not None:
-            await door.aclose()
+            await guard.aclose()
             await services.aclose()
             raise ConfigError(problem)
-        if not door.auth.required:
+        if not guard.auth.required:
             log.warning(
                 "no tokens: any process on this machine may invoke, register and answer; the "
                 "gateway serves loopback only (%s). Issue tokens: reach tokens issue",
                 settings.listen_host,
             )
         services.registry.on_evicted(
-            lambda capability, instance: door.audit.record(
+            lambda capability, instance: guard.audit.record(
                 "evicted", capability=capability, instance=instance
             )
         )
@@ -110,25 +110,25 @@ def create_app(
         if run_worker:  # the invoke worker is the first: its results are read as they land
             finishes = Finishes()
             finishes.attach(workers[0])
-            if services.metrics is not None:
-                services.metrics.watch(results=finishes.counts)
-        app.state.gateway = gateway = Gateway(
+        app.state.gateway = gateway = Gateway.build(
             settings,
             client,
             services.registry,
             services.activities.policy,
-            services.view,
-            services.router,
-            services.activities.resolver,
+            view=services.view,
+            router=services.router,
+            resolver=services.activities.resolver,
             calls_here=run_worker,
-            door=door,
-            connectors=services.connectors,
+            guard=guard,
+            connections=services.connectors,
             metrics=services.metrics,
             finishes=finishes,
         )
+        if finishes is not None and services.metrics is not None:
+            services.metrics.watch(results=gateway.door.verdicts.counts)
         watcher = None
         if config_path is not None:
-            watcher = ConfigWatcher(door, config_path, on_apply=gateway.reconfigure)
+            watcher = ConfigWatcher(guard, config_path, on_apply=gateway.reconfigure)
             watcher.start()
         app.state.config_watcher = watcher
         app.state.connectors = services.connectors
@@ -150,7 +150,7 @@ def create_app(
                 finishes.close()
             if watcher is not None:
                 await watcher.aclose()
-            await door.aclose()
+            await guard.aclose()
             await services.aclose()
 
     app = ReachApp(

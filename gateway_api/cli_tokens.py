@@ -17,7 +17,7 @@ import time
 
 from reach.config import ReachSettings
 from reach.security.audit import AuditLog
-from reach.security.door import token_store
+from reach.security.guard import token_store
 from reach.security.tokens import Kind, TokenRecord, issue
 from reach.security.webhooks import caller_secret
 from reach.store import create_store

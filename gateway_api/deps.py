@@ -9,8 +9,7 @@ from fastapi import Depends, Header, Path, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
-from gateway_api.service import Gateway
-from reach import acceptance
+from gateway_api.gateway import Gateway
 from reach.errors import Unauthorized
 from reach.messages import EXAMPLE_REQUEST_ID, REQUEST_ID_PATTERN
 from reach.security.tokens import Principal
@@ -46,8 +45,7 @@ def _authorization(request: Request) -> str | None:
     return request.headers.get("authorization")
 
 
-async def get_caller(
-    request: Request,
+async def document_invoke_headers(
     _scheme: AuthorizationHeader,
     x_reach_caller: Annotated[
         str | None,
@@ -57,12 +55,15 @@ async def get_caller(
             json_schema_extra=CALLER_SCHEMA,
         ),
     ] = None,
-) -> str:
-    gateway: Gateway = request.app.state.gateway
-    claimed = acceptance.caller_header(x_reach_caller)
-    if gateway.door is None:
-        return claimed or "anonymous"
-    return gateway.door.auth.caller(_authorization(request), claimed).name
+    traceparent: Annotated[
+        str | None,
+        Header(description="W3C trace context", json_schema_extra=TRACEPARENT_SCHEMA),
+    ] = None,
+) -> None:
+    """The invoke route's headers in the OpenAPI document. The door reads them itself
+    (`gateway_api.steps.identify`), for every front; the IETF draft's `Idempotency-Key`, an
+    alias of the body's idempotency_key, is left out of the schema, which cannot say that the
+    two must agree."""
 
 
 async def get_reader(
@@ -70,7 +71,7 @@ async def get_reader(
 ) -> Principal | None:
     """Any valid token (None when tokens are not required)."""
     gateway: Gateway = request.app.state.gateway
-    return gateway.door.auth.anyone(_authorization(request)) if gateway.door else None
+    return gateway.guard.auth.anyone(_authorization(request)) if gateway.guard else None
 
 
 async def get_agent(
@@ -78,28 +79,7 @@ async def get_agent(
 ) -> Principal | None:
     """An agent (or admin) token (None when tokens are not required)."""
     gateway: Gateway = request.app.state.gateway
-    return gateway.door.auth.agent(_authorization(request)) if gateway.door else None
-
-
-async def get_traceparent(
-    traceparent: Annotated[
-        str | None,
-        Header(description="W3C trace context", json_schema_extra=TRACEPARENT_SCHEMA),
-    ] = None,
-) -> str | None:
-    # W3C trace context from the caller, passed on to the agent unchanged.
-    return acceptance.traceparent_header(traceparent)
-
-
-async def get_idempotency_key(
-    idempotency_key: Annotated[
-        str | None,
-        # The IETF draft's header, an alias of the body's idempotency_key (documented there;
-        # left out of the OpenAPI, whose schema cannot say that the two must agree).
-        Header(include_in_schema=False),
-    ] = None,
-) -> str | None:
-    return acceptance.idempotency_key_header(idempotency_key)
+    return gateway.guard.auth.agent(_authorization(request)) if gateway.guard else None
 
 
 def json_body(model: type[BaseModel], description: str, *, required: bool = True) -> dict[str, Any]:
@@ -114,9 +94,6 @@ def json_body(model: type[BaseModel], description: str, *, required: bool = True
 
 
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
-TraceparentDep = Annotated[str | None, Depends(get_traceparent)]
-CallerDep = Annotated[str, Depends(get_caller)]
-IdempotencyKeyDep = Annotated[str | None, Depends(get_idempotency_key)]
 RequestIdPath = Annotated[
     str,
     Path(pattern=REQUEST_ID_PATTERN, description="The RequestID", examples=[EXAMPLE_REQUEST_ID]),
@@ -133,9 +110,9 @@ CapabilityPath = Annotated[
 async def require_admin(request: Request, _scheme: AuthorizationHeader) -> Principal:
     """An admin token, always (the admin API and the codec endpoints are never open)."""
     gateway: Gateway = request.app.state.gateway
-    if gateway.door is None:
+    if gateway.guard is None:
         raise Unauthorized("this gateway has no token store")
-    return gateway.door.auth.admin(_authorization(request))
+    return gateway.guard.auth.admin(_authorization(request))
 
 
 AdminDep = Annotated[Principal, Depends(require_admin)]

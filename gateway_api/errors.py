@@ -46,6 +46,19 @@ _TRANSIENT = {
 }
 
 
+def status_code_of(response: InvokeResponse, *, running: int = 200) -> int:
+    """The HTTP status of an envelope: only Reach's own error types decide it."""
+    if response.status == "accepted":
+        return 202
+    if response.status == "running":
+        return running
+    if response.status == "timeout":
+        return 504
+    if response.status == "error" and response.error:
+        return http_status_for(response.error.type)
+    return 200
+
+
 def envelope_response(response: InvokeResponse, status_code: int) -> Response:
     headers = {wire.HTTP_REQUEST_ID: response.request_id} if response.request_id else {}
     if response.error is not None and response.error.retry_after_s is not None:

@@ -16,7 +16,7 @@ from gateway_api.deps import AdminDep, GatewayDep
 from reach.config import RuleSettings
 from reach.errors import InvalidRequest, UnknownRequest
 from reach.messages import ErrorResponse
-from reach.security.door import ConfigWatcher, Door
+from reach.security.guard import ConfigWatcher, Guard
 from reach.security.tokens import PRINCIPAL_PATTERN, Kind, TokenRecord, issue
 
 router = APIRouter(prefix="/reach/admin", tags=["admin"])
@@ -90,14 +90,14 @@ class ReloadResult(BaseModel):
     )
 
 
-def _door(gateway: Any) -> Door:
-    door: Door = gateway.door
-    return door
+def _guard(gateway: Any) -> Guard:
+    guard: Guard = gateway.guard
+    return guard
 
 
 @router.get("/tokens", response_model=TokenList, responses=_ERR, summary="List tokens")
 async def list_tokens(gateway: GatewayDep, admin: AdminDep) -> TokenList:
-    records = await _door(gateway).tokens.load()
+    records = await _guard(gateway).tokens.load()
     return TokenList(tokens=[TokenView.of(r) for r in sorted(records, key=lambda r: r.created_at)])
 
 
@@ -109,16 +109,16 @@ async def list_tokens(gateway: GatewayDep, admin: AdminDep) -> TokenList:
     summary="Issue a token (its secret is in this answer only)",
 )
 async def issue_token(body: IssueTokenBody, gateway: GatewayDep, admin: AdminDep) -> IssuedToken:
-    door = _door(gateway)
+    guard = _guard(gateway)
     try:
         token, record = issue(
             body.principal, body.kind, body.capabilities, ttl_s=body.ttl_s, note=body.note
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    await door.tokens.save(record)
-    door.cache.changed()
-    door.audit.record(
+    await guard.tokens.save(record)
+    guard.cache.changed()
+    guard.audit.record(
         "token_issued",
         principal=admin.name,
         token_id=record.id,
@@ -133,21 +133,21 @@ async def issue_token(body: IssueTokenBody, gateway: GatewayDep, admin: AdminDep
     "/tokens/{token_id}", response_model=TokenView, responses=_ERR, summary="Revoke a token"
 )
 async def revoke_token(token_id: str, gateway: GatewayDep, admin: AdminDep) -> TokenView:
-    door = _door(gateway)
+    guard = _guard(gateway)
     try:
-        record = await door.tokens.revoke(token_id)
+        record = await guard.tokens.revoke(token_id)
     except LookupError:
         raise UnknownRequest(f"no token with id {token_id!r}") from None
-    await door.cache.reload()
-    door.audit.record("token_revoked", principal=admin.name, token_id=record.id)
+    await guard.cache.reload()
+    guard.audit.record("token_revoked", principal=admin.name, token_id=record.id)
     return TokenView.of(record)
 
 
 @router.get("/rules", response_model=RulesView, responses=_ERR, summary="The rules in force")
 async def get_rules(gateway: GatewayDep, admin: AdminDep) -> RulesView:
-    door = _door(gateway)
-    rules = door.override if door.override is not None else door.file_rules
-    return RulesView(source=door.rules_source, rules=rules)
+    guard = _guard(gateway)
+    rules = guard.override if guard.override is not None else guard.file_rules
+    return RulesView(source=guard.rules_source, rules=rules)
 
 
 @router.put(
@@ -157,16 +157,16 @@ async def get_rules(gateway: GatewayDep, admin: AdminDep) -> RulesView:
     summary="Replace the rules on every gateway sharing the store (an override of the file's)",
 )
 async def put_rules(body: RulesBody, gateway: GatewayDep, admin: AdminDep) -> RulesView:
-    door = _door(gateway)
-    await door.set_override(body.rules, admin.name)
-    return RulesView(source=door.rules_source, rules=body.rules)
+    guard = _guard(gateway)
+    await guard.set_override(body.rules, admin.name)
+    return RulesView(source=guard.rules_source, rules=body.rules)
 
 
 @router.delete("/rules", response_model=RulesView, responses=_ERR, summary="Back to the file's")
 async def clear_rules(gateway: GatewayDep, admin: AdminDep) -> RulesView:
-    door = _door(gateway)
-    await door.set_override(None, admin.name)
-    return RulesView(source=door.rules_source, rules=door.file_rules)
+    guard = _guard(gateway)
+    await guard.set_override(None, admin.name)
+    return RulesView(source=guard.rules_source, rules=guard.file_rules)
 
 
 @router.post(

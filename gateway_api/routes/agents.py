@@ -113,7 +113,7 @@ _ERR: dict[int | str, dict[str, Any]] = {
 )
 async def join(request: Request, gateway: GatewayDep, agent: AgentDep) -> Ack:
     body = acceptance.join_request(await request.body(), gateway.limits)
-    return await gateway.join(body, agent)
+    return await gateway.agents.join(body, agent)
 
 
 @router.put(
@@ -129,7 +129,7 @@ async def heartbeat(
     instance_id: InstanceIdPath, request: Request, gateway: GatewayDep, agent: AgentDep
 ) -> HeartbeatAck:
     body = acceptance.health_report(await request.body(), gateway.limits)
-    record = await gateway.heartbeat(instance_id, body, agent)
+    record = await gateway.agents.heartbeat(instance_id, body, agent)
     return HeartbeatAck(
         instance_id=instance_id, status=record.status, heartbeat_interval=record.heartbeat_interval
     )
@@ -139,7 +139,7 @@ async def heartbeat(
     "/agents/{instance_id}", status_code=204, responses=_ERR, summary="Leave: deregister"
 )
 async def leave(instance_id: InstanceIdPath, gateway: GatewayDep, agent: AgentDep) -> Response:
-    if not await gateway.leave(instance_id, agent):
+    if not await gateway.agents.leave(instance_id, agent):
         raise UnknownInstance(f"instance {instance_id!r} is not registered")
     return Response(status_code=204)
 
@@ -179,7 +179,7 @@ async def get_capability(
     return CapabilityDetail(
         name=name,
         instances=await gateway.registry.instances(name),
-        policy=await gateway.policy_detail(name),
-        routing=await gateway.routing_detail(name),
+        policy=await gateway.views.policy_detail(name),
+        routing=await gateway.views.routing_detail(name),
         connections=connections.stats_of(name) if connections is not None else {},
     )

@@ -19,7 +19,7 @@ async def healthz() -> dict[str, str]:
     responses={503: {"description": "A dependency is down"}},
 )
 async def readyz(gateway: GatewayDep) -> JSONResponse:
-    checks = await gateway.readiness()
+    checks = await gateway.views.readiness()
     ok = all(checks.values())
     return JSONResponse(
         {"status": "ok" if ok else "unavailable", "checks": checks}, status_code=200 if ok else 503

@@ -2,28 +2,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
+from starlette.types import Scope
 
 from gateway_api.deps import (
     AgentDep,
-    CallerDep,
     GatewayDep,
-    IdempotencyKeyDep,
     ReaderDep,
     RequestIdPath,
-    TraceparentDep,
+    document_invoke_headers,
     json_body,
 )
-from gateway_api.errors import envelope_response
-from gateway_api.service import Gateway, status_code_of
+from gateway_api.errors import envelope_response, status_code_of
+from gateway_api.front import Body
+from gateway_api.gateway import Gateway
+from gateway_api.steps.identify import TRACEPARENT, Metadata
 from reach import acceptance
 from reach.acceptance import LateAnswerBody
 from reach.errors import ReachError
-from reach.messages import ErrorResponse, InvokeRequest, InvokeResponse, new_request_id
+from reach.messages import ErrorResponse, InvokeRequest, InvokeResponse
 from reach.telemetry import tracing
-from reach.telemetry.logs import current_request_id
 
 router = APIRouter(prefix="/reach", tags=["invoke"])
 
@@ -62,74 +62,82 @@ class LateAnswerAck(BaseModel):
     responses=_codes(202, 401, 403, 404, 409, 413, 422, 500, 502, 503, 504),
     summary="Invoke a capability by name (sync without callback, 202 with one)",
     openapi_extra=json_body(InvokeRequest, "The standard request (R9)"),
+    dependencies=[Depends(document_invoke_headers)],
 )
-async def invoke(
-    request: Request,
-    gateway: GatewayDep,
-    caller: CallerDep,
-    traceparent: TraceparentDep,
-    idempotency_key: IdempotencyKeyDep,
-) -> Response:
+async def invoke(request: Request, gateway: GatewayDep) -> Response:
     # Served by `gateway_api.fast.InvokeFastPath` in the app; this route documents it (OpenAPI)
     # and serves an app mounted without that path. Both answer through `answer_invoke`.
-    return await answer_invoke(
-        gateway, await request.body(), caller, traceparent, idempotency_key, request.state
-    )
+    body = _RequestBody(request)
+    return await answer_invoke(gateway, metadata_of(request.scope), body, HttpFront(request.state))
+
+
+def metadata_of(scope: Scope) -> dict[str, str]:
+    """Header name -> value (latin-1, as Starlette reads it); the first of repeated ones."""
+    found: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        key = name.decode("latin-1")
+        if key not in found:
+            found[key] = value.decode("latin-1")
+    return found
+
+
+class HttpFront:
+    """The HTTP front's side of the door: it keeps the RequestID where the error envelopes
+    (and `CatchBugs`' last-resort 500) find it."""
+
+    __slots__ = ("caller", "state")
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.caller: str | None = None
+
+    @property
+    def request_id(self) -> str | None:
+        return getattr(self.state, "request_id", None)
+
+    async def named(self, request_id: str, caller: str) -> None:
+        self.state.request_id = request_id
+        self.caller = caller
+
+
+class _RequestBody:
+    __slots__ = ("request",)
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+    async def read(self) -> bytes:
+        return await self.request.body()
 
 
 async def answer_invoke(
-    gateway: Gateway,
-    raw: bytes,
-    caller: str,
-    traceparent: str | None,
-    idempotency_key: str | None,
-    state: Any,
+    gateway: Gateway, metadata: Metadata, body: Body, front: HttpFront
 ) -> Response:
-    """POST /reach/invoke once its headers are read: `state.request_id` is set as soon as the
-    request has one (error envelopes name it). With tracing on, in a server span that
-    continues the caller's `traceparent`."""
+    """POST /reach/invoke through the door. With tracing on, in a server span that continues
+    the caller's `traceparent`."""
     active = tracing.tracer
     if active is None:
-        return await _answer_invoke(gateway, raw, caller, traceparent, idempotency_key, state)
-    attributes = {
-        "http.request.method": "POST",
-        "url.path": "/reach/invoke",
-        "reach.caller": caller,
-    }
+        return _envelope(await gateway.door.invoke(metadata, body, front))
+    attributes = {"http.request.method": "POST", "url.path": "/reach/invoke"}
+    traceparent = metadata.get(TRACEPARENT)  # read leniently: the door refuses a bad one
     with tracing.server_span(active, "POST /reach/invoke", traceparent, attributes) as span:
         try:
-            response = await _answer_invoke(
-                gateway, raw, caller, traceparent, idempotency_key, state
-            )
+            response = await gateway.door.invoke(metadata, body, front)
         except ReachError as exc:  # answered in the envelope by the caller of this function
             span.set_attribute("http.response.status_code", exc.http_status)
             span.set_attribute("reach.error_type", exc.type)
             raise
         finally:
-            request_id = getattr(state, "request_id", None)
-            if request_id:
-                span.set_attribute("reach.request_id", request_id)
-        span.set_attribute("http.response.status_code", response.status_code)
-        return response
+            if front.request_id:
+                span.set_attribute("reach.request_id", front.request_id)
+            if front.caller:
+                span.set_attribute("reach.caller", front.caller)
+        answer = _envelope(response)
+        span.set_attribute("http.response.status_code", answer.status_code)
+        return answer
 
 
-async def _answer_invoke(
-    gateway: Gateway,
-    raw: bytes,
-    caller: str,
-    traceparent: str | None,
-    idempotency_key: str | None,
-    state: Any,
-) -> Response:
-    body, payload_json = acceptance.invoke_request(raw, gateway.limits)
-    body.idempotency_key = acceptance.one_idempotency_key(body.idempotency_key, idempotency_key)
-    body.request_id = body.request_id or new_request_id()
-    state.request_id = body.request_id
-    token = current_request_id.set(body.request_id)  # on this request's log records
-    try:
-        response = await gateway.invoke(body, payload_json, caller, traceparent)
-    finally:
-        current_request_id.reset(token)
+def _envelope(response: InvokeResponse) -> Response:
     # A sync caller still without a verdict at the deadline gets a gateway timeout.
     return envelope_response(response, status_code_of(response, running=504))
 
@@ -143,7 +151,7 @@ async def _answer_invoke(
 async def get_request(
     request_id: RequestIdPath, gateway: GatewayDep, reader: ReaderDep
 ) -> Response:
-    response = await gateway.status(request_id, reader)
+    response = await gateway.requests.status(request_id, reader)
     return envelope_response(response, status_code_of(response))
 
 
@@ -159,5 +167,5 @@ async def post_late_result(
     request_id: RequestIdPath, request: Request, gateway: GatewayDep, agent: AgentDep
 ) -> LateAnswerAck:
     answer = acceptance.late_answer(await request.body(), gateway.limits)
-    verdict = await gateway.late_answer(request_id, answer, agent)
+    verdict = await gateway.requests.late_answer(request_id, answer, agent)
     return LateAnswerAck(request_id=request_id, status=verdict)

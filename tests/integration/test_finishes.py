@@ -1,4 +1,4 @@
-"""Results read as the worker in this process completes the workflow (gateway_api/finishes.py),
+"""Results read as the worker in this process completes the workflow (gateway_api/temporal_adapter.py),
 against a real dev server and a real worker: the result is only ever taken once Temporal has
 closed the workflow, and every other path goes back to the long poll. These also guard the
 SDK internals the module watches (its bridge to core, the eager-start flag on the handle)."""
@@ -22,7 +22,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from gateway_api.finishes import Finish, Finishes
+from gateway_api.temporal_adapter import Finish, Finishes
 from tests.helpers import Agent, GatewayProcess
 from tests.integration.test_metrics import get, scrape
 

@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from agent_reach_proto import gateway_pb2 as pb
 from gateway_api.devserver import command, free_port, wait_port
-from gateway_api.grpc_front import TRAILERS_MAX_BYTES, Refusal, fit_envelope
+from gateway_api.grpc_wire import TRAILERS_MAX_BYTES, Refusal, fit_envelope
 from tests.helpers import ROOT, CallbackReceiver, GatewayProcess, Stack, start_agents, wait_until
 
 pytestmark = pytest.mark.integration

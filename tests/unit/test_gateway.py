@@ -7,7 +7,7 @@ import pytest
 from fastapi import FastAPI
 
 from gateway_api.errors import CatchBugs, install_error_handlers
-from gateway_api.service import check_repeat
+from gateway_api.steps.start import check_repeat
 from reach.errors import RequestConflict
 from reach.invocation import CallPlan, InvokeInput
 

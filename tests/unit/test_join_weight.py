@@ -11,7 +11,8 @@ import pytest
 
 from agent_reach_proto import gateway_pb2 as pb
 from agent_reach_sdk import AgentRuntime
-from gateway_api.grpc_front import _body, _join_fields
+from gateway_api.grpc_wire import as_body as _body
+from gateway_api.grpc_wire import join_fields as _join_fields
 from reach import acceptance
 from reach.config import RegistrySettings
 from reach.errors import InvalidRequest

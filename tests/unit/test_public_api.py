@@ -38,7 +38,7 @@ def test_the_sdk_still_says_whether_start_workflow_started_the_workflow() -> Non
     from temporalio.api.workflowservice.v1 import StartWorkflowExecutionResponse
     from temporalio.client import WorkflowHandle
 
-    from gateway_api.service import started_here
+    from gateway_api.temporal_adapter import started_here
 
     for started in (True, False):
         handle: WorkflowHandle[object, object] = WorkflowHandle(

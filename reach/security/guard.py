@@ -1,4 +1,4 @@
-"""The one door's state in a gateway process: tokens (a local copy), rules, audit, and how they
+"""The guard at the door, in a gateway process: tokens (a local copy), rules, audit, and how they
 change without a restart (R26).
 
 Sources of change, each validated before it replaces anything and each audited:
@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from reach.config import ConfigError, ReachSettings, RuleSettings, load_settings
+from reach.config import ConfigError, ReachSettings, RuleSettings
 from reach.errors import Forbidden, ReachError
 from reach.security.audit import AuditLog
 from reach.security.auth import Auth, exposure_problem
@@ -33,6 +33,7 @@ from reach.security.tokens import (
     TokenCache,
     TokenStore,
 )
+from reach.settings_checks import load_checked_settings
 from reach.store import Store
 
 log = logging.getLogger("reach.security")
@@ -53,7 +54,7 @@ def token_store(settings: ReachSettings, store: Store | None) -> TokenStore:
     return FileTokenStore(settings.auth.tokens_file)
 
 
-class Door:
+class Guard:
     def __init__(self, settings: ReachSettings, store: Store | None) -> None:
         self.settings = settings
         self.store = store
@@ -179,13 +180,13 @@ class ConfigWatcher:
 
     def __init__(
         self,
-        door: Door,
+        guard: Guard,
         path: Path,
         *,
         on_apply: Callable[[ReachSettings], None] | None = None,
         overrides: dict[str, Any] | None = None,
     ) -> None:
-        self.door = door
+        self.guard = guard
         self.path = path
         self.on_apply = on_apply
         self.overrides = overrides or {}
@@ -226,10 +227,10 @@ class ConfigWatcher:
             new = self._read()
         except ConfigError as exc:
             self.last_problem = str(exc)
-            self.door.refuse(str(self.path), str(exc), principal)
+            self.guard.refuse(str(self.path), str(exc), principal)
             return False
         self.last_problem = None
-        self.last_restart = self.door.apply(new, str(self.path), principal)
+        self.last_restart = self.guard.apply(new, str(self.path), principal)
         if self.on_apply is not None:
             self.on_apply(new)
         return True
@@ -250,9 +251,9 @@ class ConfigWatcher:
                 f"{self.path} holds no 'reach:' mapping (empty or half-written?); "
                 "a running gateway does not reset itself to the defaults"
             )
-        new = load_settings(self.path, **self.overrides)
-        running = self.door.settings.listen_host
-        problem = exposure_problem(new.auth.mode, running, self.door.auth.required_under(new.auth))
+        new = load_checked_settings(self.path, **self.overrides)
+        running = self.guard.settings.listen_host
+        problem = exposure_problem(new.auth.mode, running, self.guard.auth.required_under(new.auth))
         if problem is not None:
             raise ConfigError(problem.replace("refusing to serve", "refusing to keep serving"))
         return new

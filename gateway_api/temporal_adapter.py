@@ -1,4 +1,17 @@
-"""A request's result straight from the worker in this process, once Temporal has recorded it.
+"""The one module that leans on the Temporal SDK's internals, each with its fallback.
+
+- `started_here`: whether `start_workflow` started the workflow or attached to a running one
+  (the start response the SDK keeps on the handle); fallback: "started".
+- `eagerly_started`: whether the start carried the first workflow task to this process's
+  worker (a flag the SDK keeps on the handle); fallback: not eager, so the result is
+  long-polled.
+- `Finishes.attach`: the worker's bridge to its core (below); fallback: nothing is watched and
+  every result is long-polled.
+
+Nowhere else in the project reads a private name of the SDK (tests/unit/test_layout.py); the
+tests named below fail on an SDK upgrade that changes one, while production falls back.
+
+## A request's result straight from the worker in this process, once Temporal has recorded it
 
 A gateway that runs the invoke worker starts each request eagerly: its first workflow task runs
 here, and for nearly every synchronous invoke that one task calls the agent and completes the
@@ -84,9 +97,6 @@ class Finishes:
         self._waiting: dict[str, Finish] = {}  # workflow id -> its wait
         self._runs: dict[str, Finish] = {}  # run id -> the wait of its workflow
         self._results: dict[str, Payload] = {}  # run id -> the result its completion carries
-        # Counted by the gateway, for every synchronous wait: read here, or long-polled.
-        self.answered_here = 0
-        self.long_polled = 0
 
     # -- the worker's side ----------------------------------------------------------------------
 
@@ -95,7 +105,10 @@ class Finishes:
         if self.long_poll_after_s is None:
             sticky = worker.config().get("sticky_queue_schedule_to_start_timeout")
             self.long_poll_after_s = sticky.total_seconds() if sticky else _STICKY_S
-        bridge = worker._bridge_worker
+        bridge = getattr(worker, "_bridge_worker", None)
+        if bridge is None:  # an SDK without it: every result is long-polled
+            log.warning("this Temporal SDK has no worker bridge to watch; long-polling results")
+            return
         poll: Callable[[], Awaitable[WorkflowActivation]] = bridge.poll_workflow_activation
         complete: Callable[[WorkflowActivationCompletion], Awaitable[None]] = (
             bridge.complete_workflow_activation
@@ -125,8 +138,8 @@ class Finishes:
                 self._results.pop(completion.run_id, None)
                 raise
 
-        bridge.poll_workflow_activation = watched_poll  # type: ignore[method-assign]
-        bridge.complete_workflow_activation = watched_complete  # type: ignore[method-assign,assignment]
+        bridge.poll_workflow_activation = watched_poll
+        bridge.complete_workflow_activation = watched_complete
 
     def _saw(self, activation: WorkflowActivation) -> None:
         run_id = activation.run_id
@@ -176,10 +189,6 @@ class Finishes:
                 del self._runs[run_id]
             self._results.pop(run_id, None)
 
-    def counts(self) -> dict[str, int]:
-        """Results read here and by long poll, since start (the metrics read them)."""
-        return {"worker": self.answered_here, "long_poll": self.long_polled}
-
     def close(self) -> None:
         """Everyone still waiting long-polls (the worker is stopping)."""
         for wait in list(self._waiting.values()):
@@ -192,3 +201,13 @@ def eagerly_started(handle: WorkflowHandle[Any, Any]) -> bool:
     The SDK keeps it on the handle; tests/integration/test_finishes.py guards the attribute.
     """
     return bool(getattr(handle, "__temporal_eagerly_started", False))
+
+
+def started_here(handle: WorkflowHandle[Any, Any]) -> bool:
+    """Whether `start_workflow` started this workflow or attached to a running one.
+
+    The server says so in its start response (`started`), which the SDK keeps on the handle;
+    tests/unit/test_public_api.py guards the attribute across SDK upgrades.
+    """
+    response = getattr(handle, "_start_workflow_response", None)
+    return bool(getattr(response, "started", True))

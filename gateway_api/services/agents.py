@@ -1,0 +1,93 @@
+"""Agents: Join, heartbeat and leave, shared by the HTTP routes and the gRPC front.
+
+With tokens required, an agent token must be allowed to serve the capability it joins, and
+an instance_id another principal holds is not taken over (`Registry.join`, `owned`).
+"""
+
+from __future__ import annotations
+
+import connectors
+from connectors import ConnectorSet
+from connectors.base import Connector
+from gateway_api.live import Live
+from reach.errors import InvalidRequest
+from reach.registry import Ack, HealthReport, InstanceRecord, JoinRequest, Registry
+from reach.security.auth import may_serve
+from reach.security.guard import Guard
+from reach.security.tokens import Principal
+from reach.telemetry.metrics import ReachMetrics
+
+
+class Agents:
+    def __init__(
+        self,
+        live: Live,
+        registry: Registry,
+        guard: Guard | None = None,
+        connections: ConnectorSet | None = None,
+        metrics: ReachMetrics | None = None,
+    ) -> None:
+        self.live = live
+        self.registry = registry
+        self.guard = guard
+        # The live connectors (the Join-time mTLS identity probe); None: no probe.
+        self.connections = connections
+        self.metrics = metrics
+
+    async def join(self, body: JoinRequest, principal: Principal | None = None) -> Ack:
+        """Register an instance whose protocol has a connector and whose address it accepts."""
+        may_serve(principal, body.capability)
+        known = connectors.available()
+        if body.protocol not in known:
+            raise InvalidRequest(
+                f"protocol {body.protocol!r} has no connector; known: {', '.join(sorted(known))}"
+            )
+        connector = connectors.load(body.protocol)
+        body.service_address = connector.check_address(body.service_address)
+        await self._vet_address(connector, body.service_address)
+        if self.connections is not None and self.live.settings.security.tls.enabled:
+            # mTLS: the agent must hold a certificate from the CA for this instance_id (403).
+            live = self.connections.get(body.protocol)
+            await live.verify_identity(body.service_address, body.instance_id)
+        owner = principal.name if principal is not None and principal.kind == "agent" else None
+        ack = await self.registry.join(body, owner)
+        if self.guard is not None:
+            self.guard.audit.record(
+                "join",
+                principal=principal.name if principal else None,
+                capability=body.capability,
+                instance=body.instance_id,
+                protocol=body.protocol,
+                address=body.service_address,
+            )
+        return ack
+
+    async def heartbeat(
+        self, instance_id: str, report: HealthReport, principal: Principal | None = None
+    ) -> InstanceRecord:
+        if principal is not None and principal.kind == "agent":
+            await self.registry.owned(instance_id, principal.name)
+        record = await self.registry.heartbeat(instance_id, report)
+        if self.metrics is not None:
+            self.metrics.heartbeat(record.capability, record.status)
+        return record
+
+    async def leave(self, instance_id: str, principal: Principal | None = None) -> bool:
+        if principal is not None and principal.kind == "agent":
+            await self.registry.owned(instance_id, principal.name)
+        left = await self.registry.leave(instance_id)
+        if left and self.guard is not None:
+            self.guard.audit.record(
+                "leave", principal=principal.name if principal else None, instance=instance_id
+            )
+        return left
+
+    async def _vet_address(self, connector: type[Connector], address: str) -> None:
+        """Every address a joining agent's host resolves to must be allowed, else 422."""
+        target = connector.address_host_port(address)
+        if target is None:
+            return
+        try:
+            await self.live.address_guard().resolve_checked(*target)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"service address {address!r}: {exc.message}") from None

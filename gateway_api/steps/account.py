@@ -1,0 +1,99 @@
+"""Step 11, account: one audit record (R20) and the metrics of every invoke that passed the
+door's first two steps, whether it was answered or refused, with one clock.
+
+The audit record says how the request left the door: its status code, outcome, instance,
+error type and the rule that allowed it. A capability nobody registered counts in the
+metrics as `_unknown` (the caller chose that name).
+"""
+
+from __future__ import annotations
+
+import time
+
+from temporalio.service import RPCError
+
+from gateway_api.errors import reach_error_of_rpc, status_code_of
+from gateway_api.steps.known import Capabilities
+from reach.errors import ReachError
+from reach.messages import InvokeRequest, InvokeResponse
+from reach.security.guard import Guard
+from reach.security.rules import Decision
+from reach.telemetry.metrics import ReachMetrics
+
+
+class Ledger:
+    """One request's account, opened as it enters and closed as it leaves."""
+
+    __slots__ = ("caller", "capabilities", "decision", "guard", "metrics", "request", "t0")
+
+    def __init__(
+        self,
+        request: InvokeRequest,
+        caller: str,
+        guard: Guard | None,
+        metrics: ReachMetrics | None,
+        capabilities: Capabilities,
+    ) -> None:
+        self.request = request
+        self.caller = caller
+        self.guard = guard
+        self.metrics = metrics
+        self.capabilities = capabilities
+        self.decision: Decision | None = None  # set once the rules allowed it
+        self.t0 = time.perf_counter()
+
+    async def answered(self, response: InvokeResponse) -> None:
+        seconds = time.perf_counter() - self.t0
+        error_type = response.error.type if response.error else None
+        if self.guard is not None and self.decision is not None:
+            self._audit(
+                request_id=response.request_id,
+                instance=response.instance_id,
+                duration_ms=round(seconds * 1000, 3),
+                status=status_code_of(response, running=504),
+                outcome=response.status,
+                error_type=error_type,
+                attempts=len(response.attempts) if response.attempts else None,
+            )
+        if self.metrics is not None:
+            request = self.request
+            target, op = (
+                (request.target, request.operation)
+                if response.status == "success"
+                else await self.capabilities.labels(request)
+            )
+            self.metrics.invoke(target, op, response.status, error_type or "", seconds)
+
+    async def refused(self, exc: BaseException) -> None:
+        """A refusal on the way: a Reach error (audited once the rules had allowed the request:
+        a denial is the guard's own record), or Temporal's trouble (counted)."""
+        seconds = time.perf_counter() - self.t0
+        if isinstance(exc, ReachError):
+            if self.guard is not None and self.decision is not None:
+                self._audit(
+                    request_id=self.request.request_id,
+                    duration_ms=round(seconds * 1000, 3),
+                    status=exc.http_status,
+                    outcome="error",
+                    error_type=exc.type,
+                )
+            status, error_type = ("timeout" if exc.type == "timeout" else "error"), exc.type
+        elif isinstance(exc, RPCError):
+            status, error_type = "error", reach_error_of_rpc(exc).type
+        else:
+            return  # a bug: the front's last resort answers and logs it
+        if self.metrics is not None:
+            target, op = await self.capabilities.labels(self.request)
+            self.metrics.invoke(target, op, status, error_type, seconds)
+
+    def _audit(self, **fields: object) -> None:
+        assert self.guard is not None
+        assert self.decision is not None
+        self.guard.audit.record(
+            "invoke",
+            caller=self.caller,
+            capability=self.request.target,
+            operation=self.request.operation,
+            rule=self.decision.rule,
+            **fields,
+        )

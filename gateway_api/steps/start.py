@@ -1,0 +1,89 @@
+"""Step 9, start: the durable workflow keyed by the RequestID, or the earlier run it repeats.
+
+A repeat (the RequestID exists) attaches to the first request, only if it asks the same:
+same body and caller (409 otherwise); it may drop the callback and wait for the result
+instead, but never add or change one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway_api.engine import Engine, InvokeHandle
+from gateway_api.steps.identify import Identity
+from reach.errors import RequestConflict
+from reach.invocation import CallbackPlan, CallPlan, Endpoint, InvokeInput, same_request
+from reach.messages import InvokeRequest
+
+
+def invoke_input(
+    request: InvokeRequest,
+    identity: Identity,
+    plan: CallPlan,
+    *,
+    now_ms: int,
+    payload_bytes: int,
+    hash_key: str | None,
+    endpoint: Endpoint | None,
+    callback_plan: CallbackPlan,
+) -> InvokeInput:
+    """The workflow's input: everything the request's run needs, decided here once."""
+    assert request.request_id is not None
+    return InvokeInput(
+        request_id=request.request_id,
+        caller=identity.caller,
+        target=request.target,
+        operation=request.operation,
+        payload=request.payload,
+        accepted_at_ms=now_ms,
+        deadline_ms=now_ms + plan.timeout_ms,
+        callback=str(request.callback) if request.callback else None,
+        callback_plan=callback_plan,
+        idempotency_key=request.idempotency_key,
+        routing_key=request.routing_key,
+        hash_key=hash_key,
+        traceparent=identity.traceparent,
+        plan=plan,
+        payload_bytes=payload_bytes,
+        endpoint=endpoint,
+        # What nearly every such request ends as: then its end writes no search attribute.
+        status_at_start="success"
+        if endpoint is not None and plan.mode == "inline" and not request.callback
+        else "running",
+    )
+
+
+@dataclass(slots=True)
+class Started:
+    handle: InvokeHandle
+    started: bool  # False: attached to an earlier run of the same RequestID
+    deadline_ms: int  # the first request's, for a repeat
+
+
+async def start(engine: Engine, inp: InvokeInput) -> Started:
+    handle, started = await engine.start(inp)
+    deadline_ms = inp.deadline_ms
+    if not started:
+        # A repeat (rare): the first request's own input says what it was.
+        first = await engine.original(handle)
+        if first is not None:
+            check_repeat(inp.request_id, first, inp)
+            deadline_ms = first.deadline_ms
+    return Started(handle, started, deadline_ms)
+
+
+def check_repeat(request_id: str, first: InvokeInput, repeat: InvokeInput) -> None:
+    """A repeated RequestID attaches only to the same request; it may drop the callback (and
+    wait for the result instead) but never add or change one."""
+    read_it = f"GET /reach/requests/{request_id} reads the first one"
+    if not same_request(first, repeat):
+        raise RequestConflict(
+            f"request_id {request_id!r} was first used with another body or caller; repeat "
+            f"the request exactly or use a new request_id ({read_it})"
+        )
+    if repeat.callback and repeat.callback != first.callback:
+        was = f"with callback {first.callback}" if first.callback else "without a callback"
+        raise RequestConflict(
+            f"request {request_id!r} was accepted {was}; a repeat cannot change where its "
+            f"result goes ({read_it})"
+        )
