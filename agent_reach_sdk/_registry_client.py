@@ -133,7 +133,7 @@ class RegistryClient:
             body["max_inflight"] = self.max_inflight
         r = await self.client.post("/reach/agents", json=body)
         if r.status_code != 200:
-            raise JoinRefused(f"Reach refused the join: {self._refused_by(r, 'join')}")
+            raise JoinRefused(self._refused_by(r, "join"))
         self._accepted()
         self.ack = r.json()
         self.heartbeat_interval = float(self.ack["heartbeat_interval"])
@@ -207,26 +207,26 @@ class RegistryClient:
     # -- refusals -------------------------------------------------------------------------------
 
     def _refused_by(self, r: httpx.Response, what: str) -> str:
-        """Log what the gateway said, once until it says something else; return it."""
+        """Say what the gateway said (logged once until it says something else); return it."""
         said = refusal(r)
+        line = self._refusal_line(what, said, r.status_code)
         if said == self._refused:
             _debug.debug("Reach still refuses the %s: %s", what, said)
-            return said
-        self._refused = said
-        if r.status_code in (401, 403):
-            log.error("%s", self._token_advice(said, what))
-        elif r.status_code < 500:
-            log.error("Reach refused the %s of instance %s: %s", what, self.instance_id, said)
         else:
-            log.warning("Reach could not take the %s (%s); retrying", what, said)
-        return said
+            self._refused = said
+            # A 4xx needs a person (an address to allow, a token to issue); a 5xx is Reach's.
+            log.log(logging.ERROR if r.status_code < 500 else logging.WARNING, "%s", line)
+        return line
 
-    def _token_advice(self, said: str, what: str) -> str:
-        whose = "this agent's token" if self.token else "this agent (it has no token)"
+    def _refusal_line(self, what: str, said: str, status: int) -> str:
+        line = f"Reach refused the {what} of instance {self.instance_id}: {said}"
+        if status not in (401, 403):
+            return line
+        whose = "this agent's token" if self.token else "this agent, which has no token"
         return (
-            f"the gateway refused {whose} at {what} ({said}): issue one with `reach tokens "
-            f"issue --principal NAME --agent --capability {self.capability}` and pass "
-            "token=... to AgentRuntime (or set $REACH_AGENT_TOKEN)"
+            f"{line}. The gateway refused {whose}: issue one with `reach tokens issue "
+            f"--principal NAME --agent --capability {self.capability}` and pass token=... to "
+            "AgentRuntime (or set $REACH_AGENT_TOKEN)"
         )
 
     def _accepted(self) -> None:
@@ -281,10 +281,10 @@ class RegistryClient:
             else:
                 if r.status_code in (200, 202):
                     return
-                if r.status_code in (401, 403):
-                    advice = self._token_advice(refusal(r), "late answer")
-                    raise RuntimeError(f"Reach refused the late answer: {advice}")
                 if r.status_code < 500:
-                    raise RuntimeError(f"Reach refused the late answer: {refusal(r)}")
+                    said = refusal(r)
+                    raise RuntimeError(
+                        self._refusal_line(f"late answer for {request_id}", said, r.status_code)
+                    )
             await asyncio.sleep(0.5 * 2**attempt)
         raise RuntimeError(f"could not deliver the late answer for {request_id}")

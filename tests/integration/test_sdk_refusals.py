@@ -1,0 +1,148 @@
+"""The agent SDK when a real gateway refuses it: the agent's own log says what the gateway said,
+once per change rather than at every retry, and a refused token says how to get one (issue 26).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from agent_reach_sdk import AgentRuntime
+from gateway_api.devserver import free_port
+from reach.security.tokens import FileTokenStore, issue
+from tests.conftest import new_stack
+from tests.helpers import GatewayProcess, Stack, wait_until
+
+pytestmark = pytest.mark.integration
+
+SDK = "agent_reach_sdk"
+
+
+def agent(url: str, capability: str, token: str | None = None) -> AgentRuntime:
+    runtime = AgentRuntime(
+        capability,
+        reach_address=url,
+        instance_id=f"{capability}-sdk",
+        service_address="127.0.0.1:0",
+        heartbeat_interval=0.2,
+        token=token,
+    )
+
+    @runtime.operation("query")
+    async def query(payload: dict[str, object]) -> dict[str, object]:
+        return payload
+
+    return runtime
+
+
+def errors(caplog: pytest.LogCaptureFixture, *words: str) -> list[str]:
+    """The SDK's ERROR lines that contain every one of `words`."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith(SDK)
+        and r.levelno == logging.ERROR
+        and all(w in r.getMessage() for w in words)
+    ]
+
+
+def still_refused(caplog: pytest.LogCaptureFixture) -> int:
+    """Refusals heard again after the first (logged at DEBUG only)."""
+    return sum("still refuses" in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture
+async def stack(temporal_server: str, tmp_path: Path) -> Stack:
+    return new_stack(temporal_server, tmp_path)
+
+
+async def test_a_join_refused_for_a_loopback_address_logs_the_gateways_message(
+    temporal_server: str, tmp_path: Path, capability: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=SDK)
+    # The seed's trap: a gateway whose allowlist leaves out loopback, agents on this machine.
+    strict = new_stack(temporal_server, tmp_path, extra={"REACH_SECURITY__ALLOW_NETWORKS": "[]"})
+    port = free_port()
+    # Started before the gateway (as `reach up` starts its demo agents): it joins on retry.
+    early = agent(f"http://127.0.0.1:{port}", capability)
+    await early.astart()
+    gw = await GatewayProcess(strict, "strict", port=port, worker=False).ready()
+    try:
+        said = ("refused the join", "422 invalid_request", "127.0.0.1 is a loopback address")
+
+        async def logged() -> bool:
+            return bool(errors(caplog, *said))
+
+        await wait_until(logged, 15)
+        assert "allow it in security.allow_networks" in errors(caplog, *said)[0]
+
+        async def retried() -> bool:
+            return still_refused(caplog) >= 3
+
+        await wait_until(retried, 10)
+        assert len(errors(caplog, "refused the join")) == 1  # once, not at every retry
+        assert not early.wait_joined(0)
+
+        # Refused at start: the start fails, and the log and the error both say why.
+        late = agent(gw.url, f"{capability}-b")
+        with pytest.raises(
+            RuntimeError, match=r"refused the join of instance .*: 422 invalid_request"
+        ) as exc:
+            await late.astart()
+        assert "is a loopback address; allow it in security.allow_networks" in str(exc.value)
+        assert len(errors(caplog, "refused the join", f"{capability}-b-sdk")) == 1
+    finally:
+        await early.astop()
+        gw.proc.stop()
+
+
+@pytest.fixture
+async def open_gateway(stack: Stack) -> AsyncIterator[GatewayProcess]:
+    """No tokens yet (auth mode auto): the door is open on loopback until one is issued."""
+    gw = await GatewayProcess(stack, "auto", worker=False).ready()
+    try:
+        yield gw
+    finally:
+        gw.proc.stop()
+
+
+async def test_the_first_token_issued_makes_a_running_agent_say_its_token_is_refused(
+    open_gateway: GatewayProcess, capability: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=SDK)
+    runtime = agent(open_gateway.url, capability)
+    async with runtime:
+        assert runtime.wait_joined(0)
+        # Issuing the first tokens closes the door: this agent has none.
+        store = FileTokenStore(open_gateway.stack.tmp / "tokens.json")
+        store.write(issue("orchestrator", "caller")[1])
+        token, record = issue("kr", "agent", ["another-capability"])
+        store.write(record)
+        advice = ("refused the heartbeat", "401 unauthorized", "which has no token")
+
+        async def told() -> bool:
+            return bool(errors(caplog, *advice))
+
+        await wait_until(told, 15)
+        [line] = errors(caplog, *advice)
+        assert "missing credentials" in line
+        assert f"reach tokens issue --principal NAME --agent --capability {capability}" in line
+        assert "pass token=... to AgentRuntime (or set $REACH_AGENT_TOKEN)" in line
+
+        async def retried() -> bool:
+            return still_refused(caplog) >= 3
+
+        await wait_until(retried, 15)
+        assert len(errors(caplog, "The gateway refused")) == 1  # once per change, not per beat
+
+    # A token that may not serve the capability: refused at Join, with the gateway's reason.
+    scoped = agent(open_gateway.url, f"{capability}-b", token=token)
+    with pytest.raises(RuntimeError, match="refused the join") as exc:
+        await scoped.astart()
+    said = "403 forbidden: the token of 'kr' may serve another-capability"
+    assert said in str(exc.value)
+    assert "The gateway refused this agent's token: issue one" in str(exc.value)
+    assert errors(caplog, said) == [str(exc.value)]  # the log says what the error says
