@@ -93,6 +93,8 @@ def error_response(request_id: str | None, err: ReachError) -> JSONResponse:
     body = error_body(request_id, err.type, err.message, err.retryable)
     if err.retry_after_s:
         body["error"]["retry_after_s"] = err.retry_after_s
+    if err.outcome_unknown:
+        body["error"]["outcome_unknown"] = True
     return JSONResponse(
         body,
         status_code=err.http_status,

@@ -128,6 +128,8 @@ class Refusal:
     @classmethod
     def of_error(cls, err: ReachError, request_id: str | None) -> Refusal:
         body = error_body(request_id, err.type, err.message, err.retryable)
+        if err.outcome_unknown:
+            body["error"]["outcome_unknown"] = True
         return cls(err.http_status, err.message, body)
 
     def trailers(self) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:

@@ -65,26 +65,26 @@ class Ledger:
             self.metrics.invoke(target, op, response.status, error_type or "", seconds)
 
     async def refused(self, exc: BaseException) -> None:
-        """A refusal on the way: a Reach error (audited once the rules had allowed the request:
-        a denial is the guard's own record), or Temporal's trouble (counted)."""
+        """A refusal on the way: a Reach error, or Temporal's trouble as the front answers it
+        (`reach_error_of_rpc`). Audited once the rules had allowed the request (a denial is
+        the guard's own record)."""
         seconds = time.perf_counter() - self.t0
-        if isinstance(exc, ReachError):
-            if self.guard is not None and self.decision is not None:
-                self._audit(
-                    request_id=self.request.request_id,
-                    duration_ms=round(seconds * 1000, 3),
-                    status=exc.http_status,
-                    outcome="error",
-                    error_type=exc.type,
-                )
-            status, error_type = ("timeout" if exc.type == "timeout" else "error"), exc.type
-        elif isinstance(exc, RPCError):
-            status, error_type = "error", reach_error_of_rpc(exc).type
-        else:
+        err = reach_error_of_rpc(exc) if isinstance(exc, RPCError) else exc
+        if not isinstance(err, ReachError):
             return  # a bug: the front's last resort answers and logs it
+        if self.guard is not None and self.decision is not None:
+            self._audit(
+                request_id=self.request.request_id,
+                duration_ms=round(seconds * 1000, 3),
+                status=err.http_status,
+                outcome="error",
+                error_type=err.type,
+                outcome_unknown=err.outcome_unknown,
+            )
         if self.metrics is not None:
             target, op = await self.capabilities.labels(self.request)
-            self.metrics.invoke(target, op, status, error_type, seconds)
+            status = "timeout" if err.type == "timeout" else "error"
+            self.metrics.invoke(target, op, status, err.type, seconds)
 
     def _audit(self, **fields: object) -> None:
         assert self.guard is not None

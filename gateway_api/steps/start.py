@@ -3,15 +3,23 @@
 A repeat (the RequestID exists) attaches to the first request, only if it asks the same:
 same body and caller (409 otherwise); it may drop the callback and wait for the result
 instead, but never add or change one.
+
+A start whose answer is lost (the RPC timed out, the connection broke) may have started the
+workflow all the same. The door then asks whether it exists: if it does, the request goes on
+as started; if it does not, the refusal is a plain 503 that means "not started"; if Temporal
+cannot say, the 503 carries `outcome_unknown` and tells the caller to ask by RequestID (a
+repeat with the same request_id is always safe: it never runs twice).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from temporalio.service import RPCError, RPCStatusCode
+
 from gateway_api.engine import Engine, InvokeHandle
 from gateway_api.steps.identify import Identity
-from reach.errors import RequestConflict
+from reach.errors import RequestConflict, Unavailable
 from reach.invocation import CallbackPlan, CallPlan, Endpoint, InvokeInput, same_request
 from reach.messages import InvokeRequest
 
@@ -60,8 +68,25 @@ class Started:
     deadline_ms: int  # the first request's, for a repeat
 
 
+# Answers after which the start may or may not have happened.
+UNCLEAR = frozenset(
+    {
+        RPCStatusCode.DEADLINE_EXCEEDED,
+        RPCStatusCode.CANCELLED,
+        RPCStatusCode.UNKNOWN,
+        RPCStatusCode.UNAVAILABLE,
+        RPCStatusCode.INTERNAL,
+    }
+)
+
+
 async def start(engine: Engine, inp: InvokeInput) -> Started:
-    handle, started = await engine.start(inp)
+    try:
+        handle, started = await engine.start(inp)
+    except RPCError as exc:
+        if exc.status not in UNCLEAR:
+            raise
+        handle, started = await _after_an_unclear_start(engine, inp.request_id, exc), False
     deadline_ms = inp.deadline_ms
     if not started:
         # A repeat (rare): the first request's own input says what it was.
@@ -70,6 +95,25 @@ async def start(engine: Engine, inp: InvokeInput) -> Started:
             check_repeat(inp.request_id, first, inp)
             deadline_ms = first.deadline_ms
     return Started(handle, started, deadline_ms)
+
+
+async def _after_an_unclear_start(
+    engine: Engine, request_id: str, failure: RPCError
+) -> InvokeHandle:
+    """The run a start may have made; the original failure when it surely made none."""
+    try:
+        exists = await engine.exists(request_id)
+    except RPCError:
+        raise Unavailable(
+            f"the workflow engine did not answer whether request {request_id!r} started "
+            f"({failure.status.name}: {failure.message}); it may run: "
+            f"GET /reach/requests/{request_id} tells, and a repeat with the same request_id "
+            "never runs it twice",
+            outcome_unknown=True,
+        ) from failure
+    if not exists:
+        raise failure
+    return engine.handle(request_id)
 
 
 def check_repeat(request_id: str, first: InvokeInput, repeat: InvokeInput) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from temporalio.service import RPCError, RPCStatusCode
 
 from gateway_api.door import Door
 from gateway_api.front import Bytes
@@ -29,6 +30,7 @@ from reach.errors import (
     InvalidRequest,
     RateLimited,
     RequestConflict,
+    Unavailable,
     UnknownCapability,
 )
 from reach.invocation import BucketPlan, InvokeInput
@@ -50,16 +52,29 @@ class Engine:
     existing: dict[str, InvokeInput] = field(default_factory=dict)
     started: list[InvokeInput] = field(default_factory=list)
     exists_asked: list[str] = field(default_factory=list)
+    # A start whose answer is lost: it raises this after starting (or not: `lost_before`).
+    lost: RPCError | None = None
+    lost_before: bool = False
+    describe_fails: bool = False
+
+    def handle(self, request_id: str) -> Handle:
+        return Handle(request_id)
 
     async def start(self, inp: InvokeInput) -> tuple[Handle, bool]:
+        if self.lost is not None and self.lost_before:
+            raise self.lost
         if inp.request_id in self.existing:
             return Handle(inp.request_id), False
         self.started.append(inp)
         self.existing[inp.request_id] = inp
+        if self.lost is not None:
+            raise self.lost
         return Handle(inp.request_id), True
 
     async def exists(self, request_id: str) -> bool:
         self.exists_asked.append(request_id)
+        if self.describe_fails:
+            raise RPCError("connection refused", RPCStatusCode.UNAVAILABLE, b"")
         return request_id in self.existing
 
     async def original(self, handle: Handle) -> InvokeInput | None:
@@ -302,3 +317,45 @@ async def _input_of(s: Stack, request_id: str) -> InvokeInput:
     other = stack("search")
     await other.invoke({**CALL, "request_id": request_id})
     return other.engine.started[0]
+
+
+TIMED_OUT = RPCError("deadline exceeded", RPCStatusCode.DEADLINE_EXCEEDED, b"")
+
+
+async def test_a_start_whose_answer_was_lost_goes_on_when_the_request_exists() -> None:
+    s = stack("search")
+    s.engine.lost = TIMED_OUT
+    response = await s.invoke({**CALL, "request_id": "req-lost"})
+    assert response.status == "success"
+    assert [i.request_id for i in s.engine.started] == ["req-lost"]
+
+
+async def test_a_start_that_surely_did_not_happen_is_a_plain_503() -> None:
+    s = stack("search")
+    s.engine.lost, s.engine.lost_before = TIMED_OUT, True
+    with pytest.raises(RPCError) as refused:
+        await s.invoke({**CALL, "request_id": "req-never"})
+    assert refused.value is TIMED_OUT  # the front answers it: 503 unavailable, retryable
+    assert s.engine.exists_asked[-1] == "req-never"
+
+
+async def test_a_start_nobody_can_confirm_says_the_outcome_is_unknown() -> None:
+    guard = Guard([{"caller": "*", "target_capability": "*", "allowed_operations": ["*"]}])
+    s = stack("search", guard=guard)
+    s.engine.lost, s.engine.describe_fails = TIMED_OUT, True
+    with pytest.raises(Unavailable) as refused:
+        await s.invoke({**CALL, "request_id": "req-maybe"})
+    assert refused.value.outcome_unknown is True
+    assert "GET /reach/requests/req-maybe" in refused.value.message
+    [(event, fields)] = guard.audit.records  # audited, as every refusal after the rules
+    assert (event, fields["status"], fields["outcome_unknown"]) == ("invoke", 503, True)
+
+
+async def test_temporal_trouble_is_audited_as_the_front_answers_it() -> None:
+    guard = Guard([{"caller": "*", "target_capability": "*", "allowed_operations": ["*"]}])
+    s = stack("search", guard=guard)
+    s.engine.lost, s.engine.lost_before = TIMED_OUT, True
+    with pytest.raises(RPCError):
+        await s.invoke(CALL)
+    [(event, fields)] = guard.audit.records
+    assert (event, fields["error_type"], fields["status"]) == ("invoke", "unavailable", 503)
