@@ -16,13 +16,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from agent_reach_proto import wire
 from reach import acceptance
 from reach.security.auth import Auth
 
-AUTHORIZATION = "authorization"
-CALLER = "x-reach-caller"
-TRACEPARENT = "traceparent"
-IDEMPOTENCY_KEY = "idempotency-key"
+# The caller's side of the wire contract, as every front names it (lower case).
+AUTHORIZATION = wire.GRPC_AUTHORIZATION
+CALLER = wire.CALLER
+TRACEPARENT = wire.TRACEPARENT
+IDEMPOTENCY_KEY = wire.IDEMPOTENCY_KEY
 
 Metadata = Mapping[str, str]
 

@@ -142,7 +142,9 @@ class DevServerSettings(Section):
 class TemporalSettings(Section):
     address: str = Field(
         default="127.0.0.1:7233",
-        description="The Temporal frontend (host:port); TEMPORAL_ADDRESS wins over it.",
+        description="The Temporal frontend (host:port); TEMPORAL_ADDRESS wins over it. Unset, "
+        "it follows temporal.dev_server.port (127.0.0.1:<port>), so moving the embedded dev "
+        "server moves what the gateway, worker.py and the CLI talk to.",
     )
     namespace: str = Field(
         default="default",
@@ -210,3 +212,11 @@ class TemporalSettings(Section):
         if self.ui_url:
             return self.ui_url.rstrip("/")
         return None if self.dev_server.headless else f"http://127.0.0.1:{self.dev_server.ui_port}"
+
+    @model_validator(mode="after")
+    def _address_follows_the_dev_server(self) -> TemporalSettings:
+        # Only when nobody wrote an address: a written one (or TEMPORAL_ADDRESS, applied by
+        # the client) always wins.
+        if "address" not in self.model_fields_set and "port" in self.dev_server.model_fields_set:
+            self.address = f"127.0.0.1:{self.dev_server.port}"
+        return self

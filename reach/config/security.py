@@ -170,7 +170,8 @@ class SecuritySettings(Section):
     allow_networks: list[str] = Field(
         default_factory=list,
         description="Networks (CIDR) callback URLs and agent addresses may resolve to beyond "
-        "global unicast, e.g. 127.0.0.0/8 for development. Empty: global addresses only.",
+        "global unicast, e.g. 10.0.0.0/8. Empty: global addresses only. Not written: loopback "
+        "(127.0.0.0/8, ::1) when the gateway listens on loopback, else global only.",
     )
     tls: TlsSettings = Field(default_factory=TlsSettings)
     encryption: EncryptionSettings = Field(default_factory=EncryptionSettings)

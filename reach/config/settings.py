@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -23,6 +24,19 @@ from reach.config.routing import CapabilitySettings, RoutingDefaults, RoutingSet
 from reach.config.security import AuditSettings, AuthSettings, RuleSettings, SecuritySettings
 from reach.invocation import CapabilityMode
 from reach.limits import max_message_ceiling
+
+# What a loopback gateway may reach when `security.allow_networks` is not written.
+LOOPBACK_NETWORKS = ("127.0.0.0/8", "::1/128")
+
+
+def _loopback(host: str) -> bool:
+    """A literal loopback address or `localhost` (no name is resolved while loading)."""
+    if host.rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class ReachSettings(BaseSettings):
@@ -110,6 +124,17 @@ class ReachSettings(BaseSettings):
                 f"temporal.grpc_limit_bytes={t.grpc_limit_bytes} leave at most {ceiling} "
                 "bytes for a message"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _a_local_gateway_reaches_local_agents(self) -> ReachSettings:
+        # A gateway that serves this machine only reaches this machine's agents and callbacks
+        # unless the file says otherwise: the seed's reach.yaml names no allowlist, and its
+        # demo agents listen on loopback. A gateway on any other address keeps the strict
+        # default (global unicast only), so the forgery guard holds where it matters.
+        security = self.security
+        if "allow_networks" not in security.model_fields_set and _loopback(self.listen_host):
+            security.allow_networks = list(LOOPBACK_NETWORKS)
         return self
 
     def routing_for(self, capability: str) -> RoutingSettings:

@@ -103,3 +103,22 @@ def test_a_message_limit_temporal_cannot_carry_is_a_start_up_error(tmp_path: Pat
         "  temporal: {payload_limit_bytes: 8388608, grpc_limit_bytes: 16777216}\n"
     )
     assert load_settings(config).transport.max_message_bytes == 4194304
+
+
+def test_moving_the_dev_server_moves_the_temporal_address() -> None:
+    """Issue 26: REACH_TEMPORAL__DEV_SERVER__PORT moved the embedded server while everything
+    else (worker.py, the CLI) kept talking to 127.0.0.1:7233."""
+    moved = ReachSettings.model_validate({"temporal": {"dev_server": {"port": 7300}}})
+    assert moved.temporal.address == "127.0.0.1:7300"
+    written = {"temporal": {"address": "temporal:7233", "dev_server": {"port": 7300}}}
+    assert ReachSettings.model_validate(written).temporal.address == "temporal:7233"
+    assert ReachSettings().temporal.address == "127.0.0.1:7233"
+
+
+def test_a_loopback_gateway_without_an_allowlist_reaches_loopback_only() -> None:
+    """Issue 26: the seed's reach.yaml names no allowlist, and its agents are local."""
+    assert ReachSettings().security.allow_networks == ["127.0.0.0/8", "::1/128"]
+    wide = ReachSettings.model_validate({"listen_host": "0.0.0.0"})
+    assert wide.security.allow_networks == []
+    strict = {"security": {"allow_networks": []}}
+    assert ReachSettings.model_validate(strict).security.allow_networks == []
