@@ -126,5 +126,8 @@ class Gateway:
         return self.engine.rpc_timeout
 
     def reconfigure(self, settings: ReachSettings) -> None:
-        """A reloaded configuration (validated), in force from the next request on."""
+        """A reloaded configuration (validated), in force from the next request on: plans,
+        limits and routing (the strategy each capability routes by here)."""
         self.live.reconfigure(settings)
+        if self.views.router is not None:
+            self.views.router.reconfigure(self.live.routing_for)

@@ -168,6 +168,12 @@ class Router:
         check_routing(settings)
         return cls(settings.routing_for, inflight)
 
+    def reconfigure(self, settings_for: Callable[[str], RoutingSettings]) -> None:
+        """Routing settings changed (a reload): each capability's strategy is built again from
+        them at its next route; in-flight counts are kept."""
+        self._settings_for = settings_for
+        self._capabilities = {}
+
     def _capability(self, capability: str) -> _Capability:
         cap = self._capabilities.get(capability)
         if cap is None:

@@ -215,9 +215,7 @@ class AuditLog:
         """`stdout`: the stream the stdout sink writes to (default: `sys.stdout` at each flush).
         `max_pending`: the most lines kept per sink while it cannot write."""
         self.settings = settings
-        self._redactor = Redactor(
-            settings.redact_keys, max_string=settings.max_string, str_keys=True
-        )
+        self._redactor = _redactor_of(settings)
         self._clock = _Clock()
         self._sinks: list[_Sink] = []
         if settings.sink in ("file", "both"):
@@ -233,6 +231,14 @@ class AuditLog:
         self._unrecordable: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
+
+    def redact_as(self, settings: AuditSettings) -> None:
+        """A reload's redaction (keys, max_string), from the next record on; where records go
+        (sink, file) changes only with a restart."""
+        self.settings = self.settings.model_copy(
+            update={"redact_keys": settings.redact_keys, "max_string": settings.max_string}
+        )
+        self._redactor = _redactor_of(self.settings)
 
     @property
     def enabled(self) -> bool:
@@ -329,3 +335,7 @@ class AuditLog:
                     await asyncio.to_thread(self.flush_now)
                 except Exception:  # flush_now's sinks catch their own; this is a last guard
                     logger.exception("audit flush failed")
+
+
+def _redactor_of(settings: AuditSettings) -> Redactor:
+    return Redactor(settings.redact_keys, max_string=settings.max_string, str_keys=True)

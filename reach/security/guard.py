@@ -43,8 +43,12 @@ RULES_CHANNEL = "auth:rules"
 CONFIG_POLL_S = 0.5
 _RULES = TypeAdapter(list[RuleSettings])
 
-# Sections a running gateway applies at once; the rest need a restart (and say so).
-LIVE_SECTIONS = frozenset({"rules", "auth", "policy"})
+# Sections a running gateway applies at once; the rest need a restart (and say so). Routing
+# (the defaults, and each capability's) is applied where this gateway routes; a capability's
+# `mode` and the audit trail's sink are not (`_needs_restart`).
+LIVE_SECTIONS = frozenset({"rules", "auth", "policy", "routing"})
+# Audit fields applied live: the redaction (so the CLI's records and the gateway's agree).
+LIVE_AUDIT_FIELDS = frozenset({"redact_keys", "max_string"})
 
 
 def token_store(settings: ReachSettings, store: Store | None) -> TokenStore:
@@ -118,7 +122,8 @@ class Guard:
         self.file_rules = list(new.rules)
         if self.override is None:
             self.rules = RuleBook(self.file_rules)
-        restart = [name for name in changed if name not in LIVE_SECTIONS]
+        self.audit.redact_as(new.audit)
+        restart = [name for name in changed if _needs_restart(name, old, new)]
         self.audit.record(
             "config_changed", principal=principal, source=source, sections=changed, restart=restart
         )
@@ -263,3 +268,15 @@ class ConfigWatcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _needs_restart(section: str, old: ReachSettings, new: ReachSettings) -> bool:
+    if section in LIVE_SECTIONS:
+        return False
+    if section == "capabilities":  # live unless a capability's mode (its workers) changed
+        names = old.capabilities.keys() | new.capabilities.keys()
+        return any(old.capability_mode(n) != new.capability_mode(n) for n in names)
+    if section == "audit":
+        before = old.audit.model_dump(exclude=set(LIVE_AUDIT_FIELDS))
+        return before != new.audit.model_dump(exclude=set(LIVE_AUDIT_FIELDS))
+    return True

@@ -6,14 +6,17 @@ joins and a caller invokes.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from tests.conftest import new_stack
-from tests.helpers import GatewayProcess, invoke, start_agents
+from tests.helpers import ROOT, GatewayProcess, Stack, invoke, start_agents, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -60,3 +63,58 @@ async def test_the_seeds_own_config_serves_an_agent_on_this_machine(
         assert r.status_code == 200, r.text
         assert r.json()["status"] == "success"
         assert "is a loopback address" not in gateway.proc.output()
+
+
+def _audit(stack: Stack, event: str) -> list[dict[str, Any]]:
+    path = stack.tmp / "audit.jsonl"
+    if not path.exists():
+        return []
+    lines = (json.loads(line) for line in path.read_text().splitlines())
+    return [line for line in lines if line["event"] == event]
+
+
+async def test_a_reloaded_routing_strategy_and_redaction_are_in_force_at_once(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
+) -> None:
+    """Issue 26: the strategy was shown as reloaded while traffic kept the old one, and the
+    audit trail's max_string needed a restart."""
+    config = tmp_path / "reach.yaml"
+    settings = yaml.safe_load((ROOT / "reach.yaml").read_text())
+    config.write_text(yaml.safe_dump(settings))
+    stack = new_stack(temporal_server, tmp_path, extra={"REACH_CONFIG": str(config)})
+    async with GatewayProcess(stack, "reload") as gateway:
+        await start_agents(gateway, capability, 3)
+
+        async def instances(caller: str = "me") -> set[str]:
+            seen = set()
+            for _ in range(6):
+                r = await invoke(http, gateway, capability, caller=caller, routing_key="user-1")
+                assert r.status_code == 200, r.text
+                seen.add(r.json()["instance_id"])
+            return seen
+
+        assert len(await instances()) > 1  # round robin spreads one key
+        reach = settings["reach"]
+        reach.setdefault("capabilities", {})[capability] = {
+            "routing": {"strategy": "consistent_hash"}
+        }
+        reach.setdefault("audit", {})["max_string"] = 16
+        config.write_text(yaml.safe_dump(settings))
+
+        async def reloaded() -> bool:
+            r = await http.get(f"{gateway.url}/reach/capabilities/{capability}")
+            return bool(r.json()["routing"]["strategy"] == "consistent_hash")
+
+        await wait_until(reloaded, 15)
+        long_caller = "a-caller-with-a-rather-long-name"
+        assert len(await instances(long_caller)) == 1  # the key now picks one instance
+        [changed] = _audit(stack, "config_changed")
+        assert changed["restart"] == []  # routing and redaction are both live
+        assert "only after a restart" not in gateway.proc.output()
+
+        async def flushed() -> bool:
+            return any(isinstance(r["caller"], dict) for r in _audit(stack, "invoke"))
+
+        await wait_until(flushed, 10)
+        redacted = [r["caller"] for r in _audit(stack, "invoke") if isinstance(r["caller"], dict)]
+        assert redacted[-1]["len"] == len(long_caller)
