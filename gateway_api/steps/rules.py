@@ -16,4 +16,4 @@ def decide(guard: Guard | None, caller: str, request: InvokeRequest) -> Decision
     """The allowing decision, or None on a bare gateway (no guard: no rules)."""
     if guard is None:
         return None
-    return guard.decide(caller, request.target, request.operation)
+    return guard.decide(caller, request.target, request.operation, request.request_id)

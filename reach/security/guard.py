@@ -88,12 +88,15 @@ class Guard:
 
     # -- decisions ----------------------------------------------------------------------------
 
-    def decide(self, caller: str, capability: str, operation: str) -> Decision:
+    def decide(
+        self, caller: str, capability: str, operation: str, request_id: str | None = None
+    ) -> Decision:
         """R19 for one request; a denial is audited and raised as 403 naming the rule."""
         decision = self.rules.decide(caller, capability, operation)
         if not decision.allowed:
             self.audit.record(
                 "denied",
+                request_id=request_id,
                 caller=caller,
                 capability=capability,
                 operation=operation,

@@ -339,6 +339,7 @@ async def test_rules_decide_and_change_without_restart(
     r = await http.post(url, json=body(capability, "delete_index"), headers=orch)
     assert r.status_code == 403
     assert "orchestrator-reads" in r.json()["error"]["message"]
+    denied_id = r.json()["request_id"]  # a denial names its request, in the audit trail too
     r = await http.post(url, json=body(capability, "rebuild"), headers=orch)
     assert r.status_code == 403
     assert "no rule allows" in r.json()["error"]["message"]
@@ -351,7 +352,10 @@ async def test_rules_decide_and_change_without_restart(
 
     async def denial_audited() -> bool:
         denials = [a for a in audit_lines(stack) if a["event"] == "denied"]
-        return any(a.get("rule") == "orchestrator-reads" for a in denials)
+        return any(
+            a.get("rule") == "orchestrator-reads" and a.get("request_id") == denied_id
+            for a in denials
+        )
 
     await wait_until(denial_audited, 5)
     # An invalid change is refused; the rule in force stays.

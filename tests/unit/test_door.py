@@ -131,10 +131,12 @@ class Guard:
         self.audit = Audit()
         self.auth = None
 
-    def decide(self, caller: str, capability: str, operation: str) -> Decision:
+    def decide(
+        self, caller: str, capability: str, operation: str, request_id: str | None = None
+    ) -> Decision:
         decision = self.rules.decide(caller, capability, operation)
         if not decision.allowed:
-            self.audit.record("denied", caller=caller, rule=decision.rule)
+            self.audit.record("denied", request_id=request_id, caller=caller, rule=decision.rule)
             raise Forbidden(decision.reason)
         return decision
 
