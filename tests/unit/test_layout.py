@@ -67,7 +67,6 @@ OVERSIZED_TODAY = {
     "connectors/grpc.py": "being split in issue 24",
     "connectors/mqtt.py": "being split in issue 24",
     "connectors/websocket.py": "being split in issue 24",
-    "reach/timeline/_invoke.py": "being split in issue 24",
 }
 
 
