@@ -230,10 +230,7 @@ def build_services(settings: ReachSettings, *, sweep: bool = True) -> Services:
 def connection_counts(connectors: ConnectorSet) -> dict[tuple[str, str], dict[str, int]]:
     """The connectors' lifecycle counters, (capability, protocol) -> counter -> value, read
     (never changed) for the metrics."""
-    return {
-        key: {name: n for name, n in counts.items()}
-        for key, counts in connectors.stats._counts.items()
-    }
+    return connectors.stats.snapshot()
 
 
 def build_workers(

@@ -43,6 +43,12 @@ class ConnectionStats:
             counts = self._counts[(capability, protocol)] = dict.fromkeys(COUNTERS, 0)
         counts[counter] += n
 
+    def snapshot(self) -> dict[tuple[str, str], dict[str, int]]:
+        """(capability, protocol) -> counter -> value, a copy (for the metrics)."""
+        return {
+            key: {name: n for name, n in counts.items()} for key, counts in self._counts.items()
+        }
+
     def of(self, capability: str) -> dict[str, dict[str, int]]:
         """protocol -> counter -> value, for one capability."""
         return {

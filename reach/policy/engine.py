@@ -106,6 +106,11 @@ class PolicyEngine:
             return None
         return cached.view
 
+    def held_views(self) -> dict[str, CapabilityView]:
+        """capability -> the view this process holds, however old, by name (a copy: for
+        readers such as the metrics, which must not wait for the store)."""
+        return {capability: cached.view for capability, cached in sorted(self._views.items())}
+
     async def _refresh(self, capability: str) -> None:
         try:
             await self.view(capability, fresh=True)

@@ -374,16 +374,13 @@ def _policy_states(engine: PolicyEngine) -> dict[str, tuple[str | None, int | No
     view older than the engine's interval, so an idle capability's state is not left behind
     (seen by the next scrape)."""
     out: dict[str, tuple[str | None, int | None]] = {}
-    for capability in sorted(engine._views):
+    for capability, view in engine.held_views().items():
         with contextlib.suppress(RuntimeError):  # no running loop (a unit test): as held
             engine.recent_view(capability)
-        cached = engine._views.get(capability)
-        if cached is None:
-            continue
         settings = engine.settings
-        breaker = cached.view.breaker.status if settings.breaker_for(capability).enabled else None
+        breaker = view.breaker.status if settings.breaker_for(capability).enabled else None
         ejected = (
-            len(engine.ejected(capability, cached.view))
+            len(engine.ejected(capability, view))
             if settings.outlier_for(capability).enabled
             else None
         )
