@@ -93,7 +93,7 @@ from gateway_api.grpc_wire import (
 from reach import acceptance
 from reach.acceptance import describe_validation_error
 from reach.config import ConfigError, ReachSettings
-from reach.errors import InvalidRequest
+from reach.errors import InvalidRequest, ReachError
 from reach.messages import InstanceId, dumps
 from reach.security.tokens import Principal
 from reach.telemetry import tracing
@@ -203,7 +203,7 @@ class ReachService:
 
     async def join(self, raw: bytes, context: JoinContext) -> pb.JoinAck:
         try:
-            agent = self._agent(context)
+            agent = self._agent(metadata_of(context).get(AUTHORIZATION_KEY))
             request = parse(pb.JoinRequest, raw)
             body = acceptance.join_request(as_body(join_fields(request)), self.gateway.limits)
             ack = await self.gateway.agents.join(body, agent)
@@ -222,20 +222,27 @@ class ReachService:
         self, requests: AsyncIterator[bytes], context: HeartbeatContext
     ) -> AsyncIterator[pb.HeartbeatAck]:
         """One ack per report; a refused report (a malformed one too) is acked with its error
-        and the stream goes on (`unknown_instance`: join again)."""
+        and the stream goes on (`unknown_instance`: join again). The token is checked again
+        for every report: one revoked (or a door closed by the first token) while the stream
+        is open ends it with UNAUTHENTICATED, as the next HTTP heartbeat would get 401."""
+        authorization = metadata_of(context).get(AUTHORIZATION_KEY)
         try:
-            agent = self._agent(context)
+            agent = self._agent(authorization)
         except Exception as exc:
             await refusal_of(exc, "Heartbeat", None).end(context)
         async for raw in requests:
+            try:
+                agent = self._agent(authorization)
+            except ReachError as exc:
+                await refusal_of(exc, "Heartbeat", None).end(context)
             yield await self._beat(raw, agent)
 
-    def _agent(self, context: grpc.aio.ServicerContext[Any, Any]) -> Principal | None:
+    def _agent(self, authorization: str | None) -> Principal | None:
         """The agent token in the call's `authorization` metadata (None: tokens are off)."""
         guard = self.gateway.guard
         if guard is None:
             return None
-        return guard.auth.agent(metadata_of(context).get(AUTHORIZATION_KEY))
+        return guard.auth.agent(authorization)
 
     async def _beat(self, raw: bytes, agent: Principal | None = None) -> pb.HeartbeatAck:
         instance_id = ""
