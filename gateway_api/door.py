@@ -28,13 +28,14 @@ from gateway_api.steps import rules
 from gateway_api.steps.accept import accept
 from gateway_api.steps.account import Ledger
 from gateway_api.steps.callback import vet_callback
-from gateway_api.steps.identify import Identity, Metadata, identify
+from gateway_api.steps.identify import CALLER, Identity, Metadata, identify
 from gateway_api.steps.known import Capabilities
 from gateway_api.steps.limits import Limiter
 from gateway_api.steps.plan import plan
 from gateway_api.steps.route import FirstRoute
 from gateway_api.steps.start import invoke_input, start
 from gateway_api.steps.wait import Verdicts
+from reach.errors import ReachError
 from reach.messages import InvokeRequest, InvokeResponse
 from reach.security.guard import Guard
 from reach.telemetry.logs import current_request_id
@@ -65,7 +66,18 @@ class Door:
     async def invoke(self, metadata: Metadata, body: Body, front: Front) -> InvokeResponse:
         """One invoke through the door; a refusal is raised as a `ReachError` (or Temporal's
         `RPCError`, which `gateway_api.errors.reach_error_of_rpc` names)."""
-        identity = identify(metadata, self.guard.auth if self.guard else None)
+        try:
+            identity = identify(metadata, self.guard.auth if self.guard else None)
+        except ReachError as exc:
+            if self.guard is not None:  # who tried, and why not (a forged caller, no token)
+                self.guard.audit.record(
+                    "refused",
+                    claimed_caller=metadata.get(CALLER),
+                    status=exc.http_status,
+                    error_type=exc.type,
+                    reason=exc.message,
+                )
+            raise
         request, payload_bytes = accept(await body.read(), self.live.limits, identity)
         assert request.request_id is not None
         await front.named(request.request_id, identity.caller)  # envelopes name it from here

@@ -103,7 +103,7 @@ class Gateway:
             registry,
             door,
             Agents(live, registry, guard, connections, metrics),
-            Requests(engine, registry),
+            Requests(engine, registry, guard),
             Views(live, client, registry, policy, router),
             guard,
             metrics,

@@ -10,7 +10,7 @@ import connectors
 from connectors import ConnectorSet
 from connectors.base import Connector
 from gateway_api.live import Live
-from reach.errors import InvalidRequest
+from reach.errors import Forbidden, InvalidRequest, ReachError
 from reach.registry import Ack, HealthReport, InstanceRecord, JoinRequest, Registry
 from reach.security.auth import may_serve
 from reach.security.guard import Guard
@@ -35,7 +35,16 @@ class Agents:
         self.metrics = metrics
 
     async def join(self, body: JoinRequest, principal: Principal | None = None) -> Ack:
-        """Register an instance whose protocol has a connector and whose address it accepts."""
+        """Register an instance whose protocol has a connector and whose address it accepts.
+        A refusal is audited (`join_refused`): a token for another capability, a takeover of
+        an instance another principal holds, a forbidden address."""
+        try:
+            return await self._join(body, principal)
+        except ReachError as exc:
+            self._refused("join_refused", exc, principal, body.instance_id, body.capability)
+            raise
+
+    async def _join(self, body: JoinRequest, principal: Principal | None) -> Ack:
         may_serve(principal, body.capability)
         known = connectors.available()
         if body.protocol not in known:
@@ -66,7 +75,7 @@ class Agents:
         self, instance_id: str, report: HealthReport, principal: Principal | None = None
     ) -> InstanceRecord:
         if principal is not None and principal.kind == "agent":
-            await self.registry.owned(instance_id, principal.name)
+            await self._owned(instance_id, principal, "heartbeat_refused")
         record = await self.registry.heartbeat(instance_id, report)
         if self.metrics is not None:
             self.metrics.heartbeat(record.capability, record.status)
@@ -74,13 +83,39 @@ class Agents:
 
     async def leave(self, instance_id: str, principal: Principal | None = None) -> bool:
         if principal is not None and principal.kind == "agent":
-            await self.registry.owned(instance_id, principal.name)
+            await self._owned(instance_id, principal, "leave_refused")
         left = await self.registry.leave(instance_id)
         if left and self.guard is not None:
             self.guard.audit.record(
                 "leave", principal=principal.name if principal else None, instance=instance_id
             )
         return left
+
+    async def _owned(self, instance_id: str, principal: Principal, event: str) -> None:
+        try:
+            await self.registry.owned(instance_id, principal.name)
+        except Forbidden as exc:  # another principal's instance: audited, as a takeover try
+            self._refused(event, exc, principal, instance_id)
+            raise
+
+    def _refused(
+        self,
+        event: str,
+        exc: ReachError,
+        principal: Principal | None,
+        instance_id: str,
+        capability: str | None = None,
+    ) -> None:
+        if self.guard is not None:
+            self.guard.audit.record(
+                event,
+                principal=principal.name if principal else None,
+                capability=capability,
+                instance=instance_id,
+                status=exc.http_status,
+                error_type=exc.type,
+                reason=exc.message,
+            )
 
     async def _vet_address(self, connector: type[Connector], address: str) -> None:
         """Every address a joining agent's host resolves to must be allowed, else 422."""

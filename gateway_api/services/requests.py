@@ -26,6 +26,7 @@ from reach.errors import Forbidden, InvalidRequest, RequestClosed, Unavailable, 
 from reach.invocation import DeliveryOutcome, LateAnswer, answer_key, delivery_workflow_id
 from reach.messages import AttemptInfo, DeliveryState, InvokeResponse
 from reach.registry import Registry
+from reach.security.guard import Guard
 from reach.security.tokens import Principal
 from workflows.invoke import SA_CALLER, SA_INSTANCE, InvokeWorkflow
 
@@ -36,9 +37,10 @@ QUERY_WAIT = timedelta(seconds=1)
 
 
 class Requests:
-    def __init__(self, engine: Engine, registry: Registry) -> None:
+    def __init__(self, engine: Engine, registry: Registry, guard: Guard | None = None) -> None:
         self.engine = engine
         self.registry = registry
+        self.guard = guard
 
     async def status(self, request_id: str, principal: Principal | None = None) -> InvokeResponse:
         """A request's state, and its callback delivery's when it has a callback."""
@@ -119,8 +121,27 @@ class Requests:
         """Hand an agent's late answer to its request: 'received' (also for a resend of it).
 
         The update's id is the answer's content, so a resend (after a 503, a lost reply) is the
-        same update, never another one carrying the same payload again.
+        same update, never another one carrying the same payload again. An answer refused as
+        not this principal's to give (403) is audited (`answer_refused`): a forgery try.
         """
+        try:
+            return await self._late_answer(request_id, answer, principal)
+        except Forbidden as exc:
+            if self.guard is not None:
+                self.guard.audit.record(
+                    "answer_refused",
+                    request_id=request_id,
+                    principal=principal.name if principal else None,
+                    instance=answer.instance_id,
+                    status=exc.http_status,
+                    error_type=exc.type,
+                    reason=exc.message,
+                )
+            raise
+
+    async def _late_answer(
+        self, request_id: str, answer: LateAnswer, principal: Principal | None
+    ) -> str:
         answer.principal = None
         if principal is not None and principal.kind == "agent":
             # Only the instance the request was sent to answers it: here, the principal must
