@@ -20,8 +20,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.telemetry import traced_call
 from agent_reach_proto import wire
-from connectors import ConnectorSet
-from connectors._guard import GuardedTransport, refusal_in
+from connectors import ConnectorSet, GuardedTransport, refusal_in
 from reach.config import SecuritySettings
 from reach.errors import (
     AgentError,

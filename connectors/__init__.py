@@ -10,6 +10,18 @@ import logging
 from collections.abc import Awaitable, Callable
 from importlib.metadata import entry_points
 
+# What other packages use of the connectors' helpers is named here, public; the modules
+# behind them stay private. `guard` is the address guard's module itself, for the tests that
+# replace its resolver (`monkeypatch.setattr(guard, "resolve", ...)`).
+from connectors import _guard as guard
+from connectors._answers import reply_for_status
+from connectors._guard import (
+    AddressRefused,
+    GuardedBackend,
+    GuardedTransport,
+    guarded_client,
+    refusal_in,
+)
 from connectors._pools import ConnectionStats
 from connectors.base import Connector
 from reach.config import SecuritySettings, TransportSettings
@@ -18,11 +30,18 @@ ENTRY_POINT_GROUP = "agent_reach.connectors"
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "AddressRefused",
     "ConnectionStats",
     "Connector",
     "ConnectorSet",
+    "GuardedBackend",
+    "GuardedTransport",
     "available",
+    "guard",
+    "guarded_client",
     "load",
+    "refusal_in",
+    "reply_for_status",
 ]
 
 log = logging.getLogger("connectors")

@@ -19,7 +19,7 @@ from agent_reach_sdk.context import RequestContext
 from agent_reach_sdk.runtime import AgentRuntime, OperationError
 from agent_reach_sdk.servers.grpc import GrpcAgentServer
 from agent_reach_sdk.wire import Answer, Dispatch, Inbound
-from connectors._pools import ConnectionStats
+from connectors import ConnectionStats
 from connectors.grpc import GrpcConnector
 from connectors.http import HttpConnector
 from gateway_api.devserver import free_port

@@ -21,10 +21,9 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-import connectors._guard as guard_module
 from activities import ReachActivities
-from connectors import ConnectorSet
-from connectors._guard import AddressRefused, GuardedBackend, guarded_client, refusal_in
+from connectors import AddressRefused, ConnectorSet, GuardedBackend, guarded_client, refusal_in
+from connectors import guard as guard_module
 from connectors.http import HttpConnector
 from reach.config import PolicySettings, RegistrySettings, RoutingSettings, SecuritySettings
 from reach.errors import TransportError

@@ -14,8 +14,7 @@ from agent_reach_sdk import wire
 from agent_reach_sdk.servers import server_class
 from agent_reach_sdk.servers.grpc import GrpcAgentServer, clip_utf8, status_for
 from agent_reach_sdk.wire import error_answer
-from connectors import ConnectorSet, load
-from connectors._answers import reply_for_status
+from connectors import ConnectorSet, load, reply_for_status
 from connectors.grpc import (
     METHOD,
     STATUS_TABLE,
