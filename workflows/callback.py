@@ -23,6 +23,7 @@ with workflow.unsafe.imports_passed_through():
         CallbackInput,
         DeliveryOutcome,
     )
+    from reach.security.redact import safe_url
 
 
 def _attempts_and_reason(exc: ActivityError) -> tuple[int, str]:
@@ -63,7 +64,7 @@ async def deliver(inp: CallbackInput) -> DeliveryOutcome:
     except ActivityError as exc:
         # The result itself is not lost: it stays the request's result (GET /reach/requests/{id}).
         attempts, reason = _attempts_and_reason(exc)
-        workflow.logger.warning("callback to %s given up: %s", inp.url, reason)
+        workflow.logger.warning("callback to %s given up: %s", safe_url(inp.url), reason)
         return DeliveryOutcome(status="given_up", attempts=attempts, last_error=reason)
     return DeliveryOutcome(status="delivered", attempts=attempts or 1)
 

@@ -10,6 +10,7 @@ import logging
 from datetime import timedelta
 
 from temporalio.api.enums.v1 import PendingActivityState
+from temporalio.api.failure.v1 import Failure
 from temporalio.client import (
     WorkflowExecutionStatus,
     WorkflowFailureError,
@@ -27,6 +28,7 @@ from reach.invocation import DeliveryOutcome, LateAnswer, answer_key, delivery_w
 from reach.messages import AttemptInfo, DeliveryState, InvokeResponse
 from reach.registry import Registry
 from reach.security.guard import Guard
+from reach.security.redact import safe_url
 from reach.security.tokens import Principal
 from workflows.invoke import SA_CALLER, SA_INSTANCE, InvokeWorkflow
 
@@ -81,8 +83,20 @@ class Requests:
             return None
         return attempts or None
 
+    async def _words_of(self, failure: Failure) -> str | None:
+        """A failure's message, decoded first (with encryption on its message travels
+        encoded, and reads "Encoded failure" as it is)."""
+        copy = Failure()
+        copy.CopyFrom(failure)
+        try:
+            return str(await self.engine.client.data_converter.decode_failure(copy)) or None
+        except Exception:
+            return failure.message or None
+
     async def _delivery(self, request_id: str, url: str, status: str) -> DeliveryState:
-        """The callback delivery's state, from its own workflow."""
+        """The callback delivery's state, from its own workflow (its URL as `safe_url`
+        shows it: no credentials or query in an answer)."""
+        url = safe_url(url)
         rpc_timeout = self.engine.rpc_timeout
         handle = self.engine.client.get_workflow_handle(
             delivery_workflow_id(request_id), result_type=DeliveryOutcome
@@ -105,7 +119,8 @@ class Requests:
             for pending in desc.raw_description.pending_activities:
                 waiting = pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED
                 attempts = pending.attempt - 1 if waiting else pending.attempt
-                last_error = pending.last_failure.message or None
+                if pending.HasField("last_failure"):
+                    last_error = await self._words_of(pending.last_failure)
             return DeliveryState(
                 url=url, status="pending", attempts=attempts, last_error=last_error
             )
