@@ -30,7 +30,6 @@ with workflow.unsafe.imports_passed_through():
     from reach.invocation import (
         ACTIVITY_CALL,
         ACTIVITY_RESOLVE,
-        ACTIVITY_TAKE_TOKEN,
         STALE_ROUTE,
         CallInput,
         CallPlan,
@@ -38,7 +37,6 @@ with workflow.unsafe.imports_passed_through():
         InvokeInput,
         LateAnswer,
         ResolveInput,
-        TakeInput,
         pin_of,
     )
     from reach.messages import (
@@ -56,10 +54,12 @@ with workflow.unsafe.imports_passed_through():
         Attempts,
         Failure,
         GiveUp,
+        Redeliver,
+        Retry,
         RouteAgain,
         Rule,
+        WaitForStore,
         after_failure,
-        after_no_token,
         after_store_failure,
         refine_plan,
     )
@@ -121,6 +121,10 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
     else:
         info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
     return Failed(info, instance_id)
+
+
+# How the log names each step that waits (operators and tests read "retrying in").
+DOING = {Retry: "retrying", Redeliver: "re-delivering", WaitForStore: "waiting for the store"}
 
 
 def follows(rule: Rule) -> bool:
@@ -185,59 +189,7 @@ class AttemptLoop:
             instance_id=instance_id,
         )
 
-    async def _wait_for_token(self, inp: InvokeInput) -> InvokeResponse | None:
-        """`on_limit: queue`: wait on durable timers until every bucket gives a token."""
-        queue = inp.plan.queue
-        assert queue is not None
-        started = self._now_ms()
-        misses = 0
-        while True:
-            try:
-                wait_s: float = await self._store_step(
-                    inp,
-                    ACTIVITY_TAKE_TOKEN,
-                    TakeInput(buckets=queue.buckets),
-                    float,
-                    queue.wait_until_ms,
-                )
-            except Failed as failed:
-                return self._envelope(inp, "error", error=failed.error)
-            if wait_s <= 0:
-                break
-            misses += 1
-            step = after_no_token(
-                wait_s,
-                miss=misses,
-                now_ms=self._now_ms(),
-                until_ms=queue.wait_until_ms,
-                draw=workflow.random().random,
-            )
-            if isinstance(step, GiveUp):
-                self._waited_ms = self._now_ms() - started
-                return self._envelope(
-                    inp,
-                    "error",
-                    error=ErrorInfo(
-                        type="rate_limited",
-                        message=f"rate limit of {inp.target!r} for caller {inp.caller!r}: no "
-                        f"token freed within the {self._waited_ms} ms this request could wait",
-                        retryable=True,
-                        retry_after_s=max(1, int(wait_s + 0.999)),
-                    ),
-                )
-            await workflow.sleep(step.delay_s)
-        self._waited_ms = self._now_ms() - started
-        # The call's own time runs from when it may go; a synchronous request's deadline stays.
-        self._start_ms = self._now_ms()
-        if inp.callback:
-            self._deadline_ms = max(self._deadline_ms, self._start_ms + self._plan.timeout_ms)
-        return None
-
     async def _attempts_until_done(self, inp: InvokeInput) -> InvokeResponse:
-        if inp.plan.queue is not None:
-            refused = await self._wait_for_token(inp)
-            if refused is not None:
-                return refused
         # Attempt 1's instance when the door chose it; then the pin of any re-run of attempt 1.
         first = inp.endpoint
         pin: str | None = None
@@ -279,7 +231,7 @@ class AttemptLoop:
                 "attempt %d failed (%s); %s in %.1fs",
                 tries.number,
                 failure.error.type,
-                type(step).__name__,
+                DOING[type(step)],
                 step.delay_s,
             )
             self._attempts[-1].backoff_ms = int(step.delay_s * 1000)
