@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from reach.config.base import Section
-from reach.security.netguard import parse_networks
+from reach.config.parsing import decode_key, parse_networks
 
 SECRET_KEY_NAMES = (
     "password",
@@ -156,8 +156,6 @@ class EncryptionSettings(Section):
     def _keys_are_aes256(self) -> EncryptionSettings:
         if not self.keys:
             return self
-        from reach.security.crypto import decode_key  # cryptography loads only when used
-
         for key_id, secret in self.keys.items():
             try:
                 decode_key(secret.get_secret_value())

@@ -9,7 +9,6 @@ requests sealed with them are kept.
 from __future__ import annotations
 
 import base64
-import binascii
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -17,10 +16,14 @@ from typing import TYPE_CHECKING
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+# A key as `security.encryption.keys` writes it, parsed where the settings check it too (and
+# still importable from here).
+from reach.config.parsing import KEY_BYTES as KEY_BYTES
+from reach.config.parsing import decode_key as decode_key
+
 if TYPE_CHECKING:
     from reach.config import EncryptionSettings
 
-KEY_BYTES = 32
 NONCE_BYTES = 12
 TAG_BYTES = 16
 
@@ -32,17 +35,6 @@ class CryptoError(Exception):
 def new_key() -> str:
     """A fresh key for `security.encryption.keys`: base64 of 32 random bytes."""
     return base64.b64encode(os.urandom(KEY_BYTES)).decode("ascii")
-
-
-def decode_key(encoded: str) -> bytes:
-    """The 32 bytes of a base64 key; ValueError (naming no key material) when it is not one."""
-    try:
-        raw = base64.b64decode(encoded.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError("is not valid base64") from None
-    if len(raw) != KEY_BYTES:
-        raise ValueError(f"must be {KEY_BYTES} bytes once base64-decoded, not {len(raw)}")
-    return raw
 
 
 class PayloadCipher:

@@ -20,25 +20,28 @@ NAT64), 2002:7f00:1:: (127.0.0.1 over 6to4) and fec0::/10 global, so every rule 
 
 A name is judged by every address it resolves to (`AddressGuard.resolve_checked`); one address
 refused refuses the name. What connects after a check must connect to the very addresses that
-were checked (the HTTP transport in `connectors._guard` does), or a name that answers
+were checked (the HTTP transport in `connectors.guard` does), or a name that answers
 differently the second time (DNS rebinding) gets past the check.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import socket
 from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
+# The settings check `allow_networks` with the same parser (reach.config.parsing): it lives
+# there, so that reach.config needs nothing of reach.security; still importable from here.
+from reach.config.parsing import ALLOW_NETWORKS_SETTING
+from reach.config.parsing import IPNetwork as IPNetwork
+from reach.config.parsing import parse_networks as parse_networks
 from reach.errors import InvalidRequest, Unavailable
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-SETTING = "security.allow_networks"
+SETTING = ALLOW_NETWORKS_SETTING
 # A name that takes longer than this to resolve is refused for now (503), never waited on.
 RESOLVE_TIMEOUT_S = 5.0
 
@@ -91,24 +94,6 @@ _V6_SPECIAL: tuple[tuple[ipaddress.IPv6Network, str], ...] = (
 # Translation prefixes whose own addresses are globally routed: what they reach is the
 # embedded IPv4 address, judged on its own.
 _V6_WRAPPERS = (_NAT64, _SIX_TO_FOUR, _TEREDO)
-
-
-def parse_networks(values: Iterable[str]) -> tuple[IPNetwork, ...]:
-    """`allow_networks` as networks, or `ValueError` naming the first entry that is not one."""
-    networks: list[IPNetwork] = []
-    for value in values:
-        text = str(value).strip()
-        try:
-            network = ipaddress.ip_network(text, strict=True)
-        except ValueError as exc:
-            hint = ""
-            with contextlib.suppress(ValueError):
-                hint = f"; did you mean {ipaddress.ip_network(text, strict=False)}?"
-            raise ValueError(
-                f"{SETTING}: {value!r} is not a network in CIDR form (e.g. 10.0.0.0/8): {exc}{hint}"
-            ) from None
-        networks.append(network)
-    return tuple(networks)
 
 
 def _ip(value: str | IPAddress) -> IPAddress:
