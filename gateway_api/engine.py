@@ -139,10 +139,18 @@ def ended_without_result(request_id: str, cause: BaseException | None) -> Invoke
             ),
         )
     if isinstance(cause, TerminatedError | CancelledError):
+        # Not Reach's failure (a 500): an operator closed the request before it had a result.
         what = "terminated" if isinstance(cause, TerminatedError) else "cancelled"
-        message = f"the request was {what} by an operator: {cause.message or 'no reason given'}"
-    else:
-        message = f"the request failed inside Reach: {cause}; {show}"
+        return InvokeResponse(
+            request_id=request_id,
+            status="error",
+            error=ErrorInfo(
+                type="request_closed",
+                message=f"the request was {what} by an operator before it had a result: "
+                f"{cause.message or 'no reason given'}; {show}",
+            ),
+        )
+    message = f"the request failed inside Reach: {cause}; {show}"
     return InvokeResponse(
         request_id=request_id, status="error", error=ErrorInfo(type="internal", message=message)
     )
