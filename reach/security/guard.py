@@ -264,6 +264,13 @@ class ConfigWatcher:
         problem = exposure_problem(new.auth.mode, running, self.guard.auth.required_under(new.auth))
         if problem is not None:
             raise ConfigError(problem.replace("refusing to serve", "refusing to keep serving"))
+        if new.auth.mode == "open" and self.guard.auth.required:
+            # Opening a closed door stops every token from mattering at once (a revoked one
+            # too): a decision for a restart, never for a file edit a running gateway picks up.
+            raise ConfigError(
+                "auth.mode: open would stop requiring the tokens this gateway holds; a "
+                "running gateway does not open its door: set it and restart"
+            )
         return new
 
     async def aclose(self) -> None:

@@ -521,3 +521,22 @@ async def test_no_tokens_means_loopback_only(temporal_server: str, tmp_path: Pat
         assert "no tokens" in local.proc.output()
     finally:
         local.proc.stop()
+
+
+async def test_a_reload_cannot_open_a_door_that_holds_tokens(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """Issue 25: a live reload accepted auth.mode: open on a gateway holding tokens."""
+    config = tmp_path / "reach.yaml"
+    text = (ROOT / "reach.yaml").read_text()
+    assert "    mode: auto " in text
+    config.write_text(text)
+    stack = new_stack(temporal_server, tmp_path, extra={"REACH_CONFIG": str(config)})
+    issue_cli(stack, "--principal", "orchestrator")  # the door is closed: tokens required
+    async with GatewayProcess(stack, "closed") as gw:
+        assert (await http.get(f"{gw.url}/reach/capabilities")).status_code == 401
+        config.write_text(text.replace("    mode: auto ", "    mode: open "))
+        await wait_until(lambda: _event(stack, "config_rejected"), 10)
+        assert (await http.get(f"{gw.url}/reach/capabilities")).status_code == 401
+        [rejected] = [a for a in audit_lines(stack) if a["event"] == "config_rejected"]
+        assert "does not open its door" in rejected["reason"]
