@@ -31,11 +31,16 @@ from agent_reach_sdk._deadlines import LATEST_DEADLINE_MS, DeadlineKeeper, Deadl
 from agent_reach_sdk.context import Deferred, RequestContext, current_request_id
 from agent_reach_sdk.tracing import traced_dispatch
 from agent_reach_sdk.wire import Answer, Inbound, error_answer
+from reach.limits import MAX_DEPTH
 from reach.messages import MAX_TIMEOUT_MS
 
 log = logging.getLogger("agent_reach_sdk")
 
 OperationFunc = Callable[..., Any]
+
+# The most X-Reach-Attempt can be: Reach's retries are bounded far below it (policy allows ten),
+# so a larger number (or one under 1) is not Reach's, and is refused rather than handed on.
+MAX_ATTEMPT = 1_000_000
 
 
 class OperationError(Exception):
@@ -158,10 +163,15 @@ class Dispatcher:
         h = request.headers
         try:
             deadline = int(h[wire.DEADLINE_MS]) if h.get(wire.DEADLINE_MS) else None
-            attempt = int(h.get(wire.ATTEMPT) or "1")
         except ValueError:
+            return error_answer(400, "invalid_request", "X-Reach-Deadline-Ms is an integer")
+        attempt = _attempt(h.get(wire.ATTEMPT))
+        if attempt is None:
             return error_answer(
-                400, "invalid_request", "X-Reach-Deadline-Ms and X-Reach-Attempt are integers"
+                400,
+                "invalid_request",
+                f"X-Reach-Attempt is an integer from 1 to {MAX_ATTEMPT}, not "
+                f"{h.get(wire.ATTEMPT, '')[:40]!r}",
             )
         if deadline is not None and not 0 <= deadline <= LATEST_DEADLINE_MS:
             return error_answer(
@@ -183,6 +193,23 @@ class Dispatcher:
             payload = json.loads(request.body or b"{}")
         except ValueError:
             return error_answer(400, "invalid_request", "body is not JSON")
+        except RecursionError:
+            # Deeper than the decoder goes: the same body fails the same way every time.
+            return error_answer(
+                422,
+                "invalid_request",
+                f"the payload is nested too deeply (Reach sends at most {MAX_DEPTH} levels)",
+                retryable=False,
+            )
+        if not isinstance(payload, dict):
+            # The wire contract's payload is an object on every protocol; a handler is never
+            # handed a list, a string or null to trip over.
+            return error_answer(
+                422,
+                "invalid_request",
+                f"the payload must be a JSON object, not {_json_kind(payload)}",
+                retryable=False,
+            )
         remaining = (deadline / 1000 - time.time()) if deadline is not None else None
         if remaining is not None and remaining <= 0:
             return error_answer(504, "timeout", "the request's deadline passed before it started")
@@ -217,6 +244,14 @@ class Dispatcher:
         except (TypeError, ValueError) as exc:
             log.error("operation %s returned a result that is not standard JSON: %s", name, exc)
             return error_answer(500, "agent_error", f"the result is not standard JSON: {exc}")
+        except RecursionError:
+            log.error("operation %s returned a result nested too deeply to encode", name)
+            return error_answer(
+                500,
+                "agent_error",
+                f"the result of {name} is nested too deeply to encode (at most {MAX_DEPTH} levels)",
+                retryable=False,
+            )
         if size > self.max_message_bytes:
             log.error(
                 "operation %s returned %d bytes, more than the negotiated max_message_bytes %d;"
@@ -232,6 +267,29 @@ class Dispatcher:
                 retryable=False,
             )
         return answer
+
+
+def _attempt(value: str | None) -> int | None:
+    """X-Reach-Attempt as a number (1 when absent), None when it is not one Reach sends."""
+    if not value:
+        return 1
+    try:
+        attempt = int(value)
+    except ValueError:
+        return None
+    return attempt if 1 <= attempt <= MAX_ATTEMPT else None
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    return "a string" if isinstance(value, str) else type(value).__name__
 
 
 class Shape:
@@ -275,9 +333,11 @@ async def _in_daemon_thread(func: Callable[..., Any], *args: Any) -> Any:
     done: asyncio.Future[Any] = loop.create_future()
     context = contextvars.copy_context()
 
-    def settle(outcome: Callable[[], None]) -> None:
+    def settle(outcome: Callable[[], None], result: object = None) -> None:
         if not done.done():
             outcome()
+        else:  # given up on (its deadline, a shutdown) before the function returned
+            _close_unawaited(result)
 
     def run() -> None:
         try:
@@ -286,8 +346,25 @@ async def _in_daemon_thread(func: Callable[..., Any], *args: Any) -> Any:
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
                 loop.call_soon_threadsafe(settle, functools.partial(done.set_exception, exc))
         else:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(settle, functools.partial(done.set_result, result))
+            try:
+                loop.call_soon_threadsafe(
+                    settle, functools.partial(done.set_result, result), result
+                )
+            except RuntimeError:  # the loop is gone: nobody waits, nothing will run it
+                _close_unawaited(result)
 
     threading.Thread(target=run, name="reach-handler", daemon=True).start()
-    return await done
+    try:
+        return await done
+    except asyncio.CancelledError:
+        # Cancelled just as the function's coroutine arrived: nobody awaits it now either.
+        if done.done() and not done.cancelled() and done.exception() is None:
+            _close_unawaited(done.result())
+        raise
+
+
+def _close_unawaited(value: object) -> None:
+    """A coroutine a plain handler handed back that will never be awaited (the request was
+    given up on first): closed, so it ends without the "never awaited" warning."""
+    if inspect.iscoroutine(value):
+        value.close()

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
+import threading
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import pytest
@@ -282,3 +285,107 @@ async def test_a_class_with_an_async_call_is_constructed_not_awaited() -> None:
     assert answer.status == 500  # an instance is not JSON, said so; not "can't be awaited"
     assert answer.body is not None
     assert "not standard JSON" in answer.body["error"]["message"]
+
+
+# -- what Reach never sends (issue 25) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "1000001", "9" * 40, "second"])
+async def test_an_attempt_out_of_range_is_refused_naming_the_header(bad: str) -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+
+    @runtime.operation("op")
+    async def op(payload: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        return {"attempt": ctx.attempt}
+
+    answer = await runtime.dispatch(inbound(f"r-{bad[:6]}", "op", **{"x-reach-attempt": bad}))
+    assert answer.status == 400
+    assert answer.body is not None
+    assert answer.body["error"]["type"] == "invalid_request"
+    assert "X-Reach-Attempt" in answer.body["error"]["message"]
+    assert "X-Reach-Deadline-Ms" not in answer.body["error"]["message"]
+    assert runtime.executed == 0
+    for good in ("1", "11", "1000000"):
+        answer = await runtime.dispatch(inbound(f"r-{good}", "op", **{"x-reach-attempt": good}))
+        assert answer.body == {"attempt": int(good)}
+
+
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [(b"[1, 2]", "an array"), (b'"text"', "a string"), (b"42", "a number"), (b"null", "null")],
+)
+async def test_a_payload_that_is_not_an_object_is_refused_before_the_handler(
+    body: bytes, kind: str
+) -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+    ran: list[object] = []
+    runtime.operation("op")(ran.append)
+    request = inbound("r-kind", "op")
+    answer = await runtime.dispatch(Inbound("op", request.headers, body))
+    assert answer.status == 422
+    assert answer.error == {
+        "type": "invalid_request",
+        "message": f"the payload must be a JSON object, not {kind}",
+        "retryable": False,
+    }
+    assert ran == []
+    assert runtime.executed == 0
+
+
+async def test_a_payload_nested_past_the_decoder_is_a_final_invalid_request() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+    ran: list[object] = []
+    runtime.operation("op")(ran.append)
+    deep = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
+    answer = await runtime.dispatch(Inbound("op", inbound("r-deep", "op").headers, deep))
+    assert answer.status == 422
+    assert answer.error["type"] == "invalid_request"
+    assert answer.error["retryable"] is False
+    assert "nested too deeply" in answer.error["message"]
+    assert ran == []
+
+
+async def test_a_result_nested_past_the_encoder_is_a_final_error() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+
+    @runtime.operation("deep")
+    def deep(payload: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for _ in range(100_000):
+            result = {"a": result}
+        return result
+
+    answer = await runtime.dispatch(inbound("r-deep-result", "deep"))
+    assert answer.status == 500
+    assert answer.error["type"] == "agent_error"
+    assert answer.error["retryable"] is False
+
+
+async def test_a_coroutine_handed_back_after_the_deadline_is_closed_not_left_unawaited() -> None:
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+    handed: list[Coroutine[Any, Any, Any]] = []
+    ran = threading.Event()
+
+    async def work() -> dict[str, Any]:
+        ran.set()
+        return {}
+
+    def plain(payload: dict[str, Any]) -> Any:
+        time.sleep(0.3)  # past the deadline below, in its own thread
+        coroutine = work()
+        handed.append(coroutine)
+        return coroutine
+
+    runtime.operation("plain")(plain)
+    soon = str(int(time.time() * 1000) + 50)
+    answer = await runtime.dispatch(inbound("r-coro", "plain", **{"x-reach-deadline-ms": soon}))
+    assert answer.status == 504
+
+    def closed() -> bool:
+        return bool(handed) and inspect.getcoroutinestate(handed[0]) == inspect.CORO_CLOSED
+
+    deadline = time.monotonic() + 5
+    while not closed():
+        assert time.monotonic() < deadline, "the coroutine was left unawaited"
+        await asyncio.sleep(0.01)
+    assert not ran.is_set()  # given up on: it never runs
