@@ -61,8 +61,12 @@ def status_code_of(response: InvokeResponse, *, running: int = 200) -> int:
 
 def envelope_response(response: InvokeResponse, status_code: int) -> Response:
     headers = {wire.HTTP_REQUEST_ID: response.request_id} if response.request_id else {}
-    if response.error is not None and response.error.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, response.error.retry_after_s))
+    if response.error is not None and (
+        response.error.retry_after_s is not None or status_code in (429, 503)
+    ):
+        # Every 429 and 503 says when to try again (1 s when Reach knows no better), as the
+        # door's own refusals do (`error_response`): no_instance, circuit_open, unavailable.
+        headers["Retry-After"] = str(max(1, response.error.retry_after_s or 1))
     if response.replayed_from:
         headers["Idempotent-Replayed"] = "true"
     # Serialized by pydantic's core in one step (the same JSON a dict + json.dumps gives).

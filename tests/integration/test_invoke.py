@@ -230,6 +230,7 @@ async def test_no_healthy_instance_is_503(
     r = await http.post(f"{gateway.url}/reach/invoke", json=body(capability, timeout_ms=1500))
     assert r.status_code == 503, r.text
     assert r.json()["error"]["type"] == "no_instance"
+    assert r.headers["Retry-After"] == "1"  # every 503 says when to try again (issue 25)
     # Recovery: healthy again -> routed again.
     health.write_text("ok")
 
