@@ -35,7 +35,14 @@ class RegistrySettings(Section):
         "heartbeat_timeout.",
     )
     redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0", description="The Redis server (type: redis)."
+        default="redis://127.0.0.1:6379/0",
+        pattern=r"^(redis|rediss|unix|redis\+sentinel|redis\+cluster)://",
+        description="The Redis (type: redis); its scheme names the topology. redis:// (rediss://, "
+        "unix://) one server; redis+sentinel://host:26379[,host:port...]/<master name>[/<db>] "
+        "the master those sentinels name, followed across a failover (?sentinel_password= when "
+        "the sentinels have their own); redis+cluster://host:6379[,host:port...] a Redis "
+        "Cluster, every key of key_prefix in one hash slot ({<key_prefix>}). "
+        "See docs/scale-out.md.",
     )
     key_prefix: str = Field(
         default="reach",

@@ -12,9 +12,11 @@ Key layout under `<prefix>:pol:` (every key has a TTL, so nothing outlives its u
   full again, and a missing bucket is a full one.
 - `claim:<key>` a string with the claim's TTL.
 
-Times are Redis `TIME` in ms. The rules are `MemoryPolicyState`'s, step for step. Like
-`RedisStore`, a script may run twice after a dropped connection; a repeated `record` counts an
-outcome twice and a repeated `take` takes two tokens, both harmless at that rate.
+On a Redis Cluster `<prefix>` is the store's hash tag (`{<prefix>}`), so `_RECORD`'s two
+keys and `_TAKE`'s buckets share one slot. Times are Redis `TIME` in ms. The rules are
+`MemoryPolicyState`'s, step for step. Like `RedisStore`, a script may run twice after a dropped
+connection; a repeated `record` counts an outcome twice and a repeated `take` takes two tokens,
+both harmless at that rate.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
 from reach.config import CircuitBreakerSettings, OutlierSettings
@@ -37,6 +38,7 @@ from reach.policy.state import (
     outlier_forget_ms,
 )
 from reach.store.redis import ttl_ms, unavailable_on_error
+from reach.store.redis_connect import RedisClient
 
 _HELPERS = """
 local function now_ms()
@@ -274,7 +276,7 @@ def _view(reply: list[Any]) -> CapabilityView:
 class RedisPolicyState(PolicyState):
     """On a client with `decode_responses=True` (a `RedisStore`'s); keys under `<prefix>:pol:`."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+    def __init__(self, client: RedisClient, prefix: str) -> None:
         self._r = client
         self._p = prefix
         # register_script: EVALSHA, reloading the script after NOSCRIPT (see RedisStore).

@@ -6,9 +6,10 @@ burst of picks does not all land on the one that looked idle). With the Redis st
 process also writes its calls to one sorted set per capability, `<prefix>:inf:<capability>`,
 a member per call scored by its lease's end (Redis's clock): the process renews the leases of
 its live calls every third of `lease_s`, so the calls of a process that was killed expire
-within `lease_s` instead of leaking. Writes are fire-and-forget, batched into one pipeline;
-other processes' counts are re-read in the background when older than `refresh_s`, so routing
-never waits for the store.
+within `lease_s` instead of leaking. On a Redis Cluster `<prefix>` is the store's hash tag
+(`{<prefix>}`), so every capability's set lives in the registry's slot. Writes are
+fire-and-forget, batched into one pipeline; other processes' counts are re-read in the
+background when older than `refresh_s`, so routing never waits for the store.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from collections.abc import Container, Iterator, Mapping
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from reach.store import Store
 
@@ -414,20 +415,33 @@ class SharedInflightTracker(InflightTracker):
         if not self._ops:
             return
         ops, self._ops = self._ops, []
-        lease_ms = int(self.lease_s * 1000)
         try:
-            async with self._r.pipeline(transaction=False) as pipe:
-                for op, capability, member in ops:
-                    if op == "add":
-                        await self._lease(
-                            keys=[self._key(capability)], args=[lease_ms, member], client=pipe
-                        )
-                    else:
-                        pipe.zrem(self._key(capability), member)
-                await pipe.execute()
+            try:
+                await self._send(ops)
+            except NoScriptError:
+                # A Redis that restarted (or a cluster node that never saw the script): load
+                # it and send the same writes again, each of which may run twice.
+                await self._r.script_load(_LEASE)
+                await self._send(ops)
         except (RedisError, OSError) as exc:
             # Lost adds undercount until the next renewal; lost removals end with their lease.
             self._warn(f"in-flight counts not written: {exc}")
+
+    async def _send(self, ops: list[tuple[str, str, str]]) -> None:
+        # EVALSHA queued by hand: a plain pipeline handed the script would first ask the
+        # server whether it knows it (SCRIPT EXISTS, a round trip per write), and a cluster
+        # pipeline refuses `evalsha()` though it routes the raw command by its keys. NOSCRIPT
+        # is handled once, by the caller.
+        lease_ms = int(self.lease_s * 1000)
+        async with self._r.pipeline(transaction=False) as pipe:
+            for op, capability, member in ops:
+                if op == "add":
+                    pipe.execute_command(
+                        "EVALSHA", self._lease.sha, 1, self._key(capability), lease_ms, member
+                    )
+                else:
+                    pipe.zrem(self._key(capability), member)
+            await pipe.execute()
 
     async def _renewer(self) -> None:
         # Renewals go through the writer's queue like every other write: one writer, in

@@ -4,13 +4,19 @@ Key layout under `<prefix>:` — `rec:<id>` a hash (the caller's fields plus `_g
 key TTL, `grp:<group>` the set of its members' ids, `groups` a sorted set of group names scored
 by when each is forgotten (ms, Redis's own clock, so gateways' clocks never disagree),
 `ctr:<key>` counters. Scripts build the old group's key from the prefix, so all keys of one
-prefix must live on one server (no Redis Cluster without a `{hash tag}` prefix).
+prefix must share one hash slot: on a Redis Cluster the prefix is a hash tag, `{<prefix>}:`
+(`cluster_prefix`), and so is every key the policy state and the in-flight counts derive from
+it (`RedisLink`). `registry.redis_url` picks the topology (`reach.store.redis_connect`).
 
 Failure policy: a command that hits a ConnectionError (typically a pooled connection that a
 restarted Redis closed) is retried once on a fresh connection; a TimeoutError (a stuck Redis)
 is never retried, so callers get `Unavailable` within about `timeout_s`. The retry can run a
 script twice if the connection died after Redis ran it; every script here may run twice (a
-counter then skips one number, which round robin does not mind).
+counter then skips one number, which round robin does not mind). The retry is also what
+carries a command over a failover: on Sentinel a connection still open to the demoted master
+fails (closed, or READONLY, which redis-py turns into a ConnectionError) and the fresh one asks
+the sentinels where the master is now; on a cluster the retry re-reads the slot map first.
+While no master is elected, callers get `Unavailable` (503, retryable).
 """
 
 from __future__ import annotations
@@ -22,11 +28,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
-from redis.exceptions import ConnectionError, NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from reach.errors import Unavailable
 from reach.store.base import (
@@ -38,6 +42,7 @@ from reach.store.base import (
     Subscription,
     check_fields,
 )
+from reach.store.redis_connect import RedisClient, close_client, cluster_prefix, connect
 
 log = logging.getLogger("reach.store")
 
@@ -188,9 +193,10 @@ def ttl_ms(seconds: float) -> int:
 class RedisLink:
     """The Redis a store keeps its data in, lent to the state that must be shared exactly as
     widely as the registry (policy counters, in-flight counts): the same client (its bounded
-    pool, its timeouts, `decode_responses=True`) and the same key prefix."""
+    pool, its timeouts, `decode_responses=True`) and the same key prefix — on a cluster the
+    hash-tagged one, so their multi-key scripts' keys share a slot too."""
 
-    client: aioredis.Redis
+    client: RedisClient
     prefix: str
 
     def key(self, name: str) -> str:
@@ -220,9 +226,9 @@ class RedisStore(Store):
 
     backend = "redis"
 
-    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+    def __init__(self, client: RedisClient, prefix: str) -> None:
         self._r = client
-        self._p = prefix
+        self._p = cluster_prefix(prefix) if isinstance(client, RedisCluster) else prefix
         self._groups = self._k("groups")
         # register_script runs EVALSHA and reloads the script after NOSCRIPT (a restarted
         # or flushed Redis), so a restart costs one extra round trip, not an error.
@@ -243,24 +249,8 @@ class RedisStore(Store):
     def from_url(
         cls, url: str, prefix: str, *, timeout_s: float = 1.0, max_connections: int = 64
     ) -> RedisStore:
-        # A bounded pool that makes a command wait (up to timeout_s) for a free connection:
-        # redis-py's default pool fails at once past 100 commands in flight ("Too many
-        # connections"), turning a burst of heartbeats into 503s.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=timeout_s,
-            decode_responses=True,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            # redis-py 8.1 defaults: a `from_url` client never retries (the first command
-            # after a Redis restart fails on its dead pooled connection) and `Redis()` retries
-            # TimeoutError too, ten times with backoff (a stuck Redis hangs callers for
-            # seconds), both with 5 s socket timeouts. Here: once, at once, only when the
-            # connection dropped.
-            retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
-        )
-        return cls(aioredis.Redis.from_pool(pool), prefix)
+        """On the server, Sentinel master or cluster `url` names (`redis_connect`)."""
+        return cls(connect(url, timeout_s=timeout_s, max_connections=max_connections), prefix)
 
     def shared_redis(self) -> RedisLink:
         return RedisLink(self._r, self._p)
@@ -371,7 +361,7 @@ class RedisStore(Store):
             return False
 
     async def aclose(self) -> None:
-        await self._r.aclose()
+        await close_client(self._r)
 
 
 class _RedisSubscription(Subscription):
@@ -381,7 +371,7 @@ class _RedisSubscription(Subscription):
 
     PING_AFTER_S = 5.0
 
-    def __init__(self, client: aioredis.Redis, channel: str, listener: Listener) -> None:
+    def __init__(self, client: RedisClient, channel: str, listener: Listener) -> None:
         self._client = client
         self._channel = channel
         self._listener = listener
@@ -431,7 +421,7 @@ class _GroupCommit:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         script: AsyncScript,
         max_batch: int = 256,
         max_on_wire: int = 4,
@@ -471,7 +461,9 @@ class _GroupCommit:
             else:
                 async with self._client.pipeline(transaction=False) as pipe:
                     for keys, args, _ in batch:
-                        pipe.evalsha(self._script.sha, len(keys), *keys, *args)
+                        # The raw command: a cluster pipeline refuses `evalsha()`, though it
+                        # routes EVALSHA by its keys like any other command.
+                        pipe.execute_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
                     results = await pipe.execute(raise_on_error=False)
                 for n, result in enumerate(results):
                     if isinstance(result, NoScriptError):  # a restarted Redis: load it again
