@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from agent_reach_sdk import AgentRuntime
 from agent_reach_sdk.servers import http as http_server
 from agent_reach_sdk.servers.http import HttpAgentServer
 from agent_reach_sdk.wire import Answer, Inbound
@@ -110,3 +111,77 @@ async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(
     out = await exchange(server, raw, read_s=3)
     assert out.startswith(b"HTTP/1.1 200 ")
     assert b"<still open>" not in out  # answered, then closed once idle
+
+
+# -- what Reach never sends, through the runtime (issue 25) ---------------------------------------
+
+
+@pytest.fixture
+async def agent() -> AsyncIterator[tuple[HttpAgentServer, list[object]]]:
+    runtime = AgentRuntime("cap", instance_id="cap-http")
+    ran: list[object] = []
+    runtime.operation("echo")(ran.append)
+    s = agent_server(runtime.dispatch)
+    await s.start()
+    try:
+        yield s, ran
+    finally:
+        await s.close(0.5)
+
+
+def post(body: bytes, **headers: str) -> bytes:
+    extra = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return (
+        f"POST /reach/echo HTTP/1.1\r\nHost: a\r\nContent-Length: {len(body)}\r\n{extra}"
+        "Connection: close\r\n\r\n"
+    ).encode() + body
+
+
+def answer_of(out: bytes) -> tuple[int, dict[str, object]]:
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+async def test_a_body_nested_too_deeply_is_a_final_invalid_request_not_a_500(
+    agent: tuple[HttpAgentServer, list[object]],
+) -> None:
+    server, ran = agent
+    deep = b"[" * 50_000 + b"]" * 50_000
+    status, body = answer_of(await exchange(server, post(deep)))
+    assert status == 422
+    assert body["error"] == {
+        "type": "invalid_request",
+        "message": "the payload is nested too deeply (Reach sends at most 64 levels)",
+        "retryable": False,
+    }
+    assert ran == []
+
+
+async def test_a_body_that_is_not_an_object_does_not_reach_the_handler(
+    agent: tuple[HttpAgentServer, list[object]],
+) -> None:
+    server, ran = agent
+    status, body = answer_of(await exchange(server, post(b"[1, 2, 3]")))
+    assert status == 422
+    assert body["error"] == {
+        "type": "invalid_request",
+        "message": "the payload must be a JSON object, not an array",
+        "retryable": False,
+    }
+    assert ran == []
+    status, _ = answer_of(await exchange(server, post(b'{"ok": true}')))
+    assert (status, ran) == (200, [{"ok": True}])
+
+
+@pytest.mark.parametrize("attempt", ["-3", "0", "1" + "0" * 30])
+async def test_an_attempt_header_out_of_range_is_a_400_naming_it(
+    agent: tuple[HttpAgentServer, list[object]], attempt: str
+) -> None:
+    server, ran = agent
+    status, body = answer_of(await exchange(server, post(b"{}", **{"X-Reach-Attempt": attempt})))
+    assert status == 400
+    error = body["error"]
+    assert isinstance(error, dict)
+    assert error["type"] == "invalid_request"
+    assert error["message"].startswith("X-Reach-Attempt is an integer from 1 to 1000000")
+    assert ran == []
