@@ -17,8 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,21 +24,26 @@ from typing import Any
 import httpx
 
 from gateway_api import cli_certs, cli_ops, cli_tokens, cli_view
-from gateway_api.devserver import DevServer, PortInUse, dies_with_parent, require_free
+from gateway_api.devserver import DevServer, PortInUse, require_free
 from reach.config import CONFIG_ENV_VAR, ConfigError, ReachSettings, config_file
 from reach.process import configure_logging, exit_now, run
-from reach.security.tokens import FileTokenStore, issue
 from reach.settings_checks import load_checked_settings
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 KEEP_ALIVE_S = 75  # as nginx's default
+GIVE_UP_GRACE_S = 30.0  # how long the gateway may take to stop once Temporal is gone for good
 Announce = Callable[[], Coroutine[Any, Any, None]]
 
 
 async def _serve(
-    settings: ReachSettings, *, run_worker: bool = True, announce: Announce | None = None
+    settings: ReachSettings,
+    *,
+    run_worker: bool = True,
+    announce: Announce | None = None,
+    give_up_after_s: float | None = None,
 ) -> None:
-    """Connect to Temporal first (a clear error, no traceback), then serve."""
+    """Connect to Temporal first (a clear error, no traceback), then serve. With
+    `give_up_after_s`, stop with ConnectionError once Temporal has not answered that long
+    (`gateway_api.watchdog`; `reach up` restarts its own dev server instead)."""
     # Imported here: the light commands (tokens, requests, trace, ...) start without them.
     import uvicorn
 
@@ -68,12 +71,26 @@ async def _serve(
         timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = uvicorn.Server(config)
-    task = asyncio.create_task(announce()) if announce else None
+    gone: list[str] = []
+
+    def give_up(message: str) -> None:
+        gone.append(message)
+        server.should_exit = True
+        # A shutdown stuck on the missing server must not turn the loud exit into a hang.
+        asyncio.get_running_loop().call_later(GIVE_UP_GRACE_S, exit_now, 1, f"error: {message}")
+
+    tasks = [asyncio.create_task(announce())] if announce else []
+    if give_up_after_s is not None:
+        from gateway_api.watchdog import watch_temporal
+
+        tasks.append(asyncio.create_task(watch_temporal(client, give_up_after_s, give_up)))
     try:
         await server.serve()
     finally:
-        if task:
+        for task in tasks:
             task.cancel()
+    if gone:
+        raise ConnectionError(gone[0])
 
 
 def _require_free_ports(settings: ReachSettings) -> None:
@@ -98,41 +115,8 @@ def _require_free_ports(settings: ReachSettings) -> None:
 
 def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
     _require_free_ports(settings)
-    run(_serve(settings, run_worker=run_worker), settings)
-
-
-def _demo_agent_env(settings: ReachSettings) -> dict[str, str]:
-    """With tokens required, the demo agents get an agent token of their own (a day long)."""
-    store = FileTokenStore(settings.auth.tokens_file)
-    if settings.auth.mode == "open" or (settings.auth.mode == "auto" and not store.read()):
-        return {}
-    token, record = issue(
-        "demo-agents", "agent", ["knowledge-retriever"], ttl_s=86_400, note="reach up demo agents"
-    )
-    store.write(record)
-    return {"REACH_AGENT_TOKEN": token}
-
-
-def _start_agent(
-    gateway: str, instance_id: str, log_dir: Path, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    with open(log_dir / f"{instance_id}.log", "ab") as out:
-        return subprocess.Popen(
-            dies_with_parent(
-                [
-                    sys.executable,
-                    str(EXAMPLES / "knowledge_retriever.py"),
-                    "--reach",
-                    gateway,
-                    "--instance-id",
-                    instance_id,
-                ]
-            ),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
+    bound = settings.temporal.connect_wait_s
+    run(_serve(settings, run_worker=run_worker, give_up_after_s=bound), settings)
 
 
 def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: Path) -> str:
@@ -159,6 +143,7 @@ def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: 
     temporal UI  {ui}
     worker       in the gateway process, task queue {settings.temporal.task_queue}
     agents       {agents} x knowledge-retriever (logs in {log_dir}/)
+    supervised   the dev server and agents restart when they exit (1 s, 2 s, 4 s ... 30 s apart)
 
   Try:
     curl -s -X POST {url}/reach/invoke -H 'Content-Type: application/json' \\
@@ -169,12 +154,18 @@ def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: 
 
 
 async def _announce_when_ready(
-    settings: ReachSettings, ui_port: int | None, agents: int, log_dir: Path
+    settings: ReachSettings,
+    ui_port: int | None,
+    agents: int,
+    log_dir: Path,
+    headers: Callable[[], dict[str, str]],
 ) -> None:
+    """The banner, once the demo agents are routable (read with their token, if they hold one:
+    with tokens required an anonymous read is 401)."""
     async with httpx.AsyncClient(base_url=settings.gateway_url, trust_env=False) as client:
         for _ in range(600):
-            with contextlib.suppress(httpx.HTTPError):
-                r = await client.get("/reach/capabilities")
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+                r = await client.get("/reach/capabilities", headers=headers())
                 caps = {c["name"]: c["routable"] for c in r.json()["capabilities"]}
                 if r.status_code == 200 and caps.get("knowledge-retriever", 0) >= agents:
                     print(_banner(settings, ui_port, agents, log_dir), flush=True)
@@ -214,6 +205,8 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
     # uvicorn re-raises the signal it stopped on; SIGTERM's default action would kill this
     # process before it stops its children, so SIGTERM takes the Ctrl-C path instead.
     signal.signal(signal.SIGTERM, _interrupt)
+    from gateway_api.supervisor import Up
+
     server = DevServer(
         dev.db_filename,
         dev.port,
@@ -225,31 +218,23 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
         f"starting Temporal dev server on 127.0.0.1:{dev.port} ({dev.db_filename}) ...", flush=True
     )
     server.start()
-    agents: list[subprocess.Popen[bytes]] = []
+    # From here on the dev server and the demo agents are supervised: restarted when they exit.
+    up = Up(settings, server, log_dir, agents=2 if demo else 0)
     try:
-        if demo:
-            env = _demo_agent_env(settings)
-            agents = [
-                _start_agent(settings.gateway_url, f"retriever-0{i}", log_dir, env) for i in (1, 2)
-            ]
         run(
             _serve(
                 settings,
-                announce=lambda: _announce_when_ready(settings, ui_port, len(agents), log_dir),
+                announce=lambda: up.run(
+                    lambda headers: _announce_when_ready(
+                        settings, ui_port, len(up.agents), log_dir, headers
+                    )
+                ),
             ),
             settings,
         )
     finally:
         print("stopping agents and the Temporal dev server ...", flush=True)
-        for proc in agents:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in agents:
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        server.stop()
+        up.stop()
         print("stopped.", flush=True)
 
 

@@ -89,6 +89,7 @@ async def _main(settings: ReachSettings, args: argparse.Namespace) -> int:
             except ValueError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
+            first = settings.auth.mode == "auto" and not await tokens.load()
             await tokens.save(record)
             audit.record(
                 "token_issued",
@@ -104,6 +105,8 @@ async def _main(settings: ReachSettings, args: argparse.Namespace) -> int:
                 print(f"token {record.id} for {record.principal} ({record.kind})")
                 print(f"  {secret}")
                 print("store it now: it is not shown again (only its hash is kept)")
+            if first:
+                print(first_token_warning(settings), file=sys.stderr)
             return 0
         if args.tokens_command == "list":
             records = sorted(await tokens.load(), key=lambda r: r.created_at)
@@ -124,6 +127,20 @@ async def _main(settings: ReachSettings, args: argparse.Namespace) -> int:
         audit.flush_now()
         if store is not None:
             await store.aclose()
+
+
+def first_token_warning(settings: ReachSettings) -> str:
+    """What the first token does in `auth.mode: auto`, said when it is issued."""
+    timeout = settings.registry.heartbeat_timeout
+    return f"""
+warning: this is the first token, so tokens are now required (auth.mode auto closes the door
+  once one exists, and revoking it does not reopen it). Every gateway on this token store now
+  refuses requests without a valid token (401): callers need a caller token, agents an agent
+  token. Agents that joined without a token get 401 on their next heartbeat and are evicted
+  {timeout:g} s later (registry.heartbeat_timeout). Give each one a token and restart it with it:
+    reach tokens issue --principal NAME --agent --capability CAPABILITY
+    REACH_AGENT_TOKEN=<token> python my_agent.py     (or AgentRuntime(..., token=...))
+  `reach up` does this for its own demo agents."""
 
 
 def _view(record: TokenRecord) -> dict[str, object]:

@@ -8,6 +8,8 @@ cannot. Use a real cluster (docker-compose.temporal.yml) where that matters.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -100,6 +102,18 @@ def wait_port(port: int, timeout_s: float, host: str = "127.0.0.1") -> None:
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f}s")
 
 
+async def port_open_async(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts connections on `host:port`, without blocking the loop."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 0.5)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
 def command(
     db_filename: str,
     port: int,
@@ -160,7 +174,11 @@ class DevServer:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def launch(self) -> subprocess.Popen[bytes]:
+        """Start the process and return at once (`start` and `start_async` wait for it).
+
+        Call it on the thread that outlives the child (the main one): `dies_with_parent` ties
+        the child to the thread that forked it, not to the process."""
         Path(self.db_filename).parent.mkdir(parents=True, exist_ok=True)
         cmd = dies_with_parent(
             command(self.db_filename, self.port, self.ui_port, namespace=self.namespace)
@@ -180,38 +198,65 @@ class DevServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        return self.process
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        process = self.launch()
         try:
             wait_port(self.port, timeout_s)
         except TimeoutError:
             self.stop()
             raise
-        if self.process.poll() is not None:
-            raise RuntimeError(
-                f"the Temporal dev server exited with code {self.process.returncode}"
-            )
+        if process.poll() is not None:
+            raise RuntimeError(f"the Temporal dev server exited with code {process.returncode}")
         if self.retention_hours is not None:
             self.set_retention(self.retention_hours)
 
+    async def start_async(self, timeout_s: float = 60.0) -> None:
+        """`start` without blocking the event loop (`reach up` restarts the server from it)."""
+        process = self.launch()
+        deadline = time.monotonic() + timeout_s
+        while not await port_open_async(self.port):
+            if process.poll() is not None:
+                self.process = None
+                raise RuntimeError(f"the Temporal dev server exited with code {process.returncode}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"nothing listens on {self.address} after {timeout_s:.0f}s")
+            await asyncio.sleep(0.05)
+        if self.retention_hours is None:
+            return
+        retention = await asyncio.create_subprocess_exec(
+            *self.retention_command(self.retention_hours),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            _, err = await asyncio.wait_for(retention.communicate(), 30)
+        except TimeoutError:
+            retention.kill()
+            raise
+        if retention.returncode != 0:
+            raise RuntimeError(f"setting the retention failed: {err.decode(errors='replace')}")
+
+    def retention_command(self, hours: float) -> list[str]:
+        minutes = max(1, round(hours * 60))
+        return [
+            temporal_binary(),
+            "operator",
+            "namespace",
+            "update",
+            "--namespace",
+            self.namespace,
+            "--retention",
+            f"{minutes}m",
+            "--address",
+            self.address,
+        ]
+
     def set_retention(self, hours: float) -> None:
         """How long closed requests are kept (and their RequestIDs deduplicated)."""
-        minutes = max(1, round(hours * 60))
-        subprocess.run(
-            [
-                temporal_binary(),
-                "operator",
-                "namespace",
-                "update",
-                "--namespace",
-                self.namespace,
-                "--retention",
-                f"{minutes}m",
-                "--address",
-                self.address,
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
+        subprocess.run(self.retention_command(hours), check=True, capture_output=True, timeout=30)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         proc, self.process = self.process, None

@@ -164,7 +164,12 @@ class TemporalSettings(Section):
         "reach-cap-<capability>).",
     )
     connect_wait_s: float = Field(
-        default=30.0, ge=0, le=3600, description="How long start-up waits for Temporal to answer."
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="How long start-up waits for Temporal to answer; and how long `reach "
+        "gateway` goes on without an answer from it before it exits with an error (`reach up` "
+        "restarts its own dev server instead).",
     )
     rpc_timeout_s: float = Field(
         default=5.0,
