@@ -65,9 +65,7 @@ def redis_url() -> str:
     return "redis://127.0.0.1:6379/0"
 
 
-@pytest.fixture
-def redis_prefix(redis_url: str) -> Iterator[str]:
-    """A Redis key prefix of this test's own; its keys are deleted afterwards."""
+def _own_prefix(redis_url: str) -> Iterator[str]:
     import redis
 
     prefix = f"test-{uuid.uuid4().hex[:8]}"
@@ -81,6 +79,18 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
         client.close()
 
 
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A Redis key prefix of this test's own; its keys are deleted afterwards."""
+    yield from _own_prefix(redis_url)
+
+
+@pytest.fixture(scope="module")
+def module_redis_prefix(redis_url: str) -> Iterator[str]:
+    """A Redis key prefix of this module's own (for gateways its tests share)."""
+    yield from _own_prefix(redis_url)
+
+
 def new_stack(temporal: str, tmp: Path, **kw: object) -> Stack:
     return Stack(temporal=temporal, tmp=tmp, task_queue=f"tq-{uuid.uuid4().hex[:12]}", **kw)  # type: ignore[arg-type]
 
@@ -91,11 +101,8 @@ async def gateway(
 ) -> AsyncIterator[GatewayProcess]:
     """One gateway (memory registry, invoke worker inside) per test module."""
     stack = new_stack(temporal_server, tmp_path_factory.mktemp("stack"))
-    gw = GatewayProcess(stack)
-    try:
-        yield await gw.ready()
-    finally:
-        gw.proc.stop()
+    async with GatewayProcess(stack) as gw:
+        yield gw
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from agent_reach_sdk.wire import Answer, Inbound
 from reach.security.webhooks import caller_secret
 from tests.conftest import new_stack
-from tests.helpers import CallbackReceiver, GatewayProcess, start_agents
+from tests.helpers import CallbackReceiver, GatewayProcess, invoke, rid, start_agents
 
 pytestmark = pytest.mark.integration
 
@@ -42,30 +42,26 @@ async def signing_gateway(
         tmp_path_factory.mktemp("signing"),
         extra={"REACH_SECURITY__WEBHOOK_KEY": MASTER},
     )
-    gw = GatewayProcess(stack, "signing")
-    try:
-        yield await gw.ready()
-    finally:
-        gw.proc.stop()
+    async with GatewayProcess(stack, "signing") as gw:
+        yield gw
 
 
-async def invoke(
+async def invoke_with_callback(
     http: httpx.AsyncClient, gateway: GatewayProcess, capability: str, url: str
 ) -> str:
-    rid = f"req-{uuid.uuid4().hex}"
-    r = await http.post(
-        f"{gateway.url}/reach/invoke",
-        json={
-            "request_id": rid,
-            "target": capability,
-            "operation": "query",
-            "payload": {"text": "signed", "top_k": 1},
-            "callback": url,
-        },
-        headers={"X-Reach-Caller": CALLER},
+    """Start a call that answers to `url`; return its request id."""
+    request_id = rid()
+    r = await invoke(
+        http,
+        gateway,
+        capability,
+        request_id=request_id,
+        payload={"text": "signed", "top_k": 1},
+        callback=url,
+        caller=CALLER,
     )
     assert r.status_code == 202, r.text
-    return rid
+    return request_id
 
 
 async def test_a_callback_verifies_with_the_callers_secret(
@@ -74,13 +70,13 @@ async def test_a_callback_verifies_with_the_callers_secret(
     await start_agents(signing_gateway, capability, 1)
     receiver = RawReceiver()
     async with receiver:
-        rid = await invoke(http, signing_gateway, capability, receiver.url)
+        request_id = await invoke_with_callback(http, signing_gateway, capability, receiver.url)
         await receiver.wait(1)
         assert len(receiver.attempts) == 1
         headers, raw = receiver.attempts[0]
-        assert headers["webhook-id"] == f"msg_{rid}"
+        assert headers["webhook-id"] == f"msg_{request_id}"
         envelope = Webhook(caller_secret(MASTER, CALLER)).verify(raw, headers)
-        assert envelope["request_id"] == rid
+        assert envelope["request_id"] == request_id
         assert envelope["status"] == "success"
         # Another caller's secret (or another master key) does not verify it.
         for secret in (caller_secret(MASTER, "someone-else"), caller_secret("other", CALLER)):
@@ -94,12 +90,12 @@ async def test_a_redelivery_keeps_the_webhook_id(
     await start_agents(signing_gateway, capability, 1)
     receiver = RawReceiver(fail_first=1)
     async with receiver:
-        rid = await invoke(http, signing_gateway, capability, receiver.url)
+        request_id = await invoke_with_callback(http, signing_gateway, capability, receiver.url)
         await receiver.wait(1)
         assert receiver.refused == 1
         assert len(receiver.attempts) == 2
         verifier = Webhook(caller_secret(MASTER, CALLER))
         for headers, raw in receiver.attempts:
-            assert headers["webhook-id"] == f"msg_{rid}"
-            assert verifier.verify(raw, headers)["request_id"] == rid
+            assert headers["webhook-id"] == f"msg_{request_id}"
+            assert verifier.verify(raw, headers)["request_id"] == request_id
         assert [h["x-reach-delivery-attempt"] for h, _ in receiver.attempts] == ["1", "2"]

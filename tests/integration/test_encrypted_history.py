@@ -73,11 +73,8 @@ async def enc_gateway(
         tmp_path_factory.mktemp("enc"),
         extra={**encryption_env("k1", {"k1": new_key()}), **admin[1]},
     )
-    gw = GatewayProcess(stack)
-    try:
-        yield await gw.ready()
-    finally:
-        gw.proc.stop()
+    async with GatewayProcess(stack) as gw:
+        yield gw
 
 
 def marker() -> str:

@@ -346,11 +346,8 @@ async def strict_gateway(
         tmp_path_factory.mktemp("strict"),
         extra={"REACH_SECURITY__ALLOW_NETWORKS": "[]"},
     )
-    gw = GatewayProcess(stack, "strict")
-    try:
-        yield await gw.ready()
-    finally:
-        gw.proc.stop()
+    async with GatewayProcess(stack, "strict") as gw:
+        yield gw
 
 
 async def test_gateway_refuses_a_loopback_callback(

@@ -58,11 +58,8 @@ async def inline_gateway(
         "REACH_POLICY__RETRY__BACKOFF_BASE_MS": "200",
     }
     stack = new_stack(temporal_server, tmp_path_factory.mktemp("inline"), extra=extra)
-    gateway = GatewayProcess(stack)
-    try:
-        yield await gateway.ready()
-    finally:
-        gateway.proc.stop()
+    async with GatewayProcess(stack) as gateway:
+        yield gateway
 
 
 def body(capability: str, **fields: object) -> dict[str, object]:

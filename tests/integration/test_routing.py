@@ -25,10 +25,15 @@ import pytest
 
 from agent_reach_sdk.wire import Answer, Inbound
 from tests.conftest import new_stack
-from tests.helpers import GatewayProcess, Stack, Worker, agent_server, wait_until
+from tests.helpers import GatewayProcess, Stack, Worker, agent_server, invoke, rid, wait_until
 
 pytestmark = pytest.mark.integration
 
+# A deadline no slow machine reaches, where a test is not about deadlines.
+DEADLINE_MS = 20_000
+
+# Calls at once where a test's routing does not depend on what is in flight.
+CONCURRENT = 8
 HOLD_MAX_S = 60.0  # a held call is released by the test; this only bounds a broken one
 
 
@@ -164,10 +169,6 @@ def name(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex[:8]}"
 
 
-def rid() -> str:
-    return f"req-{uuid.uuid4().hex}"
-
-
 def stacks(temporal: str, tmp: Path, prefix: str, count: int, extra: dict[str, str]) -> list[Stack]:
     """`count` stacks sharing one Redis registry (`prefix`), each with its own task queue."""
     return [
@@ -194,66 +195,87 @@ def routing_config(**capabilities: dict[str, Any]) -> dict[str, str]:
     return {"REACH_CAPABILITIES": json.dumps(capabilities)}
 
 
-async def invoke(
-    http: httpx.AsyncClient, gateway: GatewayProcess, capability: str, **body: Any
-) -> httpx.Response:
-    return await http.post(
-        f"{gateway.url}/reach/invoke",
-        json={
-            "target": capability,
-            "operation": "query",
-            "payload": {},
-            "timeout_ms": 20_000,
-            **body,
-        },
-    )
+# The capabilities of the tests that share one pair of gateways (`pair`), each with the routing
+# its test asks for: one pair per module, where each test used to start one or two of its own.
+WRR_JOIN, WRR_CONF = name("wrr-join"), name("wrr-conf")
+LR, CH, CH_USER, HOT = name("lr"), name("ch"), name("ch-user"), name("hot")
+FULL, FULL_CONF, HEALTH = name("full"), name("full-conf"), name("health")
+JOIN_LIMIT, STALE, NEVER_CALLS = name("join-limit"), name("stale"), name("never-calls")
+WRR = {"strategy": "weighted_round_robin"}
+# Bounded load set loose: at this load its capacity would be 1 call per instance, so one
+# in-flight count of the other gateway's, read a moment late, would rightly spill a key
+# (test 5 is about that); there, the ring alone decides.
+LOOSE_RING = {"strategy": "consistent_hash", "balance_factor": 100}
+SHARED_ROUTES: dict[str, dict[str, Any]] = {
+    WRR_JOIN: {"routing": WRR},
+    # Configuration wins over what the instances say at Join (here: the reverse).
+    WRR_CONF: {"routing": {**WRR, "weights": {f"{WRR_CONF}-heavy": 3, f"{WRR_CONF}-light": 1}}},
+    LR: {"routing": {"strategy": "least_request"}},
+    CH: {"routing": LOOSE_RING},
+    CH_USER: {"routing": {**LOOSE_RING, "hash_on": "payload.user_id"}},
+    HOT: {"routing": {"strategy": "consistent_hash", "balance_factor": 1.0}},
+    # A configured ceiling far above the Join's 1: the smaller holds.
+    FULL: {"routing": {"max_inflight": 1000}},
+    FULL_CONF: {"routing": {"max_inflight": 1}},
+    STALE: {"routing": {"max_inflight": 1}},
+    NEVER_CALLS: {"routing": {"strategy": "least_request", "max_inflight": 1}},
+}
+
+
+@pytest.fixture(scope="module")
+async def pair(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory, module_redis_prefix: str
+) -> AsyncIterator[tuple[GatewayProcess, GatewayProcess]]:
+    """Two gateways on one Redis registry (`module_redis_prefix`), each with its own task
+    queue, routing the SHARED_ROUTES capabilities; each test uses capabilities of its own."""
+    tmp = tmp_path_factory.mktemp("routing")
+    sa, sb = stacks(temporal_server, tmp, module_redis_prefix, 2, routing_config(**SHARED_ROUTES))
+    a, b = await gateways(sa, sb)
+    try:
+        yield a, b
+    finally:
+        a.proc.stop()
+        b.proc.stop()
 
 
 async def served_by(
     http: httpx.AsyncClient, gateway: GatewayProcess, capability: str, **body: Any
 ) -> str:
     """The instance that served one successful request."""
-    r = await invoke(http, gateway, capability, **body)
+    r = await invoke(http, gateway, capability, **{"timeout_ms": DEADLINE_MS, **body})
     assert r.status_code == 200, r.text
     instance_id = r.json()["instance_id"]
     assert isinstance(instance_id, str)
     return instance_id
 
 
-async def spread(
-    count: int, concurrency: int, one: Callable[[int], Awaitable[str]]
-) -> Counter[str]:
-    """Run `one(i)` for i < count, `concurrency` at a time; count the instances returned."""
+async def each(count: int, concurrency: int, one: Callable[[int], Awaitable[str]]) -> list[str]:
+    """Run `one(i)` for i < count, `concurrency` at a time; the instances returned, in order."""
     gate = asyncio.Semaphore(concurrency)
 
     async def run(i: int) -> str:
         async with gate:
             return await one(i)
 
-    return Counter(await asyncio.gather(*(run(i) for i in range(count))))
+    return list(await asyncio.gather(*(run(i) for i in range(count))))
+
+
+async def spread(
+    count: int, concurrency: int, one: Callable[[int], Awaitable[str]]
+) -> Counter[str]:
+    """Run `one(i)` for i < count, `concurrency` at a time; count the instances returned."""
+    return Counter(await each(count, concurrency, one))
 
 
 # -- 1. weighted round robin -------------------------------------------------------------------
 
 
 async def test_weighted_round_robin_shares_follow_join_weights_or_configured_ones(
-    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, instances: Any
+    pair: tuple[GatewayProcess, GatewayProcess], http: httpx.AsyncClient, instances: Any
 ) -> None:
-    by_join, by_config = name("wrr-join"), name("wrr-conf")
+    by_join, by_config = WRR_JOIN, WRR_CONF  # configured 3:1, the reverse of their Joins
     heavy, light = f"{by_config}-heavy", f"{by_config}-light"
-    wrr = {"strategy": "weighted_round_robin"}
-    stack = new_stack(
-        temporal_server,
-        tmp_path,
-        extra=routing_config(
-            **{
-                by_join: {"routing": wrr},
-                # Configuration wins over what the instances say at Join (here: the reverse).
-                by_config: {"routing": {**wrr, "weights": {heavy: 3, light: 1}}},
-            }
-        ),
-    )
-    [gw] = await gateways(stack)
+    gw, _ = pair
     await instances(gw, by_join, [f"{by_join}-heavy"], weight=3)
     await instances(gw, by_join, [f"{by_join}-light"], weight=1)
     await instances(gw, by_config, [heavy], weight=1)
@@ -281,15 +303,10 @@ async def test_weighted_round_robin_shares_follow_join_weights_or_configured_one
 
 
 async def test_least_request_passes_over_the_slow_instance_from_both_gateways(
-    temporal_server: str,
-    tmp_path: Path,
-    redis_prefix: str,
-    http: httpx.AsyncClient,
-    instances: Any,
+    pair: tuple[GatewayProcess, GatewayProcess], http: httpx.AsyncClient, instances: Any
 ) -> None:
-    capability = name("lr")
-    extra = routing_config(**{capability: {"routing": {"strategy": "least_request"}}})
-    a, b = await gateways(*stacks(temporal_server, tmp_path, redis_prefix, 2, extra))
+    capability = LR
+    a, b = pair
     slow, *fast = await instances(
         a, capability, [f"{capability}-slow", f"{capability}-fast1", f"{capability}-fast2"]
     )
@@ -345,7 +362,9 @@ async def test_a_killed_workers_inflight_counts_expire_after_the_lease(
     await worker.ready()
     [agent] = await instances(gw, capability, [f"{capability}-01"])
     agent.hold()
-    calls = [asyncio.create_task(invoke(http, gw, capability)) for _ in range(3)]
+    calls = [
+        asyncio.create_task(invoke(http, gw, capability, timeout_ms=DEADLINE_MS)) for _ in range(3)
+    ]
     key = f"{redis_prefix}:inf:{capability}"
     r = aioredis.Redis.from_url(redis_url)
     try:
@@ -430,62 +449,64 @@ async def resolved(temporal: str, request_id: str) -> dict[str, Any]:
 
 async def test_consistent_hash_keeps_keys_on_their_instance_across_gateways(
     temporal_server: str,
-    tmp_path: Path,
-    redis_prefix: str,
+    pair: tuple[GatewayProcess, GatewayProcess],
     http: httpx.AsyncClient,
     instances: Any,
 ) -> None:
-    by_key, by_user = name("ch"), name("ch-user")
-    # Bounded load set loose: at this load its capacity would be 1 call per instance, so one
-    # in-flight count of the other gateway's, read a moment late, would rightly spill a key
-    # (test 5 is about that); here, the ring alone decides.
-    ch = {"strategy": "consistent_hash", "balance_factor": 100}
-    extra = routing_config(
-        **{
-            by_key: {"routing": ch},
-            by_user: {"routing": {**ch, "hash_on": "payload.user_id"}},
-        }
-    )
-    a, b = await gateways(*stacks(temporal_server, tmp_path, redis_prefix, 2, extra))
+    by_key, by_user = CH, CH_USER  # a loose ring: the ring alone decides
+    a, b = pair
     ring = await instances(a, by_key, [f"{by_key}-{i:02d}" for i in range(10)])
     await instances(b, by_user, [f"{by_user}-{i}" for i in range(4)])
     await asyncio.sleep(0.5)  # each view has them all (test 7 measures how fast)
 
+    # The ring decides alone (no spill at this load), so calls go CONCURRENT at a time: what a
+    # key is sent to does not depend on what else is in flight.
     # One key, 100 calls, alternating gateways: one instance.
-    homes = [
-        await served_by(http, (a, b)[i % 2], by_key, routing_key="user-42") for i in range(100)
-    ]
-    assert len(set(homes)) == 1, Counter(homes)
+    homes = await spread(
+        100, CONCURRENT, lambda i: served_by(http, (a, b)[i % 2], by_key, routing_key="user-42")
+    )
+    assert len(homes) == 1, homes
 
     keys = [f"key-{i}" for i in range(24)]
-    on_a = {k: await served_by(http, a, by_key, routing_key=k) for k in keys}
-    on_b = {k: await served_by(http, b, by_key, routing_key=k) for k in keys}
+
+    async def homes_on(gateway: GatewayProcess) -> dict[str, str]:
+        got = await each(
+            len(keys), CONCURRENT, lambda i: served_by(http, gateway, by_key, routing_key=keys[i])
+        )
+        return dict(zip(keys, got, strict=True))
+
+    on_a, on_b = await homes_on(a), await homes_on(b)
     assert on_a == on_b
     assert len(set(on_a.values())) >= 5, Counter(on_a.values())  # spread over the ring
 
     # The payload field decides, whatever the routing_key says.
-    same_user = {
-        await served_by(
+    same_user = await spread(
+        8,
+        CONCURRENT,
+        lambda i: served_by(
             http, (a, b)[i % 2], by_user, payload={"user_id": "u-7"}, routing_key=f"r-{i}"
-        )
-        for i in range(8)
-    }
+        ),
+    )
     assert len(same_user) == 1, same_user
-    users = {
-        await served_by(
+    users = await spread(
+        12,
+        CONCURRENT,
+        lambda i: served_by(
             http, (a, b)[i % 2], by_user, payload={"user_id": f"u-{i}"}, routing_key="r-0"
-        )
-        for i in range(12)
-    }
+        ),
+    )
     assert len(users) >= 2, users
 
     # One of 10 leaves: only its keys move.
     victim = Counter(on_a.values()).most_common(1)[0][0]
     await next(i for i in ring if i.instance_id == victim).leave()
     await asyncio.sleep(0.5)
-    after = {
-        k: await served_by(http, (a, b)[i % 2], by_key, routing_key=k) for i, k in enumerate(keys)
-    }
+    moved_to = await each(
+        len(keys),
+        CONCURRENT,
+        lambda i: served_by(http, (a, b)[i % 2], by_key, routing_key=keys[i]),
+    )
+    after = dict(zip(keys, moved_to, strict=True))
     moved = {k for k in keys if after[k] != on_a[k]}
     assert moved == {k for k in keys if on_a[k] == victim}, (moved, on_a, after)
     assert victim not in after.values()
@@ -504,22 +525,10 @@ async def test_consistent_hash_keeps_keys_on_their_instance_across_gateways(
 
 
 async def test_bounded_load_spills_a_hot_key_while_its_home_is_full(
-    temporal_server: str,
-    tmp_path: Path,
-    redis_prefix: str,
-    http: httpx.AsyncClient,
-    instances: Any,
+    pair: tuple[GatewayProcess, GatewayProcess], http: httpx.AsyncClient, instances: Any
 ) -> None:
-    capability = name("hot")
-    routing = {"strategy": "consistent_hash", "balance_factor": 1.0}
-    [stack] = stacks(
-        temporal_server,
-        tmp_path,
-        redis_prefix,
-        1,
-        routing_config(**{capability: {"routing": routing}}),
-    )
-    [gw] = await gateways(stack)
+    capability = HOT  # consistent hash, balance_factor 1.0
+    gw, _ = pair
     fleet = await instances(gw, capability, [f"{capability}-{i}" for i in range(4)])
     by_id = {i.instance_id: i for i in fleet}
     home = by_id[await served_by(http, gw, capability, routing_key="hot")]
@@ -553,27 +562,11 @@ async def test_bounded_load_spills_a_hot_key_while_its_home_is_full(
 
 
 async def test_full_degraded_and_unhealthy_instances_are_passed_over(
-    temporal_server: str,
-    tmp_path: Path,
-    redis_prefix: str,
-    http: httpx.AsyncClient,
-    instances: Any,
+    pair: tuple[GatewayProcess, GatewayProcess], http: httpx.AsyncClient, instances: Any
 ) -> None:
-    by_join, by_config, health = name("full"), name("full-conf"), name("health")
-    [stack] = stacks(
-        temporal_server,
-        tmp_path,
-        redis_prefix,
-        1,
-        routing_config(
-            **{
-                # A configured ceiling far above the Join's 1: the smaller holds.
-                by_join: {"routing": {"max_inflight": 1000}},
-                by_config: {"routing": {"max_inflight": 1}},
-            }
-        ),
-    )
-    [gw] = await gateways(stack)
+    # FULL: a configured ceiling far above the Join's 1 (the smaller holds); FULL_CONF: 1.
+    by_join, by_config, health = FULL, FULL_CONF, HEALTH
+    gw, _ = pair
 
     # max_inflight from Join (the smaller limit holds): the full instance gets nothing until
     # it drains.
@@ -634,16 +627,11 @@ async def test_full_degraded_and_unhealthy_instances_are_passed_over(
 
 
 async def test_a_join_max_inflight_alone_is_enforced(
-    temporal_server: str,
-    tmp_path: Path,
-    redis_prefix: str,
-    http: httpx.AsyncClient,
-    instances: Any,
+    pair: tuple[GatewayProcess, GatewayProcess], http: httpx.AsyncClient, instances: Any
 ) -> None:
-    capability = name("join-limit")
+    capability = JOIN_LIMIT
     # Round robin, no configured limit: the Join's max_inflight alone must turn counting on.
-    [stack] = stacks(temporal_server, tmp_path, redis_prefix, 1, {})
-    [gw] = await gateways(stack)
+    gw, _ = pair
     [small] = await instances(gw, capability, [f"{capability}-small"], max_inflight=1)
     [big] = await instances(gw, capability, [f"{capability}-big"])
     small.hold()
@@ -664,18 +652,16 @@ async def test_a_join_max_inflight_alone_is_enforced(
 
 
 async def test_max_inflight_holds_across_gateways_after_a_quiet_spell(
-    temporal_server: str,
-    tmp_path: Path,
-    redis_prefix: str,
+    pair: tuple[GatewayProcess, GatewayProcess],
+    module_redis_prefix: str,
     redis_url: str,
     http: httpx.AsyncClient,
     instances: Any,
 ) -> None:
     import redis.asyncio as aioredis
 
-    capability = name("stale")
-    extra = routing_config(**{capability: {"routing": {"max_inflight": 1}}})
-    a, b = await gateways(*stacks(temporal_server, tmp_path, redis_prefix, 2, extra))
+    capability = STALE  # max_inflight 1
+    a, b = pair
     [only] = await instances(a, capability, [f"{capability}-01"])
     await served_by(http, b, capability)  # B has routed the capability (and read the counts)
     only.hold()
@@ -684,7 +670,9 @@ async def test_max_inflight_holds_across_gateways_after_a_quiet_spell(
     try:
 
         async def shared() -> bool:
-            return only.active == 1 and await r.zcard(f"{redis_prefix}:inf:{capability}") == 1
+            return (
+                only.active == 1 and await r.zcard(f"{module_redis_prefix}:inf:{capability}") == 1
+            )
 
         await wait_until(shared, 20)
         await asyncio.sleep(0.5)  # well past inflight_refresh_ms (100 ms)
@@ -750,20 +738,13 @@ async def test_a_join_and_an_eviction_reach_the_other_gateways_routing_quickly(
 
 
 async def test_requests_that_never_call_hold_no_in_flight_slot(
-    temporal_server: str,
-    tmp_path: Path,
-    redis_prefix: str,
-    http: httpx.AsyncClient,
-    instances: Any,
+    pair: tuple[GatewayProcess, GatewayProcess], http: httpx.AsyncClient, instances: Any
 ) -> None:
     """The door counts attempt 1 in flight until its call begins. A request that ends before
     (its deadline came first, its idempotency key answered) frees that count at once: found
     by review, two such requests left both instances 'at max_inflight' for 2 s."""
-    capability = name("never-calls")
-    extra = routing_config(
-        **{capability: {"routing": {"strategy": "least_request", "max_inflight": 1}}}
-    )
-    [gateway] = await gateways(*stacks(temporal_server, tmp_path, redis_prefix, 1, extra))
+    capability = NEVER_CALLS  # least request, max_inflight 1
+    gateway, _ = pair
     await instances(gateway, capability, [f"{capability}-{i}" for i in range(2)])
     for _ in range(3):  # the door's views are warm
         await served_by(http, gateway, capability)
@@ -771,7 +752,10 @@ async def test_requests_that_never_call_hold_no_in_flight_slot(
     assert [r.status_code for r in tiny] == [504, 504], [r.text for r in tiny]
     await served_by(http, gateway, capability, idempotency_key="once", request_id=rid())
     replays = await asyncio.gather(
-        *(invoke(http, gateway, capability, idempotency_key="once") for _ in (1, 2))
+        *(
+            invoke(http, gateway, capability, idempotency_key="once", timeout_ms=DEADLINE_MS)
+            for _ in (1, 2)
+        )
     )
     assert all(r.json().get("replayed_from") for r in replays), [r.text for r in replays]
     detail = (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).json()

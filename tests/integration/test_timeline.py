@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,19 @@ from temporalio.client import Client
 
 from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
-from tests.helpers import ROOT, Agent, CallbackReceiver, GatewayProcess, start_agents, wait_until
+from tests.helpers import (
+    ROOT,
+    Agent,
+    CallbackReceiver,
+    GatewayProcess,
+    rid,
+    start_agents,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
 BACKOFF_MS = 300
-
-
-def rid() -> str:
-    return f"req-{uuid.uuid4().hex}"
 
 
 def body(capability: str, **extra: Any) -> dict[str, Any]:
@@ -46,11 +49,8 @@ async def gw(
 ) -> AsyncIterator[GatewayProcess]:
     extra = {"REACH_POLICY__RETRY__BACKOFF_BASE_MS": str(BACKOFF_MS)}
     stack = new_stack(temporal_server, tmp_path_factory.mktemp("timeline"), extra=extra)
-    gateway = GatewayProcess(stack)
-    try:
-        yield await gateway.ready()
-    finally:
-        gateway.proc.stop()
+    async with GatewayProcess(stack) as gateway:
+        yield gateway
 
 
 async def timeline(

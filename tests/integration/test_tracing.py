@@ -62,11 +62,8 @@ async def traced(
             "REACH_CAPABILITIES": json.dumps({QUEUED: {"mode": "queue"}}),
         },
     )
-    gateway = GatewayProcess(stack)
-    try:
-        yield await gateway.ready(), spans
-    finally:
-        gateway.proc.stop()
+    async with GatewayProcess(stack) as gateway:
+        yield gateway, spans
 
 
 async def traced_agent(
