@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: up test lint docs docs-build fmt test-only fuzz-quick fuzz bench bench-routing install clean proto
+.PHONY: up test lint docs docs-build fmt test-only test-slow fuzz-quick fuzz bench bench-routing install clean proto
 
 # The fuzz runs happen in a network namespace of their own with only loopback up, so no URL the
 # fuzzer makes up (callbacks, agent addresses) can send a packet off this machine.
@@ -55,8 +55,12 @@ test: lint docs-build test-only
 XDIST ?= -n 2 --dist loadfile
 
 test-only: $(STAMP)
-	$(BIN)/pytest $(XDIST)
+	$(BIN)/pytest $(XDIST) -m "not slow"
 	@$(MAKE) --no-print-directory fuzz-quick
+
+# The slow tests: long real-time waits whose behaviour a faster test in `make test` also covers.
+test-slow: $(STAMP)
+	$(BIN)/pytest $(XDIST) -m slow
 
 # Schemathesis over the gateway's OpenAPI against a real stack: bounded here, longer in `fuzz`.
 fuzz-quick: $(STAMP)

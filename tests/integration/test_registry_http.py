@@ -200,6 +200,9 @@ async def test_agent_rejoins_after_the_gateway_forgets_it(
     assert "joining again" in agent.proc.output()
 
 
+# `make test-slow`: test_agent_rejoins_after_the_gateway_forgets_it covers the same rejoin (a
+# heartbeat answered 404, the agent joins again) in `make test` without restarting a gateway.
+@pytest.mark.slow
 async def test_agent_rejoins_a_restarted_gateway(
     temporal_server: str, tmp_path_factory: pytest.TempPathFactory, http: httpx.AsyncClient
 ) -> None:
