@@ -128,7 +128,7 @@ def as_dict(value: Any) -> dict[str, Any]:
 
 
 def error_of(failure: dict[str, Any] | None) -> dict[str, Any]:
-    """What the workflow made of an activity's failure (as `workflows.invoke._error_of`)."""
+    """What the workflow made of an activity's failure (as `workflows._attempts.error_of`)."""
     failure = failure or {}
     if failure.get("kind") == "timeout":
         if failure.get("timeout_type") == "heartbeat":
