@@ -234,7 +234,8 @@ class AttemptLoop:
                 DOING[type(step)],
                 step.delay_s,
             )
-            self._attempts[-1].backoff_ms = int(step.delay_s * 1000)
+            if self._attempts:  # a route that went stale left no attempt to note
+                self._attempts[-1].backoff_ms = int(step.delay_s * 1000)
             await workflow.sleep(step.delay_s)
 
     def _reported(self, inp: InvokeInput, report: Failure) -> InvokeResponse:
