@@ -35,6 +35,7 @@ with workflow.unsafe.imports_passed_through():
         ACTIVITY_FOLLOW,
         ACTIVITY_RELEASE_KEY,
         ACTIVITY_RELEASE_ROUTE,
+        ACTIVITY_TAKE_TOKEN,
         SIGNAL_LATE_ANSWER,
         UPDATE_LATE_ANSWER,
         WORKFLOW_INVOKE,
@@ -44,12 +45,14 @@ with workflow.unsafe.imports_passed_through():
         FollowInput,
         InvokeInput,
         LateAnswer,
+        TakeInput,
         answer_key,
         delivery_workflow_id,
         idempotency_scope,
         payload_fingerprint,
     )
     from reach.messages import AttemptInfo, ErrorInfo, InvokeResponse, RequestStatus
+    from reach.policy import GiveUp, after_no_token
     from workflows._attempts import (
         ONE_ATTEMPT,
         STORE_STEP,
@@ -259,7 +262,9 @@ class InvokeWorkflow(AttemptLoop):
                 return self._envelope(inp, "error", error=failed.error)
             if owner.owner != inp.request_id:
                 return await self._follow(inp, owner)
-        response = await self._attempts_until_done(inp)
+        response = await self._wait_for_token(inp) if inp.plan.queue is not None else None
+        if response is None:
+            response = await self._attempts_until_done(inp)
         if claim is not None and self._frees_key(response):
             try:
                 await self._store_step(
@@ -319,3 +324,51 @@ class InvokeWorkflow(AttemptLoop):
                 "waited_ms": None,
             }
         )
+
+    async def _wait_for_token(self, inp: InvokeInput) -> InvokeResponse | None:
+        """`on_limit: queue`: wait on durable timers until every bucket gives a token."""
+        queue = inp.plan.queue
+        assert queue is not None
+        started = self._now_ms()
+        misses = 0
+        while True:
+            try:
+                wait_s: float = await self._store_step(
+                    inp,
+                    ACTIVITY_TAKE_TOKEN,
+                    TakeInput(buckets=queue.buckets),
+                    float,
+                    queue.wait_until_ms,
+                )
+            except Failed as failed:
+                return self._envelope(inp, "error", error=failed.error)
+            if wait_s <= 0:
+                break
+            misses += 1
+            step = after_no_token(
+                wait_s,
+                miss=misses,
+                now_ms=self._now_ms(),
+                until_ms=queue.wait_until_ms,
+                draw=workflow.random().random,
+            )
+            if isinstance(step, GiveUp):
+                self._waited_ms = self._now_ms() - started
+                return self._envelope(
+                    inp,
+                    "error",
+                    error=ErrorInfo(
+                        type="rate_limited",
+                        message=f"rate limit of {inp.target!r} for caller {inp.caller!r}: no "
+                        f"token freed within the {self._waited_ms} ms this request could wait",
+                        retryable=True,
+                        retry_after_s=max(1, int(wait_s + 0.999)),
+                    ),
+                )
+            await workflow.sleep(step.delay_s)
+        self._waited_ms = self._now_ms() - started
+        # The call's own time runs from when it may go; a synchronous request's deadline stays.
+        self._start_ms = self._now_ms()
+        if inp.callback:
+            self._deadline_ms = max(self._deadline_ms, self._start_ms + self._plan.timeout_ms)
+        return None
