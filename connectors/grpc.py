@@ -2,55 +2,56 @@
 
 The wire contract (what an agent written without the SDK implements: the service in
 `protos/agent_reach_proto/agent.proto`, the address, the request metadata, the reply, what a
-failure's code and trailers mean, mTLS) is `docs/protocols/grpc.md`; its names are
-`agent_reach_proto.wire`'s. Here a failure with `x-reach-status` is read through the table every
-protocol shares (`connectors._answers`), one without it through `STATUS_TABLE`; trailers up to
-`MAX_METADATA_BYTES` are read, since gRPC's 8 KiB default would turn a chatty agent's final answer
-into a retryable failure. The call's gRPC deadline is the request's remaining time, and Reach
-also ends the call itself at that moment.
-
-Connections: one `grpc.aio` channel per instance and address (HTTP/2 multiplexes every request
-on it), opened on first use, closed when idle past `transport.idle_timeout_s` or when the instance
-leaves the registry. `failed` counts calls that found no connection (UNAVAILABLE while the
-channel is not READY) and connections that broke between calls; `reconnected` counts a channel
-that had failed becoming READY again.
+failure's code and trailers mean, mTLS, connections) is docs/protocols/grpc.md; its names are
+`agent_reach_proto.wire`'s. Here the call: a message becomes an `InvokeRequest` and its metadata,
+an OK reply a `Reply` (`reply_of`), a failure a Reach error: with `x-reach-status` through the
+table every protocol shares (`connectors._answers`), without it through `STATUS_TABLE`
+(`error_for_status`, `map_grpc_exceptions`). The call's gRPC deadline is the request's remaining
+time, and Reach also ends the call itself at that moment. The channels it is made on (options,
+keepalive, reconnect backoff, credentials) are `connectors._grpc_channel`'s; this module counts
+their `failed` and `reconnected` from each call's outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Literal
 
 import grpc
 import grpc.aio
-from google.protobuf.message import DecodeError
 
 from agent_reach_proto import wire
-from agent_reach_proto.agent_pb2 import InvokeReply, InvokeRequest
+from agent_reach_proto.agent_pb2 import InvokeRequest
 from connectors._address import check_characters, check_host, check_port, refuse
-from connectors._answers import reply_for_status, too_large
+from connectors._grpc_answers import STATUS_TABLE, error_for_status, map_grpc_exceptions, reply_of
+from connectors._grpc_channel import METHOD, Channel, ChannelMaker, close_channel
 from connectors._pools import ConnectionStats, Entry, Pools
 from connectors.base import PooledConnector
-from reach.acceptance import check_json, parse_json
 from reach.config import SecuritySettings, TransportSettings
-from reach.errors import (
-    AgentError,
-    AgentFault,
-    DeadlineExceeded,
-    InternalError,
-    InvalidRequest,
-    ReachError,
-    TransportError,
-)
+from reach.errors import InvalidRequest, TransportError
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
 from reach.security.netguard import host_port
 
-METHOD = wire.GRPC_INVOKE_METHOD
+__all__ = [
+    "MD_ATTEMPT",
+    "MD_CALLER",
+    "MD_DEADLINE",
+    "MD_ERROR_TYPE",
+    "MD_IDEMPOTENCY_KEY",
+    "MD_REQUEST_ID",
+    "MD_RETRYABLE",
+    "MD_STATUS",
+    "MD_TRACEPARENT",
+    "METHOD",
+    "STATUS_TABLE",
+    "GrpcConnector",
+    "check_grpc_address",
+    "error_for_status",
+    "map_grpc_exceptions",
+    "reply_of",
+    "wire_metadata",
+]
 
 # The contract's metadata keys under this module's older names.
 MD_REQUEST_ID = wire.REQUEST_ID
@@ -63,62 +64,11 @@ MD_ERROR_TYPE = wire.GRPC_ERROR_TYPE
 MD_RETRYABLE = wire.GRPC_RETRYABLE
 MD_STATUS = wire.GRPC_STATUS
 
-# InvokeReply's framing around `result`: tags, a length varint and `accepted`. A reply within
-# the limit always fits; one past it is refused by gRPC before it is held whole.
-REPLY_OVERHEAD_BYTES = 64
-# Keepalive pings only while calls are in flight, no more often than the 5 minutes that gRPC
-# servers (C core, Go, Java) accept by default: a more eager client is sent GOAWAY
-# "too_many_pings". Each call's own deadline bounds it anyway; this finds dead peers under
-# long calls.
-KEEPALIVE_TIME_MS = 300_000
-KEEPALIVE_TIMEOUT_MS = 20_000
-# gRPC's own channel idleness (30 min by default) must not come before the pool reaper's, or an
-# idle channel would look like a broken one.
-MIN_CLIENT_IDLE_MS = 30 * 60 * 1000
-# Calls on a channel that failed to connect fail at once (no wait_for_ready) until its backoff
-# ends; gRPC's default backoff (1 s, growing to 120 s) would keep a restarted agent unreachable
-# long after it is back.
-INITIAL_RECONNECT_BACKOFF_MS = 250
-MAX_RECONNECT_BACKOFF_MS = 10_000
-INT32_MAX = 2**31 - 1
-# Trailers an agent may send (gRPC's own default is 8 KiB, refused at random past it and always
-# past 16 KiB: an agent's long non-ASCII message, percent-encoded, would be a transport failure).
-MAX_METADATA_BYTES = 64 * 1024
-
-_TOO_BIG = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
-_HTTP_STATUS = re.compile(r"[1-5][0-9][0-9]")
 # gRPC metadata values: visible ASCII and space (anything else fails inside grpc core).
 _METADATA_VALUE = re.compile(r"[\x20-\x7e]*")
 # How grpc core words a failed TLS handshake, and one whose peer certificate did not verify.
 _TLS_FAILURE = re.compile(r"(?i)handshake failed|verification check failed|peer name")
 _TLS_UNVERIFIED = re.compile(r"(?i)CERTIFICATE_VERIFY_FAILED|verification check failed|peer name")
-
-Kind = Literal["ok", "timeout", "transport", "agent"]
-
-STATUS_TABLE: dict[grpc.StatusCode, tuple[Kind, bool]] = {
-    # code                               (Reach's reading, retryable)
-    grpc.StatusCode.OK: ("ok", False),
-    grpc.StatusCode.DEADLINE_EXCEEDED: ("timeout", False),
-    # No connection, or it broke: another attempt (maybe elsewhere) can succeed.
-    grpc.StatusCode.UNAVAILABLE: ("transport", True),
-    grpc.StatusCode.CANCELLED: ("transport", True),  # the agent's server cancelled (shutdown)
-    # The agent is overloaded or failed on its side: it may succeed later.
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ("agent", True),
-    grpc.StatusCode.ABORTED: ("agent", True),
-    grpc.StatusCode.INTERNAL: ("agent", True),
-    grpc.StatusCode.UNKNOWN: ("agent", True),  # also an agent handler that raised
-    grpc.StatusCode.DATA_LOSS: ("agent", True),
-    # The agent refused this request: the same request gets the same answer.
-    grpc.StatusCode.INVALID_ARGUMENT: ("agent", False),
-    grpc.StatusCode.NOT_FOUND: ("agent", False),
-    grpc.StatusCode.ALREADY_EXISTS: ("agent", False),
-    grpc.StatusCode.PERMISSION_DENIED: ("agent", False),
-    grpc.StatusCode.FAILED_PRECONDITION: ("agent", False),
-    grpc.StatusCode.OUT_OF_RANGE: ("agent", False),
-    grpc.StatusCode.UNIMPLEMENTED: ("agent", False),  # no such service or operation
-    grpc.StatusCode.UNAUTHENTICATED: ("agent", False),
-}
-assert set(STATUS_TABLE) == set(grpc.StatusCode), "every gRPC status code is mapped"
 
 
 def check_grpc_address(address: str) -> str:
@@ -155,172 +105,6 @@ def wire_metadata(message: Message) -> list[tuple[str, str]]:
     return wire.metadata(message.header)
 
 
-def _trailing(exc: grpc.aio.AioRpcError) -> dict[str, str]:
-    found: dict[str, str] = {}
-    for key, value in exc.trailing_metadata() or ():
-        if isinstance(value, str):
-            found.setdefault(key.lower(), value)
-    return found
-
-
-def _text(value: str) -> str:
-    return value.encode("utf-8", "replace").decode("utf-8").strip()
-
-
-def said_status(trailing: Mapping[str, str]) -> int | None:
-    """The HTTP-style status in `x-reach-status`, when it is one a failure can have."""
-    value = trailing.get(MD_STATUS, "").strip()
-    if not _HTTP_STATUS.fullmatch(value) or value in ("200", "202"):
-        return None
-    return int(value)
-
-
-def error_for_answer(
-    endpoint: Endpoint,
-    status: int,
-    details: str,
-    said_type: str | None,
-    withheld: bool,
-    limit: int,
-) -> ReachError:
-    """An answer with an HTTP-style status, read by the table every other protocol is read with
-    (`reply_for_status`): its words, its error type and retry flag cannot tell gRPC apart."""
-    error: dict[str, object] = {"message": details.encode("utf-8", "replace").decode("utf-8")}
-    if said_type is not None:
-        error["type"] = said_type
-    if withheld:
-        error["retryable"] = False
-    try:
-        reply_for_status(endpoint, status, dumps({"error": error}), limit)
-    except ReachError as exc:
-        return exc
-    return InternalError(  # said_status never lets a success status through
-        f"gRPC connector read status {status} from {endpoint.instance_id} as a success"
-    )
-
-
-def error_for_status(
-    endpoint: Endpoint,
-    code: grpc.StatusCode,
-    details: str,
-    trailing: Mapping[str, str],
-    receive_limit: int | None = None,
-    limit: int | None = None,
-) -> ReachError:
-    """The Reach error a failed call's status stands for: `x-reach-status` through the shared
-    HTTP-style table when the agent sent one, else the code through `STATUS_TABLE`.
-
-    `receive_limit` is the channel's max_receive_message_length and `limit` the reply limit, to
-    tell gRPC's refusal of a too-large reply from an agent refusing the payload.
-    """
-    kind, retryable = STATUS_TABLE[code]
-    if kind == "ok":  # a caller's bug: OK is not a failure
-        return InternalError(f"gRPC connector asked to map status OK from {endpoint.instance_id}")
-    said_type = trailing.get(MD_ERROR_TYPE)
-    withheld = trailing.get(MD_RETRYABLE, "").strip().lower() == "false"
-    status = said_status(trailing)
-    if status is not None:
-        return error_for_answer(
-            endpoint, status, details, said_type, withheld, limit or receive_limit or 0
-        )
-    name = code.name
-    where = f"agent {endpoint.instance_id} answered gRPC {name}"
-    fault = AgentFault(
-        type=_text(said_type or "") or "agent_error", message=_text(details), status=code.value[0]
-    )
-    said = f": {fault.message}" if fault.message else ""
-    if withheld:
-        retryable = False  # an agent can never make a final code retryable
-    if kind == "timeout":
-        return DeadlineExceeded(
-            f"agent {endpoint.instance_id} did not answer in time (gRPC {name}){said}"
-        )
-    if kind == "transport" and said_type is None:
-        return TransportError(
-            f"cannot reach agent at {endpoint.address}: {name}{said}", retryable=retryable
-        )
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        size = _TOO_BIG.search(details)
-        if size is not None and receive_limit is not None and int(size[2]) == receive_limit:
-            error = too_large(endpoint, size[1], limit if limit is not None else receive_limit)
-            error.fault = fault
-            return error
-        if size is not None:
-            return AgentError(
-                f"{where}: it refused the payload as too large{said}", retryable=False, fault=fault
-            )
-    return AgentError(f"{where}{said}", retryable=retryable, fault=fault)
-
-
-def reply_of(endpoint: Endpoint, raw: bytes, limit: int) -> Reply:
-    """The Reply in an OK call's bytes, or the non-retryable `AgentError` they amount to."""
-    where = f"agent {endpoint.instance_id} answered 200"  # gRPC OK, worded as on every protocol
-    try:
-        reply = InvokeReply.FromString(raw)
-    except DecodeError as exc:
-        raise AgentError(
-            f"{where} with bytes that are not an InvokeReply", retryable=False
-        ) from exc
-    if reply.accepted:
-        return Reply(status="accepted")
-    try:
-        data = parse_json(reply.result, what="result") if reply.result else {}
-        result = data if isinstance(data, dict) else {"value": data}
-        # As Reach will carry it: re-encoded, within the limit, nesting and charset rules.
-        check_json(result, what="its result", limit=limit)
-    except ReachError as exc:
-        raise AgentError(f"{where}; {exc.message}", retryable=False) from exc
-    return Reply(status="ok", result=result)
-
-
-@dataclass
-class _Channel:
-    """A channel and what the connector knows of its connection's history."""
-
-    channel: grpc.aio.Channel
-    invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]
-    receive_limit: int
-    up: bool = False  # READY after the last call
-    broken: bool = False  # failed since it was last READY (a READY then is a reconnect)
-
-    def state(self) -> grpc.ChannelConnectivity:
-        return self.channel.get_state(try_to_connect=False)
-
-
-async def _close_channel(channel: _Channel) -> None:
-    await channel.channel.close(grace=None)
-
-
-@contextlib.contextmanager
-def map_grpc_exceptions(endpoint: Endpoint, receive_limit: int, limit: int) -> Iterator[None]:
-    """The one place grpcio's exceptions (and the call's own deadline) become Reach errors.
-
-    `receive_limit` is the channel's max_receive_message_length, `limit` the reply limit.
-    """
-    try:
-        yield
-    except TimeoutError as exc:  # asyncio.timeout: the whole call, whatever gRPC was doing
-        raise DeadlineExceeded(f"agent at {endpoint.address} did not answer in time") from exc
-    except grpc.aio.AioRpcError as exc:
-        raise error_for_status(
-            endpoint,
-            exc.code(),
-            exc.details() or "",
-            _trailing(exc),
-            receive_limit=receive_limit,
-            limit=limit,
-        ) from exc
-    except grpc.aio.InternalError as exc:  # grpc core refused to start the call (its batch)
-        raise TransportError(
-            f"cannot send this request to agent at {endpoint.address}: {exc!r}", retryable=False
-        ) from exc
-    except (grpc.aio.BaseError, grpc.RpcError) as exc:
-        # A closed channel used, or a non-aio error from the aio API: nothing the agent did.
-        raise InternalError(
-            f"gRPC connector misused grpcio for {endpoint.address}: {exc!r}"
-        ) from exc
-
-
 class GrpcConnector(PooledConnector):
     protocol = "grpc"
 
@@ -332,56 +116,12 @@ class GrpcConnector(PooledConnector):
         security: SecuritySettings | None = None,
     ) -> None:
         super().__init__(transport, stats=stats, security=security)
-        idle_ms = min(max(MIN_CLIENT_IDLE_MS, int(self.transport.idle_timeout_s * 2000)), INT32_MAX)
-
-        def make_channel(target: str) -> _Channel:
-            limit, address, *tls_name = target.split(" ", 2)
-            receive_limit = int(limit) + REPLY_OVERHEAD_BYTES
-            options: list[tuple[str, str | int]] = [
-                ("grpc.max_receive_message_length", receive_limit),
-                ("grpc.max_metadata_size", MAX_METADATA_BYTES),
-                # Reach checked the payload against the smallest limit before sending.
-                ("grpc.max_send_message_length", -1),
-                ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-                ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-                ("grpc.keepalive_permit_without_calls", 0),
-                ("grpc.http2.max_pings_without_data", 0),
-                ("grpc.client_idle_timeout_ms", idle_ms),
-                ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
-                ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
-                ("grpc.primary_user_agent", "agent-reach"),
-                # Its own connection: grpc would otherwise share one among channels to the
-                # same address, and closing an instance's channel would close nothing.
-                ("grpc.use_local_subchannel_pool", 1),
-            ]
-            if tls_name:
-                # mTLS: Reach's certificate; the agent's must be from the CA and carry this
-                # instance's name (checked in place of the address's host).
-                options.append(("grpc.ssl_target_name_override", tls_name[0]))
-                channel = grpc.aio.secure_channel(address, self._credentials(), options=options)
-            else:
-                channel = grpc.aio.insecure_channel(address, options=options)
-            # Bytes in and out: the connector encodes and decodes, so a reply that is not an
-            # InvokeReply is this request's typed error, not grpcio's logged exception.
-            invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(METHOD)
-            return _Channel(channel, invoke, receive_limit)
-
-        self._tls_credentials: tuple[tuple[bytes, bytes, bytes], grpc.ChannelCredentials] | None
-        self._tls_credentials = None
-        self._pools: Pools[_Channel] = self._new_pools(make_channel, _close_channel)
+        make_channel = ChannelMaker(self.transport.idle_timeout_s, lambda: self.tls)
+        self._pools: Pools[Channel] = self._new_pools(make_channel, close_channel)
 
     @classmethod
     def check_address(cls, address: str) -> str:
         return check_grpc_address(address)
-
-    def _credentials(self) -> grpc.ChannelCredentials:
-        """Reach's mTLS credentials, made again when its files change on disk."""
-        pem = self.tls.pem()
-        if self._tls_credentials is None or self._tls_credentials[0] != pem:
-            ca, key, chain = pem
-            credentials = grpc.ssl_channel_credentials(ca, key, chain)
-            self._tls_credentials = (pem, credentials)
-        return self._tls_credentials[1]
 
     async def verify_identity(self, address: str, instance_id: str) -> None:
         if not self.tls.enabled:
@@ -435,7 +175,7 @@ class GrpcConnector(PooledConnector):
 
     async def _call(
         self,
-        entry: Entry[_Channel],
+        entry: Entry[Channel],
         endpoint: Endpoint,
         request: bytes,
         metadata: list[tuple[str, str]],
@@ -483,7 +223,7 @@ class GrpcConnector(PooledConnector):
             reason += " (the agent closed the connection)"
             raise TransportError(self.tls.handshake_failed(address, instance_id, reason)) from exc
 
-    def _observe(self, entry: Entry[_Channel], code: grpc.StatusCode) -> None:
+    def _observe(self, entry: Entry[Channel], code: grpc.StatusCode) -> None:
         """Count a failed connection or a reconnect, from the channel's state after a call."""
         channel = entry.value
         if channel.state() is grpc.ChannelConnectivity.READY:
