@@ -45,6 +45,7 @@ from reach.registry import Registry
 from reach.registry.view import RegistryView
 from reach.routing import Router, check_routing
 from reach.routing.inflight import create_inflight
+from reach.security.audit import AuditLog
 from reach.settings_checks import load_checked_settings
 from reach.store import Store, create_store
 from reach.telemetry import metrics as reach_metrics
@@ -314,6 +315,9 @@ async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence
     # only follow the registry.
     services = build_services(settings, sweep=invoke)
     await services.start()
+    audit = AuditLog(settings.audit)  # callback requests' outcome records, as the gateway's
+    await audit.start()
+    services.activities.audit = audit
     workers = build_workers(client, services, invoke=invoke, capabilities=capabilities)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -330,6 +334,7 @@ async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence
         await stop.wait()
     if scrape is not None:
         scrape.close()
+    await audit.aclose()
     await services.aclose()
 
 

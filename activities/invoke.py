@@ -28,6 +28,7 @@ from reach.errors import (
     InternalError,
     ReachError,
     TransportError,
+    http_status_for,
 )
 from reach.invocation import (
     ACTIVITY_CALL,
@@ -54,6 +55,7 @@ from reach.registry import Registry
 from reach.registry.view import RegistryView
 from reach.resolve import Resolver, StaleRoute
 from reach.routing import Router
+from reach.security.audit import AuditLog
 from reach.security.netguard import AddressGuard
 from reach.security.redact import safe_url
 from reach.security.webhooks import caller_secret, message_id, webhook_headers
@@ -115,6 +117,9 @@ class ReachActivities:
         key = security.webhook_key
         self._webhook_key = key.get_secret_value() if key is not None else None
         self._secrets: dict[str, str] = {}  # caller -> its webhook secret
+        # The audit trail (the gateway's guard's, or a worker's own): a callback request's
+        # outcome record. None: not recorded here.
+        self.audit: AuditLog | None = None
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -247,6 +252,29 @@ class ReachActivities:
         self._recording.add(task)
         task.add_done_callback(self._recording.discard)
 
+    def _audit_outcome(self, inp: CallbackInput) -> None:
+        """A callback request's one audit record (R20), written once its outcome is known:
+        the door could only say it was accepted. The first delivery attempt writes it (a
+        re-run of that attempt after a crash may write it again: at least once)."""
+        assert self.audit is not None
+        response = inp.response
+        error = response.error
+        self.audit.record(
+            "invoke",
+            request_id=response.request_id,
+            caller=inp.caller,
+            capability=inp.target,
+            operation=inp.operation,
+            instance=response.instance_id,
+            duration_ms=response.duration_ms,
+            status=outcome_status(response),
+            outcome=response.status,
+            error_type=error.type if error else None,
+            outcome_unknown=error.outcome_unknown if error else None,
+            attempts=len(response.attempts) if response.attempts else None,
+            callback=safe_url(inp.url),
+        )
+
     @activity.defn(name=ACTIVITY_DELIVER_CALLBACK)
     async def deliver_callback(self, inp: CallbackInput) -> int:
         """POST the envelope; return the attempt that was delivered (failures carry theirs).
@@ -255,6 +283,8 @@ class ReachActivities:
         every attempt, the timestamp is this attempt's, the signature covers the bytes sent."""
         info = activity.info()
         response = inp.response
+        if info.attempt == 1 and self.audit is not None:
+            self._audit_outcome(inp)
         body = response.model_dump_json(exclude_none=True).encode()
         headers = {
             "Content-Type": "application/json",
@@ -358,3 +388,12 @@ async def _heartbeating(work: Coroutine[Any, Any, Reply]) -> Reply:
             activity.heartbeat()
     finally:
         task.cancel()
+
+
+def outcome_status(response: InvokeResponse) -> int:
+    """The HTTP status an envelope means (as the gateway answers it)."""
+    if response.status == "timeout":
+        return 504
+    if response.status == "error" and response.error is not None:
+        return http_status_for(response.error.type)
+    return 200

@@ -93,6 +93,7 @@ def create_app(
                 "gateway serves loopback only (%s). Issue tokens: reach tokens issue",
                 settings.listen_host,
             )
+        services.activities.audit = guard.audit  # a callback request's outcome record
         services.registry.on_evicted(
             lambda capability, instance: guard.audit.record(
                 "evicted", capability=capability, instance=instance

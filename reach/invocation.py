@@ -237,6 +237,12 @@ class CallbackInput(BaseModel):
         description="Whose callback this is: its webhook signature uses the caller's secret "
         "(None in inputs recorded before signing: sent unsigned).",
     )
+    target: str | None = Field(
+        default=None,
+        description="The request's capability, for its outcome's audit record (None in inputs "
+        "recorded before: the record names none).",
+    )
+    operation: str | None = Field(default=None, description="The request's operation, as target.")
 
 
 class DeliveryOutcome(BaseModel):

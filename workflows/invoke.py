@@ -84,6 +84,17 @@ RELEASE_WINDOW_MS = 60_000
 DELIVERY_GRACE = timedelta(minutes=5)
 
 
+def _callback_input(inp: InvokeInput, url: str, response: InvokeResponse) -> CallbackInput:
+    return CallbackInput(
+        url=url,
+        response=response,
+        plan=inp.callback_plan,
+        caller=inp.caller,
+        target=inp.target,
+        operation=inp.operation,
+    )
+
+
 def ui_details(inp: InvokeInput, response: InvokeResponse | None) -> str:
     """One line for the Temporal UI: `capability.operation from caller → status`."""
     line = f"{inp.target}.{inp.operation} from {inp.caller} → "
@@ -227,7 +238,7 @@ class InvokeWorkflow(AttemptLoop):
         """Start the callback's own workflow; it outlives this one (parent close: abandon)."""
         await workflow.start_child_workflow(
             DeliverCallbackWorkflow.run,
-            CallbackInput(url=url, response=response, plan=inp.callback_plan, caller=inp.caller),
+            _callback_input(inp, url, response),
             id=delivery_workflow_id(inp.request_id),
             parent_close_policy=workflow.ParentClosePolicy.ABANDON,
             # Each run of a request starts its delivery once, so a closed one already under this
@@ -238,9 +249,7 @@ class InvokeWorkflow(AttemptLoop):
 
     async def _deliver(self, inp: InvokeInput, url: str, response: InvokeResponse) -> None:
         """Inline delivery: only for requests accepted before `PATCH_DELIVERY_WORKFLOW`."""
-        await deliver(
-            CallbackInput(url=url, response=response, plan=inp.callback_plan, caller=inp.caller)
-        )
+        await deliver(_callback_input(inp, url, response))
 
     async def _invoke(self, inp: InvokeInput) -> InvokeResponse:
         self._plan = inp.plan

@@ -46,7 +46,10 @@ class Ledger:
         seconds = time.perf_counter() - self.t0
         error_type = response.error.type if response.error else None
         if self.guard is not None and self.decision is not None:
+            # A callback request's outcome is not known here: its `invoke` record is written
+            # when it is (the delivery's first attempt); the door notes the acceptance.
             self._audit(
+                "invoke_accepted" if response.status == "accepted" else "invoke",
                 request_id=response.request_id,
                 instance=response.instance_id,
                 duration_ms=round(seconds * 1000, 3),
@@ -74,6 +77,7 @@ class Ledger:
             return  # a bug: the front's last resort answers and logs it
         if self.guard is not None and self.decision is not None:
             self._audit(
+                "invoke",
                 request_id=self.request.request_id,
                 duration_ms=round(seconds * 1000, 3),
                 status=err.http_status,
@@ -86,11 +90,11 @@ class Ledger:
             status = "timeout" if err.type == "timeout" else "error"
             self.metrics.invoke(target, op, status, err.type, seconds)
 
-    def _audit(self, **fields: object) -> None:
+    def _audit(self, event: str, **fields: object) -> None:
         assert self.guard is not None
         assert self.decision is not None
         self.guard.audit.record(
-            "invoke",
+            event,
             caller=self.caller,
             capability=self.request.target,
             operation=self.request.operation,

@@ -16,7 +16,15 @@ import pytest
 import yaml
 
 from tests.conftest import new_stack
-from tests.helpers import ROOT, GatewayProcess, Stack, invoke, start_agents, wait_until
+from tests.helpers import (
+    ROOT,
+    CallbackReceiver,
+    GatewayProcess,
+    Stack,
+    invoke,
+    start_agents,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -118,3 +126,29 @@ async def test_a_reloaded_routing_strategy_and_redaction_are_in_force_at_once(
         await wait_until(flushed, 10)
         redacted = [r["caller"] for r in _audit(stack, "invoke") if isinstance(r["caller"], dict)]
         assert redacted[-1]["len"] == len(long_caller)
+
+
+async def test_a_callback_requests_audit_record_carries_its_outcome(
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+) -> None:
+    """Issue 26 (R20): a request with a callback was audited only as `202 accepted`, with no
+    instance, final status, duration or error type."""
+    await start_agents(gateway, capability, 1)
+    async with CallbackReceiver() as receiver:
+        r = await invoke(http, gateway, capability, callback=receiver.url)
+        assert r.status_code == 202, r.text
+        request_id = r.json()["request_id"]
+        await receiver.wait(1)
+
+    def records(event: str) -> list[dict[str, Any]]:
+        return [a for a in _audit(gateway.stack, event) if a.get("request_id") == request_id]
+
+    await wait_until(lambda: bool(records("invoke")), 15)
+    [outcome] = records("invoke")  # one record per invoke, and it means the outcome
+    assert outcome["outcome"] == "success"
+    assert outcome["status"] == 200
+    assert outcome["instance"] == f"{capability}-00"
+    assert (outcome["capability"], outcome["operation"]) == (capability, "query")
+    assert isinstance(outcome["duration_ms"], int)
+    [accepted] = records("invoke_accepted")
+    assert accepted["status"] == 202
