@@ -32,6 +32,25 @@ def processes_mentioning(needle: str) -> list[int]:
     return pids
 
 
+def up_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """`reach up`'s environment: every port free, the state, tokens and audit trail in `tmp`
+    (never the checkout's .reach/), and `extra` on top."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "TEMPORAL_"))}
+    return {
+        **clean,
+        "REACH_CONFIG": str(ROOT / "reach.yaml"),
+        "REACH_LISTEN_PORT": str(free_port()),
+        "REACH_TRANSPORT__PORTS__GRPC": str(free_port()),
+        "REACH_TEMPORAL__DEV_SERVER__PORT": str(free_port()),
+        "REACH_TEMPORAL__DEV_SERVER__UI_PORT": str(free_port()),
+        "REACH_TEMPORAL__DEV_SERVER__DB_FILENAME": str(tmp / "state" / "temporal.db"),
+        "REACH_AUTH__TOKENS_FILE": str(tmp / "tokens.json"),
+        "REACH_AUDIT__FILE": str(tmp / "audit.jsonl"),
+        "TEMPORAL_ADDRESS": "127.0.0.1:1",  # ignored: `up` talks to its own dev server
+        **extra,
+    }
+
+
 class Up:
     def __init__(self, tmp: Path, env: dict[str, str]) -> None:
         self.log = tmp / f"up-{len(list(tmp.glob('up-*.log')))}.log"
@@ -60,19 +79,11 @@ class Up:
 
 
 async def test_up_runs_the_stack_stops_cleanly_and_keeps_history(tmp_path: Path) -> None:
-    gw_port, t_port, ui_port, grpc_port = free_port(), free_port(), free_port(), free_port()
+    env = up_env(tmp_path)
+    gw_port = env["REACH_LISTEN_PORT"]
+    ui_port = env["REACH_TEMPORAL__DEV_SERVER__UI_PORT"]
+    grpc_port = env["REACH_TRANSPORT__PORTS__GRPC"]
     db = tmp_path / "state" / "temporal.db"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "TEMPORAL_"))}
-    env = {
-        **clean,
-        "REACH_CONFIG": str(ROOT / "reach.yaml"),
-        "REACH_LISTEN_PORT": str(gw_port),
-        "REACH_TRANSPORT__PORTS__GRPC": str(grpc_port),
-        "REACH_TEMPORAL__DEV_SERVER__PORT": str(t_port),
-        "REACH_TEMPORAL__DEV_SERVER__UI_PORT": str(ui_port),
-        "REACH_TEMPORAL__DEV_SERVER__DB_FILENAME": str(db),
-        "TEMPORAL_ADDRESS": "127.0.0.1:1",  # ignored: `up` talks to its own dev server
-    }
     gateway = f"http://127.0.0.1:{gw_port}"
     first = Up(tmp_path, env)
     try:
