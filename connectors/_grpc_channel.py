@@ -11,10 +11,8 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
-from agent_reach_proto import wire
+from agent_reach_proto.wire import GRPC_INVOKE_METHOD
 from connectors._tls import ReachTls
-
-METHOD = wire.GRPC_INVOKE_METHOD
 
 # InvokeReply's framing around `result`: tags, a length varint and `accepted`. A reply within
 # the limit always fits; one past it is refused by gRPC before it is held whole.
@@ -101,7 +99,9 @@ class ChannelMaker:
             channel = grpc.aio.insecure_channel(address, options=options)
         # Bytes in and out: the connector encodes and decodes, so a reply that is not an
         # InvokeReply is this request's typed error, not grpcio's logged exception.
-        invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(METHOD)
+        invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            GRPC_INVOKE_METHOD
+        )
         return Channel(channel, invoke, receive_limit)
 
     def credentials(self) -> grpc.ChannelCredentials:

@@ -24,7 +24,7 @@ from agent_reach_proto import wire
 from agent_reach_proto.agent_pb2 import InvokeRequest
 from connectors._address import check_characters, check_host, check_port, refuse
 from connectors._grpc_answers import STATUS_TABLE, error_for_status, map_grpc_exceptions, reply_of
-from connectors._grpc_channel import METHOD, Channel, ChannelMaker, close_channel
+from connectors._grpc_channel import Channel, ChannelMaker, close_channel
 from connectors._pools import ConnectionStats, Entry, Pools
 from connectors.base import PooledConnector
 from reach.config import SecuritySettings, TransportSettings
@@ -33,17 +33,9 @@ from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
 from reach.security.netguard import host_port
 
+# The connector and what moved to the role modules, importable from here as before. The older
+# names of the contract's constants below stay importable too, unlisted: their home is `wire`.
 __all__ = [
-    "MD_ATTEMPT",
-    "MD_CALLER",
-    "MD_DEADLINE",
-    "MD_ERROR_TYPE",
-    "MD_IDEMPOTENCY_KEY",
-    "MD_REQUEST_ID",
-    "MD_RETRYABLE",
-    "MD_STATUS",
-    "MD_TRACEPARENT",
-    "METHOD",
     "STATUS_TABLE",
     "GrpcConnector",
     "check_grpc_address",
@@ -53,7 +45,8 @@ __all__ = [
     "wire_metadata",
 ]
 
-# The contract's metadata keys under this module's older names.
+# The contract's names under this module's older names.
+METHOD = wire.GRPC_INVOKE_METHOD
 MD_REQUEST_ID = wire.REQUEST_ID
 MD_CALLER = wire.CALLER
 MD_ATTEMPT = wire.ATTEMPT

@@ -2,66 +2,69 @@
 
 The wire contract (what an agent written without the SDK implements: the address, the request
 PUBLISH and its properties, what the broker's PUBACK means, the reply, what each status means,
-malformed replies, timing and breaks) is `docs/protocols/mqtt.md`; its names, and the connect
-helpers both ends use, are `agent_reach_proto.wire`'s. Here: `request_properties` builds a
-request's properties, `puback_error` reads the PUBACK (0x10 "No matching subscribers": no agent
-got it, a retryable `transport_error` at once), `answer_of` reads a reply through the table every
-protocol shares (`connectors._answers`). The Correlation Data is `<request id>/<n>`, n unique per
-call in the process, so a late reply to an earlier attempt cannot answer a later one.
-
-Connections
------------
-One MQTT client per broker (`host:port`) per connector, kept in `connectors._pools.Pools`:
-connected with MQTT 5, clean start and no session expiry (its reply topic is its own, so no
-broker-side state should outlive it), subscribed with QoS 1 to its reply topic before any
-request is sent. A task owns the client's `async with` and, after a break or a failed connect,
-reconnects with backoff (0.1 s doubling to 5 s; at once when a request is waiting) and
-re-subscribes. Counted per capability that has used the client: `reconnected` for each
-connection re-established, `failed` for each failed connect and each break; a request whose
-PUBACK says it went nowhere counts `failed` for its own capability; `opened`, `reused` and
-`reclaimed` come from `Pools`. The client is closed when unused for
-`transport.idle_timeout_s`. It belongs to no instance: `held()` is empty and an instance leaving
-the registry closes nothing.
-
-Brokers: ACLs (who may read and forge results), TCP_NODELAY at the broker (~40 ms a call
-without it) and MQTT 5 are in `docs/protocols/mqtt.md`.
+malformed replies, timing and breaks), its connections and what a broker needs (ACLs,
+TCP_NODELAY, MQTT 5) are docs/protocols/mqtt.md; its names, and the connect helpers both ends
+use, are `agent_reach_proto.wire`'s. Here the connection to each broker (`BrokerLink`: connect,
+subscribe, read, reconnect with backoff; kept and reclaimed in `connectors._pools.Pools`) and the
+call on it (`MqttConnector.invoke`: publish, wait for the PUBACK and the reply). One request's
+translation (address, properties, PUBACK and reply reading, errors) is `connectors._mqtt_call`'s;
+QoS 1 publishing that keeps the PUBACK's reason code is `connectors._mqtt_publisher`'s. The
+Correlation Data is `<request id>/<n>`, n unique per call in the process, so a late reply to an
+earlier attempt cannot answer a later one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
-import math
 import secrets
-from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import aiomqtt
-import paho.mqtt.client as paho_mqtt
-from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-from paho.mqtt.reasoncodes import ReasonCode
 
 from agent_reach_proto import wire
-from agent_reach_proto.wire import paho_client as paho_client
-from connectors._address import check_characters, check_host, check_port, refuse
-from connectors._answers import reply_for_status, too_large
+from agent_reach_proto.wire import paho_client
+from connectors._mqtt_call import (
+    answer_of,
+    broker_of,
+    map_mqtt_exceptions,
+    new_properties,
+    puback_error,
+    reach_error,
+    reply_status,
+    request_properties,
+    split_address,
+    user_properties,
+)
+from connectors._mqtt_publisher import AckedPublisher
 from connectors._pools import ConnectionStats, Counter, Pools
 from connectors.base import PooledConnector
 from reach.config import SecuritySettings, TransportSettings
-from reach.errors import (
-    AgentError,
-    DeadlineExceeded,
-    InternalError,
-    InvalidRequest,
-    ReachError,
-    TransportError,
-)
+from reach.errors import DeadlineExceeded, InvalidRequest, ReachError, TransportError
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
+
+# The connector and what moved to the role modules, importable from here as before. The older
+# names of the contract's constants below stay importable too, unlisted: their home is `wire`.
+__all__ = [
+    "AckedPublisher",
+    "BrokerLink",
+    "MqttConnector",
+    "answer_of",
+    "broker_of",
+    "map_mqtt_exceptions",
+    "new_properties",
+    "paho_client",
+    "puback_error",
+    "reach_error",
+    "reply_status",
+    "request_properties",
+    "split_address",
+    "user_properties",
+]
 
 log = logging.getLogger("connectors.mqtt")
 
@@ -77,222 +80,9 @@ DEADLINE_MS = wire.DEADLINE_MS
 IDEMPOTENCY_KEY = wire.IDEMPOTENCY_KEY
 TRACEPARENT = wire.TRACEPARENT
 
-# Reach announces wire.MQTT_MAX_PACKET_BYTES, far above any negotiated limit, so that an
-# oversized reply still arrives and becomes a clear agent_error; only beyond it does the broker
-# drop a reply (and the request times out).
-MAX_ERROR_BODY_BYTES = 64 * 1024
+# Reconnecting after a break or a failed connect (at once when a request is waiting).
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
-# PUBACK reason codes (MQTT 5, 3.4.2.1). 0x10: the broker took the request, and no one had
-# subscribed to its topic. Failures are 0x80 and up; these two say the very packet is one the
-# broker will never take, so sending it again is pointless.
-NO_MATCHING_SUBSCRIBERS = 0x10
-PUBACK_FINAL = frozenset({0x90, 0x99})  # Topic name invalid, Payload format invalid
-
-
-# -- addresses ------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1024)
-def split_address(address: str) -> tuple[str, int, str]:
-    """`mqtt://host[:port]/topic` -> (host as written in a URL, port, topic), or
-    `InvalidRequest` naming what is wrong."""
-    check_characters(address)
-    scheme, sep, rest = address.partition("://")
-    if not sep or scheme.lower() != "mqtt":
-        raise refuse(address, "an MQTT address is mqtt://<broker-host>:<port>/<request topic>")
-    authority, _, topic = rest.partition("/")
-    if "@" in authority:
-        raise refuse(address, "userinfo (user@host) is not allowed")
-    host, port = authority, str(DEFAULT_PORT)
-    colon = authority.rfind(":")
-    if colon > authority.rfind("]"):
-        host, port = authority[:colon], authority[colon + 1 :]
-    if not topic:
-        raise refuse(address, "no request topic (mqtt://host:port/<topic>)")
-    if "+" in topic or "#" in topic:
-        raise refuse(address, "the request topic may not hold the wildcards + or #")
-    if topic.startswith("$"):
-        raise refuse(address, "topics starting with $ are the broker's own")
-    return check_host(address, host), check_port(address, port), topic
-
-
-def broker_of(host: str, port: int) -> str:
-    return f"{host}:{port}"
-
-
-# -- the wire -------------------------------------------------------------------------------------
-
-
-def new_properties(packet_type: int) -> Properties:
-    return Properties(packet_type)  # type: ignore[no-untyped-call]  # paho leaves it untyped
-
-
-def request_properties(
-    message: Message, reply_topic: str, correlation: bytes, timeout_s: float
-) -> Properties:
-    """The MQTT 5 properties of a request PUBLISH (docs/protocols/mqtt.md)."""
-    h = message.header
-    props = new_properties(PacketTypes.PUBLISH)
-    props.ResponseTopic = reply_topic
-    props.CorrelationData = correlation
-    props.ContentType = message.metadata.content_type
-    props.MessageExpiryInterval = max(1, math.ceil(timeout_s))
-    props.UserProperty = [(OPERATION, h.operation), *wire.metadata(h)]
-    return props
-
-
-def user_properties(props: Properties | None) -> list[tuple[str, str]]:
-    pairs = getattr(props, "UserProperty", None) if props is not None else None
-    return [(str(k), str(v)) for k, v in pairs] if pairs else []
-
-
-def reply_status(endpoint: Endpoint, props: Properties | None) -> int:
-    """The HTTP-style status a reply carries, or a final `AgentError` if it carries none."""
-    said = next((v for k, v in user_properties(props) if k == STATUS), None)
-    if said is None or not said.isascii() or not said.isdigit() or not 100 <= int(said) <= 599:
-        shown = "none" if said is None else repr(said[:40])
-        raise AgentError(
-            f"agent {endpoint.instance_id} answered an MQTT reply without a valid status "
-            f"user property (got {shown})",
-            retryable=False,
-        )
-    return int(said)
-
-
-def answer_of(endpoint: Endpoint, reply: aiomqtt.Message, limit: int) -> Reply:
-    """The Reply an agent's MQTT reply stands for, or the typed error it stands for."""
-    status = reply_status(endpoint, reply.properties)
-    raw = bytes(reply.payload)
-    if status == 200 and len(raw) > limit:
-        raise too_large(endpoint, str(len(raw)), limit)
-    if status != 200:
-        raw = raw[:MAX_ERROR_BODY_BYTES]
-    return reply_for_status(endpoint, status, raw, limit)
-
-
-def reach_error(exc: BaseException, broker: str) -> ReachError:
-    """The one place aiomqtt's and paho's exceptions become Reach errors.
-
-    Whether a failure is retryable is whether sending the same request again could succeed.
-    """
-    if isinstance(exc, ReachError):
-        return exc
-    if isinstance(exc, TimeoutError):
-        return DeadlineExceeded(f"no answer through the MQTT broker {broker} in time")
-    if isinstance(exc, aiomqtt.MqttReentrantError):
-        return InternalError(f"MQTT connector misused aiomqtt for {broker}: {exc!r}")
-    if isinstance(exc, aiomqtt.MqttError):  # connect refused or timed out, no connection, ...
-        return TransportError(f"cannot reach the MQTT broker {broker}: {exc!r}")
-    if isinstance(exc, ValueError):  # paho refusing a topic, payload or property (and Unicode)
-        return TransportError(
-            f"cannot send this request through the MQTT broker {broker}: {exc!r}",
-            retryable=False,
-        )
-    if isinstance(exc, OSError):
-        return TransportError(f"cannot reach the MQTT broker {broker}: {exc!r}")
-    return InternalError(f"MQTT connector failed for {broker}: {exc!r}")
-
-
-def puback_error(code: ReasonCode, topic: str, broker: str) -> TransportError | None:
-    """What the broker's PUBACK to a request means: None when an agent may have it, else the
-    error the request fails with at once.
-
-    "No matching subscribers" means the request reached no agent (its agent is away, or has not
-    subscribed again yet after a broker restart): retryable, and safe to retry whatever the
-    operation, since nothing ran. A refusal (0x80 and up) is retryable too unless it is about the
-    packet itself.
-    """
-    value = int(code.value)
-    if value == NO_MATCHING_SUBSCRIBERS:
-        return TransportError(f"no agent subscribed to {topic} at the MQTT broker {broker}")
-    if value < 0x80:
-        return None
-    return TransportError(
-        f"the MQTT broker {broker} refused the request to {topic}: {code.getName()} "
-        f"(PUBACK reason code 0x{value:02x})",
-        retryable=value not in PUBACK_FINAL,
-    )
-
-
-@contextlib.contextmanager
-def map_mqtt_exceptions(broker: str) -> Iterator[None]:
-    try:
-        yield
-    except ReachError:
-        raise
-    except (aiomqtt.MqttError, ValueError, OSError, TimeoutError) as exc:
-        raise reach_error(exc, broker) from exc
-
-
-# -- past aiomqtt's public API --------------------------------------------------------------------
-#
-# The one place this module relies on aiomqtt's internals (pinned: aiomqtt 2.5.1 on paho-mqtt
-# 2.2; tests/unit/ and tests/integration/test_connector_mqtt.py check each assumption, so an
-# upgrade that breaks one fails there, not in production):
-#   - `aiomqtt.Client._client` is the paho client it drives; aiomqtt has no public handle on it
-#     (`agent_reach_proto.wire.paho_client`, shared with the connect helpers and the SDK).
-#   - aiomqtt drives paho's socket from the event loop (add_reader/add_writer), so paho's
-#     callbacks run on the loop's thread, inside its read handler: never during `publish()`.
-#   - aiomqtt installs its own `on_publish` (callback API version 2) in its constructor and
-#     ignores the reason code it is given; `AckedPublisher` chains in front of it.
-# Everything used on the paho client itself is paho's public API: `publish()` returning
-# `MQTTMessageInfo` (`rc`, `mid`), the `on_publish` property, `socket()`, `disconnect()`.
-
-
-class AckedPublisher:
-    """QoS 1 publishing that hands back the broker's PUBACK reason code.
-
-    aiomqtt's `publish` waits for the PUBACK but drops its reason code, so a request no agent
-    is subscribed to (PUBACK 0x10 "No matching subscribers") would look delivered, and its
-    caller would wait for the deadline. This publishes through paho, keeps the `mid` paho hands
-    back, and takes the reason code for that `mid` in `on_publish`. One per aiomqtt client:
-    message ids are per connection.
-    """
-
-    def __init__(self, client: aiomqtt.Client) -> None:
-        self.client = client
-        self._paho = paho_client(client)
-        self._acks: dict[int, asyncio.Future[ReasonCode]] = {}
-        # aiomqtt's own, called after ours so that its `publish` (unused here) keeps working.
-        self._chained = cast("paho_mqtt.CallbackOnPublish_v2 | None", self._paho.on_publish)
-        self._paho.on_publish = self._on_publish
-
-    def _on_publish(
-        self,
-        paho: paho_mqtt.Client,
-        userdata: Any,
-        mid: int,
-        reason_code: ReasonCode,
-        properties: Properties,
-    ) -> None:
-        ack = self._acks.pop(mid, None)
-        if ack is not None and not ack.done():
-            ack.set_result(reason_code)
-        if self._chained is not None:
-            self._chained(paho, userdata, mid, reason_code, properties)
-
-    def publish(self, topic: str, payload: bytes, props: Properties) -> asyncio.Future[ReasonCode]:
-        """Send a QoS 1 PUBLISH; the future resolves to the PUBACK's reason code (cancel it to
-        stop waiting). Raises as aiomqtt's `publish` does: `MqttCodeError` when paho cannot
-        send (not connected, queue full), `ValueError` for a topic or payload it refuses."""
-        info = self._paho.publish(topic, payload, qos=1, retain=False, properties=props)
-        if info.rc != paho_mqtt.MQTT_ERR_SUCCESS:
-            raise aiomqtt.MqttCodeError(info.rc, "Could not publish message")
-        mid = info.mid
-        ack: asyncio.Future[ReasonCode] = asyncio.get_running_loop().create_future()
-        self._acks[mid] = ack
-
-        def forget(_: asyncio.Future[ReasonCode]) -> None:
-            if self._acks.get(mid) is ack:
-                del self._acks[mid]
-
-        ack.add_done_callback(forget)
-        return ack
-
-    def waiting(self) -> int:
-        """How many PUBACKs are awaited."""
-        return len(self._acks)
 
 
 # -- one connection per broker --------------------------------------------------------------------

@@ -54,7 +54,6 @@ PRIVATE_IMPORTS_TODAY: dict[str, str] = {}
 PRIVATE_READS_TODAY: dict[str, str] = {}
 
 OVERSIZED_TODAY = {
-    "connectors/mqtt.py": "being split in issue 24",
     "connectors/websocket.py": "being split in issue 24",
 }
 
