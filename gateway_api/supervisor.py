@@ -116,7 +116,7 @@ class Child:
 
     def where(self) -> str:
         proc = self.process
-        return f"pid {proc.pid}" if proc is not None else "not running"
+        return f"as pid {proc.pid}" if proc is not None else "(not running)"
 
 
 class DevServerChild(Child):
@@ -137,7 +137,7 @@ class DevServerChild(Child):
         self.server.process = None
 
     def where(self) -> str:
-        return f"on {self.server.address} ({self.server.db_filename})"
+        return f"on {self.server.address}, {self.server.db_filename}"
 
 
 class DemoAgent(Child):
@@ -327,8 +327,11 @@ class Up:
     async def run(self, announce: Announce) -> None:
         """Start the demo agents, announce, then keep every child running."""
         try:
-            if self.agents and await self.token.required():
-                await self.token.renew()
+            try:
+                if self.agents and await self.token.required():
+                    await self.token.renew()
+            except (ReachError, OSError, ValueError) as exc:  # keep_token tries again
+                log.warning("could not read or write the token store: %s", exc)
             for agent in self.agents:
                 await agent.launch()
                 agent.started_at = time.monotonic()
@@ -396,7 +399,7 @@ class Up:
             )
         await stop_process(old)
         agent.retiring.discard(old)
-        log.warning("%s holds an agent token now (%s)", agent.name, agent.where())
+        log.warning("%s holds an agent token now, %s", agent.name, agent.where())
 
     def stop(self) -> None:
         """Stop every child: the agents first (they leave), then the dev server."""

@@ -123,6 +123,7 @@ async def test_up_restarts_a_killed_dev_server_on_its_database_and_a_killed_agen
             await said(
                 up, "demo agent retriever-01 exited (signal 9); restarting in 1 s (attempt 1)"
             )
+            await said(up, "demo agent retriever-01 back as pid")
 
             async def rejoined() -> bool:
                 now = (await instances(http, gateway)).get("retriever-01")
