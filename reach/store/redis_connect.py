@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,7 +31,7 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError
+from redis.exceptions import ConnectionError, TimeoutError
 
 RedisClient = aioredis.Redis | RedisCluster
 """What the store, the policy state and the in-flight counts talk to."""
@@ -221,6 +222,53 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
     connection opened after a failover asks the sentinels again; one still open to the old
     master fails (closed by the server, or READONLY, which redis-py turns into a
     ConnectionError) and the one retry reconnects to the new master."""
+
+    MASTER_CHECK_S = 1.0
+
+    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
+        super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
+        self._check_at = 0.0
+        self._checking: asyncio.Task[None] | None = None
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        # A failover the sentinels ran while the old master stayed up leaves it taking writes
+        # until they demote it (up to seconds), and every one of them is lost then. Asking the
+        # sentinels once a second, off the command's path, moves this process over within a
+        # second of the switch (and `min-replicas-to-write` on the master closes the window).
+        now = time.monotonic()
+        if now >= self._check_at and self._checking is None:
+            self._check_at = now + self.MASTER_CHECK_S
+            self._checking = asyncio.get_running_loop().create_task(self._check_master())
+        return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    async def _check_master(self) -> None:
+        try:
+            # When it moved, redis-py drops the idle connections (and `release` the others).
+            await self.get_master_address()  # type: ignore[no-untyped-call]
+        except (ConnectionError, TimeoutError, OSError):
+            pass  # no sentinel answers: the commands themselves will say so
+        finally:
+            self._checking = None
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        checking = self._checking
+        if inuse_connections and checking is not None and checking is not asyncio.current_task():
+            checking.cancel()  # the client is closing: no check outlives it
+            await asyncio.gather(checking, return_exceptions=True)
+        await super().disconnect(inuse_connections)
+
+    async def release(self, connection: Any) -> None:
+        # A demoted master still answers reads (it is a replica now): a connection that only
+        # read would stay on it for good, reading behind the master. Once a reconnection has
+        # learnt the new master, every connection to another address is dropped when it
+        # comes back (redis-py's async pool never asks `owns_connection`).
+        moved = self.master_address is not None and self.master_address != (
+            connection.host,
+            connection.port,
+        )
+        if moved:
+            await connection.disconnect()
+        await super().release(connection)
 
 
 _HOLDING: contextvars.ContextVar[bool] = contextvars.ContextVar("reach_redis_slot", default=False)
