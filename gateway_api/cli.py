@@ -29,7 +29,7 @@ from reach.config import CONFIG_ENV_VAR, ConfigError, ReachSettings, config_file
 from reach.process import configure_logging, exit_now, run
 from reach.settings_checks import load_checked_settings
 
-KEEP_ALIVE_S = 75  # as nginx's default
+KEEP_ALIVE_S = 75  # as nginx's default (transport.http_keep_alive_s's)
 GIVE_UP_GRACE_S = 30.0  # how long the gateway may take to stop once Temporal is gone for good
 Announce = Callable[[], Coroutine[Any, Any, None]]
 
@@ -48,6 +48,7 @@ async def _serve(
     import uvicorn
 
     from gateway_api.app import create_app
+    from gateway_api.http_limits import bounded_h11
     from worker import connect_temporal
 
     client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
@@ -64,11 +65,12 @@ async def _serve(
         # 400 before the app sees it, where h11 lets the door answer in the envelope (422); and
         # uvicorn's httptools protocol sets no limit on the header section (h11: 16 KiB), and
         # answers a malformed pipelined request before the one ahead of it.
-        http="h11",
+        # h11 with a deadline for each request to arrive and a cap on connections (slowloris).
+        http=bounded_h11(settings.transport),
         # Longer than clients keep an idle connection (httpx 5 s, aiohttp 15 s), so that they
         # close it first: with uvicorn's 5 s, a client reusing a pooled connection as the
         # server closed it read "cannot write request body" (bench/invoke.py, 64 in flight).
-        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_keep_alive=settings.transport.http_keep_alive_s,
     )
     server = uvicorn.Server(config)
     gone: list[str] = []

@@ -70,6 +70,21 @@ class RegistrySettings(Section):
         description="How long a capability whose instances all left stays known (503 "
         "no_instance rather than 404 unknown_capability); then its name is forgotten.",
     )
+    max_capabilities: int = Field(
+        default=1000,
+        ge=1,
+        le=1_000_000,
+        description="Most capabilities the registry holds (each is kept capability_retention_s "
+        "and is a metrics label); a Join for a new one past it is refused 503 unavailable. "
+        "Re-joins and new instances of known capabilities are not.",
+    )
+    new_capabilities_per_minute: int = Field(
+        default=60,
+        ge=1,
+        le=1_000_000,
+        description="Most new capabilities one principal may create per minute (agent tokens "
+        "by name; admin tokens and open mode share one count); past it a Join is 429.",
+    )
 
     @model_validator(mode="after")
     def _interval_below_timeout(self) -> RegistrySettings:
@@ -100,6 +115,43 @@ class TransportSettings(Section):
     )
     max_pools: int = Field(
         default=1024, ge=1, description="Most agent addresses with open connections at once."
+    )
+    # The gateway's own HTTP port (gateway_api.http_limits): what a connection may hold.
+    http_keep_alive_s: int = Field(
+        default=75,
+        ge=1,
+        le=3600,
+        description="An idle keep-alive connection to the gateway's HTTP port is closed after "
+        "this long; longer than clients keep one (httpx 5 s, aiohttp 15 s), so they close first.",
+    )
+    http_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="A request's headers must arrive within this long of its first byte (of "
+        "the connection, for its first request); else 408 and the connection is closed.",
+    )
+    http_body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="A request's whole body must arrive within this long of its headers; else "
+        "the connection is closed (nothing was accepted).",
+    )
+    max_connections: int = Field(
+        default=1000,
+        ge=1,
+        le=1_000_000,
+        description="Most HTTP connections the gateway holds at once; a request on one past "
+        "them is answered 503 unavailable (Retry-After) and its connection closed.",
+    )
+    max_inflight_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=0,
+        description="Most bytes of invoke bodies the door holds at once (each costs the "
+        "process about 10-20 times its size until answered: bench/door_memory.py); past it a "
+        "new invoke is refused 503 unavailable with Retry-After before its body is read, and "
+        "was not started. One invoke is always admitted when none is in flight. 0: no bound.",
     )
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from reach.config import RegistrySettings, TransportSettings
-from reach.errors import Forbidden, ReachError, UnknownInstance
+from reach.errors import Forbidden, RateLimited, ReachError, Unavailable, UnknownInstance
 from reach.registry.models import (
     Ack,
     Declares,
@@ -128,8 +128,10 @@ class Registry:
         another principal is refused (403), also when the other Join lands in between."""
         if principal is not None:
             self._check_owner(await self.get(join.instance_id), principal)
-        ack = self.negotiate(join)
         now = time.time()
+        if not await self.store.group_known(join.capability):
+            await self._admit_new_capability(join.capability, principal, now)
+        ack = self.negotiate(join)
         record = InstanceRecord(
             instance_id=join.instance_id,
             capability=join.capability,
@@ -192,6 +194,32 @@ class Registry:
             await self._announce(previous.group, join.instance_id)
         await self._announce(join.capability, join.instance_id)
         return ack
+
+    async def _admit_new_capability(
+        self, capability: str, principal: str | None, now: float
+    ) -> None:
+        """A Join that would create a capability: within `max_capabilities` (each is kept
+        `capability_retention_s` and is a metrics label), and within its principal's
+        `new_capabilities_per_minute`. Gateways sharing a store may pass the cap by the
+        Joins racing at its edge."""
+        held = len(await self.store.groups())
+        most = self.settings.max_capabilities
+        if held >= most:
+            raise Unavailable(
+                f"the registry holds {held} capabilities, its most (registry.max_capabilities "
+                f"= {most}); {capability!r} is not created. A capability is forgotten "
+                f"{self._retention_s:.0f}s after its last join or heartbeat",
+                retry_after_s=60,
+            )
+        per_minute = self.settings.new_capabilities_per_minute
+        window = int(now // 60)
+        made = await self.store.incr(f"new-capabilities:{principal or '-'}:{window}", ttl_s=120)
+        if made > per_minute:
+            raise RateLimited(
+                f"{principal or 'this caller'} created {per_minute} capabilities this minute "
+                f"(registry.new_capabilities_per_minute); {capability!r} is not created",
+                retry_after_s=max(1, 60 * (window + 1) - int(now)),
+            )
 
     @staticmethod
     def _check_owner(record: InstanceRecord | None, principal: str) -> None:

@@ -1,0 +1,93 @@
+"""Step 1b, admit: room for this request's body among those in flight, or a 503 before it is read.
+
+Each invoke in flight costs the gateway many times its body in memory until it is answered
+(the body, its parsed request, the workflow input on its way to Temporal and back through the
+worker, the activity's input, the message to the agent; bench/door_memory.py measures it), so
+the bytes of bodies in flight are bounded by `transport.max_inflight_bytes`. Past the bound a
+new invoke is refused with 503 `unavailable` and Retry-After before a byte of its body is read:
+it was not started, and may be sent again (here, or to another gateway). One invoke is always
+admitted when none is in flight, so a bound below one body never refuses everything.
+
+A body's size is what its front declares (HTTP's Content-Length, a gRPC message's length);
+a body of unknown size (chunked) holds `transport.max_message_bytes` until it is read, then
+its real size. The count is the process's: its memory is one, whichever door a request took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from gateway_api.front import Body, Bytes
+from gateway_api.steps.identify import Metadata
+from reach.config import ReachSettings
+from reach.errors import Unavailable
+
+RETRY_AFTER_S = 1
+CONTENT_LENGTH = "content-length"
+
+
+class InFlight:
+    """The bytes of invoke bodies this process holds."""
+
+    __slots__ = ("bytes", "requests")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.requests = 0
+
+
+IN_FLIGHT = InFlight()
+
+
+@contextlib.asynccontextmanager
+async def admitted(settings: ReachSettings, metadata: Metadata, body: Body) -> AsyncIterator[Body]:
+    """The request holds room for its body while the block runs (its whole way through the
+    door), or `Unavailable` (503, Retry-After) is raised before its body is read. Yields the
+    body to read (a body of unknown size takes its real size once read)."""
+    limit = settings.transport.max_inflight_bytes
+    held = IN_FLIGHT
+    size = declared_size(metadata, body)
+    known = size is not None
+    want = size if size is not None else settings.transport.max_message_bytes
+    if limit and held.requests and held.bytes + want > limit:
+        raise Unavailable(
+            f"the gateway holds {held.bytes} bytes of requests in flight ({held.requests}); "
+            f"this one's {want} would pass transport.max_inflight_bytes ({limit}). It was not "
+            f"started: retry after {RETRY_AFTER_S}s, or on another gateway",
+            retry_after_s=RETRY_AFTER_S,
+        )
+    held.bytes += want
+    held.requests += 1
+    counted = _Counted(body, want) if not known else body
+    try:
+        yield counted
+    finally:
+        held.bytes -= counted.size if isinstance(counted, _Counted) else want
+        held.requests -= 1
+
+
+def declared_size(metadata: Metadata, body: Body) -> int | None:
+    """The body's size before it is read, where the front knows it."""
+    if isinstance(body, Bytes):
+        return len(body.raw)
+    value = metadata.get(CONTENT_LENGTH)
+    if value is not None and value.isascii() and value.isdigit():
+        return int(value)
+    return None
+
+
+class _Counted:
+    """A body of unknown size: it holds its real size from when it is read."""
+
+    __slots__ = ("body", "size")
+
+    def __init__(self, body: Body, size: int) -> None:
+        self.body = body
+        self.size = size
+
+    async def read(self) -> bytes:
+        raw = await self.body.read()
+        IN_FLIGHT.bytes += len(raw) - self.size
+        self.size = len(raw)
+        return raw
