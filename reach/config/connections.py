@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from reach.config.base import Section
 from reach.invocation import CallbackPlan
@@ -36,7 +36,6 @@ class RegistrySettings(Section):
     )
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        pattern=r"^(redis|rediss|unix|redis\+sentinel|redis\+cluster)://",
         description="The Redis (type: redis); its scheme names the topology. redis:// (rediss://, "
         "unix://) one server; redis+sentinel://host:26379[,host:port...]/<master name>[/<db>] "
         "the master those sentinels name, followed across a failover (?sentinel_password= when "
@@ -85,6 +84,16 @@ class RegistrySettings(Section):
         description="Most new capabilities one principal may create per minute (agent tokens "
         "by name; admin tokens and open mode share one count); past it a Join is 429.",
     )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_names_a_topology(cls, url: str) -> str:
+        # The store's own parser, so a URL it would refuse at start-up is refused here, by
+        # `reach config check` too. Imported late: reach.store imports reach.config.
+        from reach.store.redis_connect import parse_redis_url
+
+        parse_redis_url(url)
+        return url
 
     @model_validator(mode="after")
     def _interval_below_timeout(self) -> RegistrySettings:
@@ -173,10 +182,12 @@ class CallbackSettings(CallbackPlan):
         default=1.0, gt=0, le=86_400, description="The first wait between callback attempts."
     )
     max_backoff_s: float = Field(
-        default=60.0,
+        default=5.0,
         gt=0,
         le=86_400,
-        description="The longest wait between callback attempts (the wait doubles up to it).",
+        description="The longest wait between callback attempts (the wait doubles up to it): "
+        "a receiver that is back is served within about this long. retry_window_s bounds how "
+        "long it is tried (at 5 s, some 720 attempts an hour for a receiver that stays down).",
     )
 
 

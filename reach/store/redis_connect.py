@@ -31,7 +31,7 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import ConnectionError, RedisError
 
 RedisClient = aioredis.Redis | RedisCluster
 """What the store, the policy state and the in-flight counts talk to."""
@@ -245,7 +245,7 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
         try:
             # When it moved, redis-py drops the idle connections (and `release` the others).
             await self.get_master_address()  # type: ignore[no-untyped-call]
-        except (ConnectionError, TimeoutError, OSError):
+        except (RedisError, OSError):
             pass  # no sentinel answers: the commands themselves will say so
         finally:
             self._checking = None

@@ -116,6 +116,26 @@ async def _count(reg: Registry, capability: str, expected: int) -> bool:
     return len(await reg.instances(capability)) == expected
 
 
+async def test_a_burst_waits_for_a_connection_rather_than_failing(
+    cluster: RedisClusterServers, prefix: str
+) -> None:
+    """redis-py's cluster nodes refuse a command past their pool at once; Reach's client makes
+    it wait for one of `redis_max_connections`, as on one server."""
+    # 4 + 16 (for subscriptions) connections a node: 100 at once would overflow the pool.
+    small = RedisStore.from_url(cluster.url, prefix=prefix, max_connections=4, timeout_s=10)
+    try:
+        reg = Registry(small, RegistrySettings(heartbeat_timeout=60, heartbeat_interval=5))
+        await reg.join(join("b000"))  # the capability exists before the burst joins it
+        await asyncio.gather(*(reg.join(join(f"b{n:03d}")) for n in range(100)))
+        state = create_policy_state(small)
+        bucket = Bucket(key="cap:burst", per_minute=60_000, capacity=1000)
+        waits = await asyncio.gather(*(state.take([bucket]) for _ in range(100)))
+        assert waits == [0.0] * 100
+        assert len(await reg.instances("retriever")) == 100
+    finally:
+        await small.aclose()
+
+
 async def test_pubsub_reaches_a_view_through_another_client(
     cluster: RedisClusterServers, store: RedisStore, prefix: str
 ) -> None:
