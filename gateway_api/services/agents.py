@@ -33,6 +33,9 @@ class Agents:
         # The live connectors (the Join-time mTLS identity probe); None: no probe.
         self.connections = connections
         self.metrics = metrics
+        # protocol -> its connector class: finding one reads every installed distribution's
+        # entry points (tens of ms), so each protocol is looked up once per process.
+        self._connector_classes: dict[str, type[Connector]] = {}
 
     async def join(self, body: JoinRequest, principal: Principal | None = None) -> Ack:
         """Register an instance whose protocol has a connector and whose address it accepts.
@@ -46,12 +49,7 @@ class Agents:
 
     async def _join(self, body: JoinRequest, principal: Principal | None) -> Ack:
         may_serve(principal, body.capability)
-        known = connectors.available()
-        if body.protocol not in known:
-            raise InvalidRequest(
-                f"protocol {body.protocol!r} has no connector; known: {', '.join(sorted(known))}"
-            )
-        connector = connectors.load(body.protocol)
+        connector = self._connector_class(body.protocol)
         body.service_address = connector.check_address(body.service_address)
         await self._vet_address(connector, body.service_address)
         if self.connections is not None and self.live.settings.security.tls.enabled:
@@ -70,6 +68,17 @@ class Agents:
                 address=body.service_address,
             )
         return ack
+
+    def _connector_class(self, protocol: str) -> type[Connector]:
+        found = self._connector_classes.get(protocol)
+        if found is None:
+            known = connectors.available()
+            if protocol not in known:
+                raise InvalidRequest(
+                    f"protocol {protocol!r} has no connector; known: {', '.join(sorted(known))}"
+                )
+            found = self._connector_classes[protocol] = connectors.load(protocol)
+        return found
 
     async def heartbeat(
         self, instance_id: str, report: HealthReport, principal: Principal | None = None
