@@ -18,7 +18,8 @@ __all__ = ["GroupScan", "MemoryStore", "Record", "Store", "create_store"]
 
 
 def create_store(settings: RegistrySettings) -> Store:
-    """The store `registry.type` names (its `backend`)."""
+    """The store `registry.type` names (its `backend`); Redis as `registry.redis_url` says it
+    is run: one server, a Sentinel-watched master or a Cluster (`reach.store.redis_connect`)."""
     if settings.type == "redis":
         from reach.store.redis import RedisStore
 

@@ -117,7 +117,9 @@ async def test_the_store_follows_a_failover_without_a_refusal(
     await tracker.start()
     try:
         call = tracker.begin("retriever", "i0")
-        await tracker.flush()
+        await tracker.flush()  # a script the promoted replica never loaded: NOSCRIPT, reloaded
+        link = store.shared_redis()
+        assert await link.client.zcard(link.key("inf:retriever")) == 1
         tracker.end(call)
         await tracker.flush()
     finally:
