@@ -208,6 +208,7 @@ def build_services(settings: ReachSettings, *, sweep: bool = True) -> Services:
         refresh_s=settings.routing.inflight_refresh_ms / 1000,
     )
     router = Router.from_settings(settings, inflight)
+    view.on_removed(inflight.forget)  # an instance that left leaves no latency entry behind
     policy = PolicyEngine(settings.policy, create_policy_state(store))
     metrics = None
     if settings.metrics.enabled:
@@ -258,6 +259,7 @@ def build_workers(
                     acts.claim_key,
                     acts.release_key,
                     acts.release_route,
+                    acts.pinned,
                     acts.follow,
                     acts.take_token,
                 ],

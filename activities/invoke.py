@@ -35,6 +35,7 @@ from reach.invocation import (
     ACTIVITY_CLAIM_KEY,
     ACTIVITY_DELIVER_CALLBACK,
     ACTIVITY_FOLLOW,
+    ACTIVITY_PINNED,
     ACTIVITY_RELEASE_KEY,
     ACTIVITY_RELEASE_ROUTE,
     ACTIVITY_RESOLVE,
@@ -53,7 +54,7 @@ from reach.messages import InvokeResponse, Reply
 from reach.policy.engine import PolicyEngine
 from reach.registry import Registry
 from reach.registry.view import RegistryView
-from reach.resolve import Resolver, StaleRoute
+from reach.resolve import Resolver, StaleRoute, pinned_instance
 from reach.routing import Router
 from reach.security.audit import AuditLog
 from reach.security.netguard import AddressGuard
@@ -139,6 +140,15 @@ class ReachActivities:
         first, the idempotency key answered): free the in-flight slot the door counted."""
         self.resolver.release(request_id)
         return True
+
+    @activity.defn(name=ACTIVITY_PINNED)
+    async def pinned(self, request_id: str) -> str:
+        """The instance attempt 1 of `request_id` was pinned to ("" when none is recorded):
+        a lost workflow task's call may have gone there."""
+        try:
+            return await pinned_instance(self.policy, request_id, 1) or ""
+        except ReachError as err:
+            raise to_application_error(err) from err
 
     @activity.defn(name=ACTIVITY_CLAIM_KEY)
     async def claim_key(self, inp: ClaimInput) -> ClaimOutcome:
@@ -246,8 +256,13 @@ class ReachActivities:
     async def _record(self, endpoint: Endpoint, ok: bool) -> None:
         """Count the outcome without holding up the answer: a slow store must not turn a
         success into a timeout (the task is kept until it ends)."""
+        # Whom routing serves from now: one instance's failures are not the capability's.
+        snap = self.view.cached(endpoint.capability)
+        routable = [instance for instance, _ in snap.members] if snap is not None else []
         task = asyncio.create_task(
-            self.policy.record(endpoint.capability, endpoint.instance_id, ok, endpoint.probe)
+            self.policy.record(
+                endpoint.capability, endpoint.instance_id, ok, endpoint.probe, routable
+            )
         )
         self._recording.add(task)
         task.add_done_callback(self._recording.discard)

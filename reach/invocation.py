@@ -26,6 +26,8 @@ ACTIVITY_FOLLOW = "reach.follow"
 ACTIVITY_TAKE_TOKEN = "reach.take_token"
 ACTIVITY_RELEASE_KEY = "reach.release_key"
 ACTIVITY_RELEASE_ROUTE = "reach.release_route"
+# Which instance attempt 1 was pinned to (naming a lost task's attempt that may have run).
+ACTIVITY_PINNED = "reach.pinned"
 # Late answers arrive as an update (validated, refused without a trace once the result is final);
 # the signal stays registered for requests accepted before the update existed.
 UPDATE_LATE_ANSWER = "submit_late_answer"

@@ -251,7 +251,7 @@ class Resolver:
         re-delivered RequestID from its memory instead of running it a second time. The
         workflow names that instance itself (`inp.pin`) when the door chose it."""
         ttl_s = max(1.0, (inp.deadline_ms - time.time() * 1000) / 1000) + PIN_MARGIN_S
-        key = f"pin:{inp.request_id}:{inp.attempt}"
+        key = pin_key(inp.request_id, inp.attempt)
         # The join time tells a restarted process (same instance id, empty memory) apart.
         held = await self.policy.state.claim(key, inp.pin or _pin(chosen), ttl_s)
         if held == _pin(chosen):
@@ -271,6 +271,17 @@ class Resolver:
         # Not idempotent, no key, and the instance that got it is gone (or restarted): sending
         # it elsewhere could run it twice. Say what is known instead.
         raise _lost(owner)
+
+
+def pin_key(request_id: str, attempt: int) -> str:
+    """The policy-state claim naming the instance (and its join) an attempt was sent to."""
+    return f"pin:{request_id}:{attempt}"
+
+
+async def pinned_instance(policy: PolicyEngine, request_id: str, attempt: int) -> str | None:
+    """The instance attempt `attempt` was pinned to, if the store still has it."""
+    held = await policy.state.peek(pin_key(request_id, attempt))
+    return held.partition(" ")[0] if held else None
 
 
 def _lost(instance_id: str) -> TransportError:

@@ -12,6 +12,7 @@ recorded before replays as it ran.
 from __future__ import annotations
 
 import builtins
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -20,15 +21,14 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
-    FailureError,
     TimeoutError,
-    TimeoutType,
 )
 
 with workflow.unsafe.imports_passed_through():
-    from reach.errors import ERROR_TYPES, AgentFault
+    from reach.errors import AgentFault
     from reach.invocation import (
         ACTIVITY_CALL,
+        ACTIVITY_PINNED,
         ACTIVITY_RESOLVE,
         STALE_ROUTE,
         CallInput,
@@ -50,7 +50,10 @@ with workflow.unsafe.imports_passed_through():
         RequestStatus,
     )
     from reach.policy import (
+        KNOWN_CAPABILITY,
+        QUEUE_DEADLINE,
         REDELIVER,
+        STORE_WAIT,
         Attempts,
         Failure,
         GiveUp,
@@ -62,13 +65,27 @@ with workflow.unsafe.imports_passed_through():
         after_failure,
         after_store_failure,
         refine_plan,
+        timed_out,
     )
+    from workflows._failures import Failed, StaleRoute, error_of
 
 ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 # Requests accepted before a broken call was re-delivered to its instance retried elsewhere;
 # those accepted before a store outage at routing was waited out gave up as they did then.
 PATCH_REDELIVER = "redeliver-same-attempt"
 PATCH_STORE_OUTAGE_WAIT = "store-outage-wait"
+# Those accepted before a capability the registry forgot was waited for ended unknown_capability;
+# queued ones accepted before their last look came before the wait's end could wake at its end.
+PATCH_KNOWN_CAPABILITY = "known-capability-wait"
+PATCH_QUEUE_DEADLINE = "queue-wake-before-deadline"
+# Those accepted before a lost task's attempt was named ended without reading its pin.
+PATCH_NAME_LOST_ATTEMPT = "name-lost-attempt"
+PATCHES: dict[Rule, str] = {
+    REDELIVER: PATCH_REDELIVER,
+    STORE_WAIT: PATCH_STORE_OUTAGE_WAIT,
+    KNOWN_CAPABILITY: PATCH_KNOWN_CAPABILITY,
+    QUEUE_DEADLINE: PATCH_QUEUE_DEADLINE,
+}
 # A workflow's history when its first task runs: started, task scheduled, task started. More
 # means an earlier task ran (and may have sent the call) and was lost with its worker.
 FIRST_TASK_EVENTS = 3
@@ -80,56 +97,13 @@ def capability_queue(capability: str) -> str:
     return f"reach-cap-{capability}"
 
 
-class Failed(Exception):
-    def __init__(self, error: ErrorInfo, instance_id: str | None) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.instance_id = instance_id
-
-
-class StaleRoute(Exception):
-    """The instance chosen at the door left before anything was sent."""
-
-
-def error_of(exc: FailureError, instance_id: str | None) -> Failed:
-    # Regular activities fail with ActivityError(cause=...); local ones with the cause itself.
-    cause = exc.cause if isinstance(exc, ActivityError) else exc
-    if isinstance(cause, TimeoutError):
-        if cause.type == TimeoutType.HEARTBEAT:
-            info = ErrorInfo(
-                type="transport_error",
-                message="the worker was lost mid-call",
-                retryable=True,
-                outcome_unknown=True,
-            )
-        else:
-            info = ErrorInfo(type="timeout", message="deadline reached", retryable=False)
-    elif isinstance(cause, ApplicationError):
-        details: Any = cause.details[0] if cause.details else {}
-        if not isinstance(details, dict):
-            details = {}
-        # The activities raise only Reach's own types; anything else is a bug in Reach.
-        known = cause.type in ERROR_TYPES
-        info = ErrorInfo(
-            type=cause.type if known else "internal",
-            message=cause.message if known else f"{cause.type}: {cause.message}",
-            retryable=bool(details.get("retryable")),
-            agent=AgentFault.model_validate(details["agent"]) if details.get("agent") else None,
-            retry_after_s=details.get("retry_after_s"),
-            outcome_unknown=details.get("outcome_unknown"),
-        )
-    else:
-        info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
-    return Failed(info, instance_id)
-
-
 # How the log names each step that waits (operators and tests read "retrying in").
 DOING = {Retry: "retrying", Redeliver: "re-delivering", WaitForStore: "waiting for the store"}
 
 
 def follows(rule: Rule) -> bool:
     """Whether this request follows `rule` (it was accepted after the rule was added)."""
-    return workflow.patched(PATCH_REDELIVER if rule == REDELIVER else PATCH_STORE_OUTAGE_WAIT)
+    return workflow.patched(PATCHES[rule])
 
 
 class AttemptLoop:
@@ -146,6 +120,8 @@ class AttemptLoop:
         self._start_ms = 0  # when the request may go: acceptance, or its token (queue)
         self._plan = CallPlan(timeout_ms=1, idempotent=False, max_retries=0)  # set by _invoke
         self._door_used = False  # whether the call to the instance chosen at the door began
+        self._slept = False  # whether this request has waited on a durable timer
+        self._history_at_attempt = 0  # the history's length when the current attempt began
 
     def _now_ms(self) -> int:
         return int(workflow.now().timestamp() * 1000)
@@ -170,15 +146,17 @@ class AttemptLoop:
             waited_ms=self._waited_ms,
         )
 
-    def _timeout(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:
+    def _timeout(self, inp: InvokeInput, report: Failure) -> InvokeResponse:
+        """The deadline's envelope; `report` is what `timed_out` made of it."""
         message = f"no answer within timeout_ms={self._plan.timeout_ms}"
-        unknown = None
-        if self._in_flight and not self._plan.idempotent and not inp.idempotency_key:
-            # It was sent and never answered: nobody knows whether the agent ran it.
-            unknown = True
+        instance_id = report.instance_id
+        unknown = True if report.error.outcome_unknown else None
+        if unknown:
+            # It was (or may have been) sent and never answered: nobody knows whether it ran.
+            who = f"agent {instance_id}" if instance_id else "the agent it was sent to"
             message += (
-                f"; agent {instance_id} may have run it: repeat it with an idempotency_key "
-                "so that it runs at most once"
+                f"; {who} may have run it: repeat it with an idempotency_key so that it runs "
+                "at most once"
             )
         return self._envelope(
             inp,
@@ -188,6 +166,22 @@ class AttemptLoop:
             ),
             instance_id=instance_id,
         )
+
+    def _lost_before(self) -> bool:
+        """Whether an earlier workflow task ran this attempt and was lost (its worker was
+        killed, or Temporal away timed it out): its call, a local activity, may have been
+        sent and never reported. Told for attempt 1 in the request's first task, which had
+        no timer before it: the history then holds more than a first task's events."""
+        return (
+            self._tries.number == 1
+            and self._tries.redeliveries == 0
+            and not self._slept
+            and self._history_at_attempt > FIRST_TASK_EVENTS
+        )
+
+    async def _sleep(self, delay_s: float) -> None:
+        self._slept = True
+        await workflow.sleep(delay_s)
 
     async def _attempts_until_done(self, inp: InvokeInput) -> InvokeResponse:
         # Attempt 1's instance when the door chose it; then the pin of any re-run of attempt 1.
@@ -209,7 +203,8 @@ class AttemptLoop:
             except Failed as failed:
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)
-                failure = Failure(failed.error, failed.instance_id)
+                sent = self._in_flight or self._lost_before()
+                failure = Failure(failed.error, failed.instance_id, sent=sent)
             step, self._tries = after_failure(
                 self._plan,
                 tries,
@@ -223,7 +218,10 @@ class AttemptLoop:
             if isinstance(step, GiveUp):
                 workflow.logger.info("giving up after attempt %d: %s", tries.number, step.reason)
                 assert step.report is not None
-                return self._reported(inp, step.report)
+                report = step.report
+                if report.error.outcome_unknown and report.instance_id is None and failure.sent:
+                    report = await self._name_lost_attempt(inp, report)
+                return self._reported(inp, report)
             if isinstance(step, RouteAgain):
                 pin = None
                 continue
@@ -236,11 +234,31 @@ class AttemptLoop:
             )
             if self._attempts:  # a route that went stale left no attempt to note
                 self._attempts[-1].backoff_ms = int(step.delay_s * 1000)
-            await workflow.sleep(step.delay_s)
+            await self._sleep(step.delay_s)
+
+    async def _name_lost_attempt(self, inp: InvokeInput, report: Failure) -> Failure:
+        """A lost task's attempt may have run: name the instance it went to, from the door's
+        choice or the attempt's pin in the store (resolve records it before the call)."""
+        if inp.endpoint is not None:
+            return replace(report, instance_id=inp.endpoint.instance_id)
+        if not workflow.patched(PATCH_NAME_LOST_ATTEMPT):
+            return report
+        try:
+            pinned: str = await workflow.execute_local_activity(
+                ACTIVITY_PINNED,
+                inp.request_id,
+                result_type=str,
+                schedule_to_close_timeout=STORE_STEP,
+                retry_policy=ONE_ATTEMPT,
+            )
+        except (ActivityError, ApplicationError, TimeoutError):
+            workflow.logger.warning("the instance attempt 1 went to could not be read")
+            return report
+        return replace(report, instance_id=pinned or None)
 
     def _reported(self, inp: InvokeInput, report: Failure) -> InvokeResponse:
         if report.error.type == "timeout":
-            return self._timeout(inp, report.instance_id)
+            return self._timeout(inp, report)
         return self._envelope(inp, "error", error=report.error, instance_id=report.instance_id)
 
     async def _attempt(
@@ -252,6 +270,7 @@ class AttemptLoop:
         started = self._now_ms()
         breaker: str | None = None
         self._in_flight = False
+        self._history_at_attempt = workflow.info().get_current_history_length()
         try:
             if door is not None:
                 endpoint = door
@@ -387,7 +406,7 @@ class AttemptLoop:
                     step.delay_s,
                 )
                 waits += 1
-                await workflow.sleep(step.delay_s)
+                await self._sleep(step.delay_s)
 
     async def _run(
         self,
@@ -440,7 +459,15 @@ class AttemptLoop:
                 lambda: self._late is not None, timeout=timedelta(milliseconds=max(1, remaining))
             )
         except builtins.TimeoutError:
-            return self._timeout(inp, instance_id)
+            # Accepted (202) by the agent and never answered: sent, so it may have run.
+            error = ErrorInfo(type="timeout", message="deadline reached", retryable=False)
+            report = timed_out(
+                self._plan,
+                self._tries,
+                Failure(error, instance_id, sent=True),
+                keyed=bool(inp.idempotency_key),
+            )
+            return self._timeout(inp, report)
         return self._answered_late(inp, instance_id)
 
     def _answered_late(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:

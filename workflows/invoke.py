@@ -57,9 +57,10 @@ with workflow.unsafe.imports_passed_through():
         ONE_ATTEMPT,
         STORE_STEP,
         AttemptLoop,
-        Failed,
+        follows,
     )
     from workflows._attempts import capability_queue as capability_queue  # worker.py's
+    from workflows._failures import Failed
     from workflows.callback import DeliverCallbackWorkflow, deliver
 
 SA_CALLER = SearchAttributeKey.for_keyword("ReachCaller")
@@ -360,6 +361,7 @@ class InvokeWorkflow(AttemptLoop):
                 now_ms=self._now_ms(),
                 until_ms=queue.wait_until_ms,
                 draw=workflow.random().random,
+                follows=follows,
             )
             if isinstance(step, GiveUp):
                 self._waited_ms = self._now_ms() - started
@@ -374,7 +376,7 @@ class InvokeWorkflow(AttemptLoop):
                         retry_after_s=max(1, int(wait_s + 0.999)),
                     ),
                 )
-            await workflow.sleep(step.delay_s)
+            await self._sleep(step.delay_s)
         self._waited_ms = self._now_ms() - started
         # The call's own time runs from when it may go; a synchronous request's deadline stays.
         self._start_ms = self._now_ms()

@@ -15,6 +15,8 @@ from __future__ import annotations
 from reach.config import PolicySettings
 from reach.invocation import CallPlan, CapabilityMode
 from reach.policy.retry import (
+    KNOWN_CAPABILITY,
+    QUEUE_DEADLINE,
     REDELIVER,
     STORE_WAIT,
     Attempts,
@@ -32,9 +34,12 @@ from reach.policy.retry import (
     after_store_failure,
     backoff_s,
     next_step,
+    timed_out,
 )
 
 __all__ = [
+    "KNOWN_CAPABILITY",
+    "QUEUE_DEADLINE",
     "REDELIVER",
     "STORE_WAIT",
     "Attempts",
@@ -54,6 +59,7 @@ __all__ = [
     "next_step",
     "plan_call",
     "refine_plan",
+    "timed_out",
 ]
 
 

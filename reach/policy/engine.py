@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from reach.config import PolicySettings, RateLimitSettings
 from reach.errors import ReachError, Unavailable
 from reach.invocation import BucketPlan
+from reach.policy.breaker import quorum
 from reach.policy.state import Admission, Bucket, CapabilityView, PolicyState
 
 log = logging.getLogger("reach.policy")
@@ -142,8 +143,18 @@ class PolicyEngine:
             await self.view(capability, fresh=True)
         return admission
 
-    async def record(self, capability: str, instance_id: str, ok: bool, probe: bool) -> None:
-        """Count an attempt's outcome; never fails the request (a store outage is logged)."""
+    async def record(
+        self,
+        capability: str,
+        instance_id: str,
+        ok: bool,
+        probe: bool,
+        routable: Collection[str] = (),
+    ) -> None:
+        """Count an attempt's outcome; never fails the request (a store outage is logged).
+        `routable`: the capability's routable instances as routing sees them now, so the
+        breaker counts failures only as the capability's (`reach.policy.breaker`); none
+        given, every failure counts."""
         breaker = self.settings.breaker_for(capability)
         outlier = self.settings.outlier_for(capability)
         if not breaker.enabled and not outlier.enabled:
@@ -154,8 +165,12 @@ class PolicyEngine:
             clean = view.breaker.status == "closed" and view.breaker.failures == 0
             if clean and instance_id not in view.failing:
                 return  # nothing to reset: the common case costs no round trip
+        ejected = self.ejected(capability, cached.view) if cached is not None else set()
+        need = quorum(instance_id, routable, ejected)
         try:
-            view = await self.state.record(capability, instance_id, ok, breaker, outlier, probe)
+            view = await self.state.record(
+                capability, instance_id, ok, breaker, outlier, probe, quorum=need
+            )
         except Unavailable as exc:
             log.warning("could not record an outcome for %s: %s", capability, exc)
             return

@@ -4,7 +4,8 @@ Key layout under `<prefix>:pol:` (every key has a TTL, so nothing outlives its u
 
 - `brk:<capability>` a hash, absent while closed and clean: `until` (ms; present = open, or
   half-open once passed), `fail` (consecutive failures), `win` (the last `window` outcomes,
-  oldest first, "1" a failure), `slots` (half-open probe leases' ends, ms, space-separated),
+  oldest first, "1" a failure), `who` (who failed, space-separated: the run's instances, or
+  one per failure in the window), `slots` (half-open probe leases' ends, ms, space-separated),
   `ok` (probes that succeeded). TTL `open_duration_ms` + 6 h from the last write.
 - `out:<capability>` a hash, instance id -> "run ejections ejected_until forget_at" (ms); an
   entry past `forget_at` is dropped when met. TTL `max_ejection_ms` + 5 min.
@@ -124,7 +125,8 @@ return {'half_open', 0, 0, math.max(1, live[1] - now)}
 
 # KEYS: breaker, outliers. ARGV: 1 breaker enabled, 2 error threshold, 3 window, 4 open ms,
 # 5 half-open probes, 6 breaker TTL ms, 7 instance, 8 ok, 9 probe, 10 outlier enabled,
-# 11 consecutive failures, 12 base ejection ms, 13 max ejection ms, 14 forget ms.
+# 11 consecutive failures, 12 base ejection ms, 13 max ejection ms, 14 forget ms,
+# 15 quorum (distinct failing instances that open it; 0: the breaker ignores this outcome).
 # Returns what _VIEW does, afterwards.
 _RECORD = (
     _HELPERS
@@ -132,7 +134,15 @@ _RECORD = (
 local now = now_ms()
 local ok, probe = ARGV[8] == '1', ARGV[9] == '1'
 local threshold, window = tonumber(ARGV[2]), tonumber(ARGV[3])
+local quorum, instance = tonumber(ARGV[15]), ARGV[7]
 local brk, out = KEYS[1], KEYS[2]
+local function distinct(ids)
+  local seen, n = {}, 0
+  for _, id in ipairs(ids) do
+    if not seen[id] then seen[id], n = true, n + 1 end
+  end
+  return n
+end
 local function open()
   redis.call('DEL', brk)
   redis.call('HSET', brk, 'until', now + tonumber(ARGV[4]))
@@ -142,8 +152,10 @@ local function save(...)
   redis.call('HSET', brk, ...)
   redis.call('PEXPIRE', brk, ARGV[6])
 end
-if ARGV[1] == '1' then
-  local v = redis.call('HMGET', brk, 'until', 'fail', 'win', 'slots', 'ok')
+if ARGV[1] == '1' and quorum ~= 0 then
+  local v = redis.call('HMGET', brk, 'until', 'fail', 'win', 'slots', 'ok', 'who')
+  local who = {}
+  for id in string.gmatch(v[6] or '', '%S+') do table.insert(who, id) end
   local opened_until = tonumber(v[1])
   if opened_until then
     if now >= opened_until then
@@ -163,20 +175,33 @@ if ARGV[1] == '1' then
   elseif window == 0 then
     local fail = tonumber(v[2]) or 0
     if ok then
-      if fail > 0 then save('fail', 0) end
-    elseif fail + 1 >= threshold then
-      open()
+      if fail > 0 then save('fail', 0, 'who', '') end
     else
-      save('fail', fail + 1)
+      local known = false
+      for _, id in ipairs(who) do
+        if id == instance then known = true end
+      end
+      if not known then table.insert(who, instance) end
+      if fail + 1 >= threshold and distinct(who) >= quorum then
+        open()
+      else
+        save('fail', fail + 1, 'who', table.concat(who, ' '))
+      end
     end
   else
     local win = string.sub((v[3] or '') .. (ok and '0' or '1'), -window)
     local _, failures = string.gsub(win, '1', '')
-    if failures >= threshold then open() else save('win', win) end
+    if not ok then table.insert(who, instance) end
+    local kept = {}
+    for i = math.max(1, #who - failures + 1), #who do table.insert(kept, who[i]) end
+    if failures >= threshold and distinct(kept) >= quorum then
+      open()
+    else
+      save('win', win, 'who', table.concat(kept, ' '))
+    end
   end
 end
 if ARGV[10] == '1' then
-  local instance = ARGV[7]
   local entry = redis.call('HGET', out, instance)
   local run, ej, ejected_until, forget_at = 0, 0, 0, 0
   if entry then
@@ -316,6 +341,7 @@ class RedisPolicyState(PolicyState):
         breaker: CircuitBreakerSettings,
         outlier: OutlierSettings,
         probe: bool = False,
+        quorum: int = 1,
     ) -> CapabilityView:
         keys = [self._k("brk", capability), self._k("out", capability)]
         args = [
@@ -333,6 +359,7 @@ class RedisPolicyState(PolicyState):
             outlier.base_ejection_ms,
             outlier.max_ejection_ms,
             outlier_forget_ms(outlier),
+            quorum,
         ]
         return _view(await self._run(self._record, keys, args))
 

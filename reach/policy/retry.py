@@ -11,12 +11,16 @@ out the answer (a durable timer, a route again, a report); it decides nothing it
     already has from memory (`Redeliver`) — never to another one that would run it twice;
   - the policy store was away while routing (nothing was sent, so whatever the operation): wait
     it out on the same attempt (`WaitForStore`);
+  - the registry no longer knows the capability (it was known when the request was accepted:
+    a store restarted empty, its agents not yet joined again): wait for it the same way;
+  - the deadline: report it (`timed_out`: a call that was, or may have been, sent may have
+    run);
   - anything else: `next_step`, the plan's retries on other instances (`Retry`), or report
     (`GiveUp`, with the failure the caller is told of);
 - `after_store_failure`, after a quick store step (claim, token, release) failed: the same
   store backoff (`WaitForStore`) or report;
 - `after_no_token`, when a queued request found no rate-limit token: when to look again
-  (`WaitForToken`) or refuse.
+  (`WaitForToken`, always before the request's wait ends) or refuse.
 
 All pure: the clock comes in as numbers. Two inputs come in as functions, asked only at the
 point where they matter, because asking leaves a mark in the request's history that a replay
@@ -46,9 +50,13 @@ QUEUE_POLL_MAX_S = 60.0
 QUEUE_POLL_MIN_S = 0.01
 
 # Rules added after requests were accepted that a request in flight may predate.
-Rule = Literal["redeliver", "store_wait"]
+Rule = Literal["redeliver", "store_wait", "known_capability", "queue_deadline"]
 REDELIVER: Rule = "redeliver"
 STORE_WAIT: Rule = "store_wait"
+# A capability the registry forgot after acceptance is waited for, not reported unknown.
+KNOWN_CAPABILITY: Rule = "known_capability"
+# A queued request never wakes at its wait's end (it could only time out there, never started).
+QUEUE_DEADLINE: Rule = "queue_deadline"
 
 NOT_IDEMPOTENT = "the operation is not idempotent and the request has no idempotency_key"
 
@@ -62,6 +70,9 @@ class Failure:
     instance_id: str | None = None
     # The instance chosen at the door had left before the call: nothing was sent.
     stale_route: bool = False
+    # The attempt's call was sent, or may have been: an earlier workflow task ran this attempt
+    # and was lost with its worker (a local activity started and never reported).
+    sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,7 +202,9 @@ def after_failure(
         # can be stale, so this happens once; anything after it is an ordinary failure.
         return RouteAgain(), replace(tries, rerouted=True)
     if failure.error.type == "timeout":
-        return GiveUp("deadline reached", report=failure), tries
+        return GiveUp(
+            "deadline reached", report=timed_out(plan, tries, failure, keyed=keyed)
+        ), tries
     if failure.error.outcome_unknown and failure.instance_id is not None:
         if tries.unknown is None:
             tries = replace(tries, unknown=failure)
@@ -206,6 +219,27 @@ def after_failure(
         delay_s = store_backoff_s(tries.store_waits)
         if now_ms + delay_s * 1000 < deadline_ms:
             return WaitForStore(delay_s), replace(tries, store_waits=tries.store_waits + 1)
+    if (
+        failure.instance_id is None
+        and failure.error.type == "unknown_capability"
+        and follows(KNOWN_CAPABILITY)
+    ):
+        # The door accepts only a capability the registry knows, so the registry forgot it
+        # since (a store restarted empty): its agents join again at their next heartbeat.
+        delay_s = store_backoff_s(tries.store_waits)
+        if now_ms + delay_s * 1000 < deadline_ms:
+            return WaitForStore(delay_s), replace(tries, store_waits=tries.store_waits + 1)
+        gone = Failure(
+            ErrorInfo(
+                type="no_instance",
+                message=f"{failure.error.message}; it was known when the request was accepted "
+                "and no instance of it joined again before the deadline",
+                retryable=True,
+            )
+        )
+        return GiveUp(
+            "no instance came back", report=reported(plan, tries, gone, keyed=keyed)
+        ), tries
     step = next_step(
         plan,
         attempt=tries.number,
@@ -245,6 +279,21 @@ def reported(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) 
     return Failure(error, unknown.instance_id)
 
 
+def timed_out(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) -> Failure:
+    """What a request that reached its deadline reports. A call that was sent and never
+    answered — this attempt's, one an earlier (lost) workflow task may have sent, or an
+    earlier re-delivered one — may have run: a request neither idempotent nor keyed says so,
+    and names the instance it went to (None when nobody recorded it)."""
+    sent = failure.sent or tries.unknown is not None
+    if not sent or plan.idempotent or keyed:
+        return failure
+    instance_id = failure.instance_id
+    if instance_id is None and tries.unknown is not None:
+        instance_id = tries.unknown.instance_id
+    error = failure.error.model_copy(update={"retryable": False, "outcome_unknown": True})
+    return Failure(error, instance_id, sent=True)
+
+
 def after_store_failure(
     waits: int, failure: Failure, *, now_ms: int, until_ms: int
 ) -> WaitForStore | GiveUp:
@@ -259,15 +308,31 @@ def after_store_failure(
 
 
 def after_no_token(
-    wait_s: float, *, miss: int, now_ms: int, until_ms: int, draw: Callable[[], float]
+    wait_s: float,
+    *,
+    miss: int,
+    now_ms: int,
+    until_ms: int,
+    draw: Callable[[], float],
+    follows: Callable[[Rule], bool] = _always,
 ) -> WaitForToken | GiveUp:
     """A queued request found no token for the `miss`-th time (1-based); the buckets say one
     frees in `wait_s`. Waiters wake spread out, not all at once for the one token that frees,
-    and less often the longer they wait (a long wait stays a short history); never past
-    `until_ms`, the time they may wait. `draw` is asked only for a wait."""
+    and less often the longer they wait (a long wait stays a short history); always before
+    `until_ms`, the time they may wait: a wake there could only end the request as a timeout
+    that never reached an agent, where the answer is `rate_limited`. `draw` is asked only for a
+    wait, `follows(QUEUE_DEADLINE)` only when the spread would reach `until_ms`."""
     if now_ms + wait_s * 1000 >= until_ms:
         return GiveUp("no token frees before the request may no longer wait")
     # uniform(1.0, 1.5) as `random.Random.uniform` computes it, from the one draw.
     spread = wait_s * (1.0 + 0.5 * draw()) * min(8.0, 1.25 ** min(miss, 64))
     left_s = (until_ms - now_ms) / 1000
-    return WaitForToken(max(QUEUE_POLL_MIN_S, min(spread, QUEUE_POLL_MAX_S, left_s)))
+    delay_s = max(QUEUE_POLL_MIN_S, min(spread, QUEUE_POLL_MAX_S))
+    if delay_s >= left_s:
+        if not follows(QUEUE_DEADLINE):  # accepted before: it woke at the end of its wait
+            return WaitForToken(max(QUEUE_POLL_MIN_S, left_s))
+        # The last useful look is when the token frees, before the wait ends.
+        delay_s = max(QUEUE_POLL_MIN_S, wait_s)
+        if delay_s >= left_s:
+            return GiveUp("no token frees early enough to look for it before the wait ends")
+    return WaitForToken(delay_s)

@@ -5,7 +5,8 @@ One interface, two backends, like `reach.store`: `MemoryPolicyState` for one pro
 it is atomic across processes and costs one round trip). Times are the store's own clock
 (Redis `TIME`), so processes whose clocks disagree still agree on a breaker.
 
-- *Breaker* (per capability): `closed` → (failures reach the threshold) → `open` until
+- *Breaker* (per capability): `closed` → (failures reach the threshold, from most of the
+  instances routing serves from: `reach.policy.breaker`) → `open` until
   `open_duration_ms` has passed → `half_open`: up to `half_open_probes` requests are admitted as
   probes (a probe slot not reported within `open_duration_ms` is free again); every probe
   succeeding closes it, any failure re-opens it.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from reach.config import CircuitBreakerSettings, OutlierSettings
+from reach.policy.breaker import IGNORED, trips
 
 if TYPE_CHECKING:
     from reach.store import Store
@@ -86,8 +88,11 @@ class PolicyState(ABC):
         breaker: CircuitBreakerSettings,
         outlier: OutlierSettings,
         probe: bool = False,
+        quorum: int = 1,
     ) -> CapabilityView:
-        """Count one attempt's outcome for the breaker and the instance; returns the new view."""
+        """Count one attempt's outcome for the breaker and the instance; returns the new view.
+        `quorum` (`reach.policy.breaker.quorum`): the distinct instances whose failures open
+        the breaker; `IGNORED` (0): the breaker does not count this outcome."""
 
     @abstractmethod
     async def take(self, buckets: Sequence[Bucket]) -> float:
@@ -148,6 +153,8 @@ class _Breaker:
     opened_until: float | None = None  # None: closed
     failures: int = 0  # consecutive (window 0)
     window: str = ""  # the last outcomes, oldest first: "1" a failure, "0" a success
+    # Who failed: the instances of the run (window 0), or one per failure in the window.
+    who: tuple[str, ...] = ()
     slots: list[float] = field(default_factory=list)  # half-open probe leases' ends
     successes: int = 0  # half-open probes that succeeded
 
@@ -259,16 +266,24 @@ class MemoryPolicyState(PolicyState):
         breaker: CircuitBreakerSettings,
         outlier: OutlierSettings,
         probe: bool = False,
+        quorum: int = 1,
     ) -> CapabilityView:
         now = self._clock()
-        if breaker.enabled:
-            self._record_breaker(capability, ok, probe, breaker, now)
+        if breaker.enabled and quorum != IGNORED:
+            self._record_breaker(capability, instance_id, ok, probe, breaker, now, quorum)
         if outlier.enabled:
             self._record_outlier(capability, instance_id, ok, outlier, now)
         return self._view(capability, breaker, now)
 
     def _record_breaker(
-        self, capability: str, ok: bool, probe: bool, breaker: CircuitBreakerSettings, now: float
+        self,
+        capability: str,
+        instance_id: str,
+        ok: bool,
+        probe: bool,
+        breaker: CircuitBreakerSettings,
+        now: float,
+        quorum: int,
     ) -> None:
         expires = now + breaker_ttl_ms(breaker) / 1000
         state = self._breaker(capability, now)
@@ -290,14 +305,19 @@ class MemoryPolicyState(PolicyState):
         if breaker.window:
             state.window = (state.window + ("0" if ok else "1"))[-breaker.window :]
             failures = state.window.count("1")
+            who = state.who if ok else (*state.who, instance_id)
+            state.who = who[max(0, len(who) - failures) :] if failures else ()
         elif ok:
             if state.failures:
                 state.failures = 0
+                state.who = ()
                 state.expires = expires
             return
         else:
             state.failures = failures = state.failures + 1
-        if failures >= breaker.error_threshold:
+            if instance_id not in state.who:
+                state.who = (*state.who, instance_id)
+        if trips(failures, state.who, breaker.error_threshold, quorum):
             self._open(capability, breaker, now)
             return
         state.expires = expires

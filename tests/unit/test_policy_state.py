@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reach.config import CircuitBreakerSettings, OutlierSettings
+from reach.policy.breaker import IGNORED, quorum, serving, trips
 from reach.policy.state import (
     Admission,
     BreakerView,
@@ -274,3 +275,90 @@ async def test_take_never_lets_more_through_than_capacity_plus_refill(
             assert await state.take([bucket]) == 0.0
             taken += 1
     assert taken >= min(len(steps), capacity)
+
+
+# -- the breaker counts the capability's failures, not one instance's (reach.policy.breaker) ----
+
+
+async def test_one_instance_failing_among_three_never_opens_the_breaker(
+    state: MemoryPolicyState,
+) -> None:
+    need = quorum("a", ["a", "b", "c"], ejected=[])
+    assert need == 2
+    for _ in range(10):  # a stopped agent's calls time out together: a run of one instance
+        view = await state.record("cap", "a", False, BREAKER, NO_OUTLIER, quorum=need)
+    assert view.breaker == BreakerView("closed", 10)
+    # A second instance failing in the same run: most of the capability fails, it opens.
+    view = await state.record("cap", "b", False, BREAKER, NO_OUTLIER, quorum=need)
+    assert view.breaker.status == "open"
+
+
+async def test_a_window_opens_only_on_failures_from_most_instances(
+    state: MemoryPolicyState,
+) -> None:
+    windowed = CircuitBreakerSettings(error_threshold=3, window=5, open_duration_ms=10_000)
+    for ok, instance in [(False, "a"), (True, "b"), (False, "a"), (False, "a"), (False, "a")]:
+        view = await state.record("cap", instance, ok, windowed, NO_OUTLIER, quorum=2)
+    assert view.breaker == BreakerView("closed", 4)
+    # "b" fails: four of the last five failed, from two instances.
+    view = await state.record("cap", "b", False, windowed, NO_OUTLIER, quorum=2)
+    assert view.breaker.status == "open"
+
+
+async def test_an_ejected_instance_s_outcomes_are_its_own(state: MemoryPolicyState) -> None:
+    # Its ejection has taken it out of routing; its stragglers' failures say nothing of the rest.
+    assert quorum("a", ["a", "b"], ejected=["a"]) == IGNORED
+    for _ in range(5):
+        view = await state.record("cap", "a", False, BREAKER, OUTLIER, quorum=IGNORED)
+    assert view.breaker == BreakerView()
+    assert "a" in view.ejected  # ejection still counts them
+
+
+async def test_a_lone_instance_opens_it_as_before(state: MemoryPolicyState) -> None:
+    for routable, ejected in ([["a"], []], [["a"], ["a"]], [[], []]):
+        assert quorum("a", routable, ejected) == 1  # the last routable one is never skipped
+    view = await fail(state, 3)
+    assert view.breaker.status == "open"
+
+
+@given(
+    routable=st.lists(st.sampled_from("abcdef"), unique=True, max_size=6),
+    ejected=st.lists(st.sampled_from("abcdef"), unique=True, max_size=6),
+    instance=st.sampled_from("abcdef"),
+)
+def test_the_breaker_needs_most_of_the_instances_routing_serves_from(
+    routable: list[str], ejected: list[str], instance: str
+) -> None:
+    need = quorum(instance, routable, ejected)
+    serves = serving(routable, ejected)
+    if not serves:
+        assert need == 1
+    elif instance not in serves:
+        assert need == IGNORED
+    else:
+        # More than half of them, so one instance among two or more can never open it alone.
+        assert len(serves) / 2 < need <= len(serves)
+        assert not trips(100, [instance], 3, need) or len(serves) == 1
+
+
+@settings(max_examples=200)
+@given(
+    outcomes=st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), max_size=40),
+    window=st.sampled_from([0, 3, 6]),
+    need=st.integers(0, 3),
+)
+async def test_an_open_breaker_always_had_failures_from_enough_instances(
+    outcomes: list[tuple[str, bool]], window: int, need: int
+) -> None:
+    state = MemoryPolicyState(Clock())
+    breaker = CircuitBreakerSettings(error_threshold=min(3, window or 3), window=window)
+    failed: list[str] = []
+    for instance, ok in outcomes:
+        view = await state.record("cap", instance, ok, breaker, NO_OUTLIER, quorum=need)
+        if need == IGNORED:
+            assert view.breaker == BreakerView()
+            continue
+        failed = [] if ok and not window else failed + ([] if ok else [instance])
+        if view.breaker.status == "open":
+            assert len(set(failed)) >= need
+            break

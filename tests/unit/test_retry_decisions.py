@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import get_args
 
 import pytest
@@ -13,6 +14,8 @@ from reach.errors import ErrorType
 from reach.invocation import CallPlan
 from reach.messages import ErrorInfo
 from reach.policy import (
+    KNOWN_CAPABILITY,
+    QUEUE_DEADLINE,
     REDELIVER,
     STORE_WAIT,
     Attempts,
@@ -29,6 +32,7 @@ from reach.policy import (
     after_no_token,
     after_store_failure,
     backoff_s,
+    timed_out,
 )
 from reach.policy.retry import (
     MAX_REDELIVERIES,
@@ -168,8 +172,71 @@ def test_a_queued_request_looks_again_spread_out_and_never_past_its_wait() -> No
     assert after_no_token(9.0, miss=1, now_ms=0, until_ms=5 * SECOND, draw=mine.random) == GiveUp(
         "no token frees before the request may no longer wait"
     )
+    # A spread that reaches the wait's end looks when the token frees instead: a wake at the
+    # end could only time the request out, never started (it is refused rate_limited).
     near = after_no_token(1.0, miss=1, now_ms=0, until_ms=1200, draw=lambda: 0.999)
-    assert near == WaitForToken(1.2)
+    assert near == WaitForToken(1.0)
+    # A request accepted before that rule woke at the end of its wait.
+    old = after_no_token(
+        1.0, miss=1, now_ms=0, until_ms=1200, draw=lambda: 0.999, follows=lambda rule: False
+    )
+    assert old == WaitForToken(1.2)
+
+
+def test_a_deadline_reports_a_call_that_may_have_run_with_its_instance() -> None:
+    write = plan(idempotent=False, max_retries=0)
+    late = error("timeout", retryable=False)
+    # Not sent (no worker took it in time, or a first task's resolve ran out of time): a plain
+    # timeout, whatever the operation.
+    assert decide(write, Attempts(), Failure(late))[0] == GiveUp(
+        "deadline reached", report=Failure(late)
+    )
+    # Sent by this task, or by an earlier one lost with its worker (a local activity started
+    # and never reported): it may have run.
+    for lost in (Failure(late, "i1", sent=True), Failure(late, None, sent=True)):
+        step, _ = decide(write, Attempts(), lost)
+        assert isinstance(step, GiveUp)
+        assert step.report == Failure(
+            error("timeout", retryable=False, unknown=True), lost.instance_id, sent=True
+        )
+    # The deadline met while re-delivering a broken call names the instance it went to.
+    broken = Failure(error(unknown=True), "i1")
+    _, tries = decide(write, Attempts(), broken)
+    step, _ = decide(write, tries, Failure(late))
+    assert isinstance(step, GiveUp)
+    assert step.report is not None
+    assert (step.report.instance_id, step.report.error.outcome_unknown) == ("i1", True)
+    # Idempotent or keyed: running it again is safe, so nothing is unknown to the caller.
+    assert timed_out(plan(), Attempts(), Failure(late, "i1", sent=True), keyed=False).error == late
+    assert timed_out(write, tries, Failure(late, "i1", sent=True), keyed=True).error == late
+
+
+def test_a_capability_the_registry_forgot_is_waited_for_until_the_deadline() -> None:
+    forgot = Failure(error("unknown_capability", retryable=False))
+    write = plan(idempotent=False, max_retries=0)
+    tries = Attempts()
+    delays = []
+    for _ in range(4):
+        step, tries = decide(write, tries, forgot)
+        assert isinstance(step, WaitForStore)
+        delays.append(step.delay_s)
+    assert delays == [0.5, 1.0, 2.0, 4.0]  # the store's backoff
+    # No time left: the capability exists, none of its instances came back.
+    step, _ = decide(write, tries, forgot, now_ms=55 * SECOND)
+    assert isinstance(step, GiveUp)
+    assert step.report is not None
+    assert (step.report.error.type, step.report.error.retryable) == ("no_instance", True)
+    # A request accepted before that rule ends as it did.
+    old, _ = after_failure(
+        write,
+        Attempts(),
+        forgot,
+        keyed=False,
+        now_ms=0,
+        deadline_ms=60 * SECOND,
+        follows=lambda rule: rule != KNOWN_CAPABILITY,
+    )
+    assert old == GiveUp("the error is not retryable", report=forgot)
 
 
 # -- properties ---------------------------------------------------------------------------------
@@ -206,6 +273,7 @@ failures = st.builds(
     error=errors,
     instance_id=st.sampled_from([None, "i1", "i2"]),
     stale_route=st.booleans(),
+    sent=st.booleans(),
 )
 states = st.builds(
     Attempts,
@@ -216,7 +284,7 @@ states = st.builds(
     rerouted=st.booleans(),
     unknown=st.one_of(st.none(), st.builds(Failure, error=errors, instance_id=st.just("i0"))),
 )
-rules = st.frozensets(st.sampled_from([REDELIVER, STORE_WAIT]))
+rules = st.frozensets(st.sampled_from([REDELIVER, STORE_WAIT, KNOWN_CAPABILITY, QUEUE_DEADLINE]))
 draws = st.floats(0.0, 0.999999)
 
 
@@ -269,7 +337,9 @@ def test_no_step_waits_past_the_deadline_and_every_retry_counts(
         assert step.report is not None
     # A rule a request predates is never applied to it.
     assert not isinstance(step, Redeliver) or REDELIVER in followed
-    assert not isinstance(step, WaitForStore) or STORE_WAIT in followed
+    if isinstance(step, WaitForStore):
+        rule = KNOWN_CAPABILITY if failure.error.type == "unknown_capability" else STORE_WAIT
+        assert rule in followed
 
 
 @given(
@@ -350,8 +420,14 @@ def test_rules_and_draws_are_asked_for_only_where_they_apply(
         assert not early
         assert failure.instance_id is None
         assert failure.error.type == "unavailable"
+    if KNOWN_CAPABILITY in asked:
+        assert not early
+        assert failure.instance_id is None
+        assert failure.error.type == "unknown_capability"
+    assert QUEUE_DEADLINE not in asked
     # The jitter draw is taken once the plan decides (retry or not), and only with jitter.
-    planned = not early and not isinstance(step, Redeliver | WaitForStore)
+    forgotten = KNOWN_CAPABILITY in asked and KNOWN_CAPABILITY in followed
+    planned = not early and not forgotten and not isinstance(step, Redeliver | WaitForStore)
     assert len(drawn) == (1 if planned and p.jitter else 0)
 
 
@@ -385,13 +461,56 @@ def test_the_store_and_redelivery_backoffs_are_bounded_and_grow(n: int) -> None:
 def test_a_queued_request_never_waits_longer_than_it_may(
     wait_s: float, miss: int, now_ms: int, left_ms: int, rand: float
 ) -> None:
+    asked: list[Rule] = []
+
+    def follows(rule: Rule) -> bool:
+        asked.append(rule)
+        return True
+
     step = after_no_token(
-        wait_s, miss=miss, now_ms=now_ms, until_ms=now_ms + left_ms, draw=lambda: rand
+        wait_s,
+        miss=miss,
+        now_ms=now_ms,
+        until_ms=now_ms + left_ms,
+        draw=lambda: rand,
+        follows=follows,
     )
     if isinstance(step, WaitForToken):
         assert wait_s * 1000 < left_ms  # a token frees while it may still wait
         assert QUEUE_POLL_MIN_S <= step.delay_s <= QUEUE_POLL_MAX_S
-        assert step.delay_s <= max(QUEUE_POLL_MIN_S, left_ms / 1000)
+        # It wakes before its wait ends, where a token is still of use (not at the end, to
+        # time out never started).
+        assert step.delay_s * 1000 < left_ms
+    # The rule is asked only where it changes the wait: the spread reaches the wait's end.
+    spread = wait_s * (1.0 + 0.5 * rand) * min(8.0, 1.25 ** min(miss, 64))
+    wake_s = max(QUEUE_POLL_MIN_S, min(spread, QUEUE_POLL_MAX_S))
+    reaches = wait_s * 1000 < left_ms and wake_s * 1000 >= left_ms
+    assert asked == ([QUEUE_DEADLINE] if reaches else [])
+
+
+@given(
+    p=plans,
+    tries=states,
+    failure=failures,
+    keyed=st.booleans(),
+)
+def test_a_deadline_says_may_have_run_exactly_when_a_keyless_write_was_or_may_have_been_sent(
+    p: CallPlan, tries: Attempts, failure: Failure, keyed: bool
+) -> None:
+    late = replace(failure, error=error("timeout", retryable=False))
+    report = timed_out(p, tries, late, keyed=keyed)
+    sent = late.sent or tries.unknown is not None
+    unsafe = not (p.idempotent or keyed)
+    assert bool(report.error.outcome_unknown) == (sent and unsafe) or (
+        not (sent and unsafe) and report == late
+    )
+    if sent and unsafe:
+        assert report.error.retryable is False
+        # The instance is named whenever anyone recorded one.
+        if late.instance_id is not None or tries.unknown is not None:
+            assert report.instance_id is not None
+    else:
+        assert report == late
 
 
 @given(
