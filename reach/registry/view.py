@@ -30,7 +30,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,7 +187,14 @@ class RegistryView:
         self._tasks: list[asyncio.Task[None]] = []
         self.last_resync: float = 0.0
         self._started = False
+        self._removed: list[Callable[[str, str], None]] = []
         registry.on_change(self.changed)
+
+    def on_removed(self, listener: Callable[[str, str], None]) -> None:
+        """Call `listener(capability, instance_id)` when an instance leaves this view's picture
+        of a capability (it left, was evicted, expired, or joined another capability), whichever
+        process saw it go: what is kept per instance elsewhere can be dropped with it."""
+        self._removed.append(listener)
 
     async def start(self) -> None:
         """Read the registry whole, then follow it (events, resyncs, sweeps). A store that is
@@ -345,6 +352,11 @@ class RegistryView:
             self._snapshots.pop(old_cap, None)
             del self._where[instance_id]
             self._seen.pop(instance_id, None)
+            for listener in self._removed:
+                try:
+                    listener(old_cap, instance_id)
+                except Exception:  # a listener's bug must not leave the view half-applied
+                    log.exception("registry view: removal listener failed")
         if record is None:
             return
         entry = self._interned.entry(record)

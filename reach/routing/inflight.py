@@ -144,6 +144,9 @@ class Latency:
         for instance_id in [i for i in self._by_instance if i not in keep]:
             del self._by_instance[instance_id]
 
+    def drop(self, instance_id: str) -> None:
+        self._by_instance.pop(instance_id, None)
+
 
 class InflightTracker:
     """This process's calls, counted exactly (one process: the memory store)."""
@@ -200,6 +203,13 @@ class InflightTracker:
         if found is None:
             found = self._latency[capability] = Latency()
         return found
+
+    def forget(self, capability: str, instance_id: str) -> None:
+        """The instance left `capability` (or was evicted): its latency is not kept (a fleet
+        that churns would otherwise leave an entry behind for every instance it ever had)."""
+        latency = self._latency.get(capability)
+        if latency is not None:
+            latency.drop(instance_id)
 
     def loads(self, capability: str) -> Loads:
         """What routing reads: the calls in flight per instance, and their total."""

@@ -332,3 +332,39 @@ def test_latency_of_instances_that_left_is_forgotten() -> None:
     r = router(inflight, strategy="least_request")
     r.route(snapshot(entry("a"), entry("b")))
     assert len(inflight.latency("cap")) == 0
+
+
+async def test_a_leave_or_an_eviction_drops_the_instances_latency_whoever_saw_it() -> None:
+    clock = [0.0]
+    store = MemoryStore(clock=lambda: clock[0])
+    settings = ReachSettings().registry
+    registry = Registry(store, settings=settings)
+    view = RegistryView(registry, resync_s=60, sweep_s=None)
+    inflight = InflightTracker()
+    view.on_removed(inflight.forget)
+    await view.start()
+    try:
+        for name in ("stays", "leaves", "evicted", "moves"):
+            await registry.join(
+                JoinRequest(capability="cap", instance_id=name, service_address="a:1")
+            )
+            inflight.end(inflight.begin("cap", name))
+        assert await view.snapshot("cap") is not None
+        assert len(inflight.latency("cap")) == 4
+        # A leave through another process (an event), a move to another capability, and an
+        # eviction found by this process's sweep: each drops its entry, nothing else does.
+        await Registry(store, settings=settings).leave("leaves")
+        await registry.join(
+            JoinRequest(capability="other", instance_id="moves", service_address="a:1")
+        )
+        clock[0] = settings.heartbeat_timeout - 1
+        for name in ("stays", "moves"):
+            await registry.heartbeat(name, HealthReport())
+        clock[0] = settings.heartbeat_timeout + 1
+        await registry.sweep()
+        snap = await view.snapshot("cap")
+        assert snap is not None
+        assert [e.instance_id for e in snap.entries] == ["stays"]
+        assert len(inflight.latency("cap")) == 1
+    finally:
+        await view.aclose()
