@@ -44,7 +44,10 @@ class CircuitBreakerSettings(Section):
         description="false: no breaker; failures never stop traffic to the capability.",
     )
     error_threshold: int = Field(
-        default=3, ge=1, description="failures that open it (consecutive, or within `window`)"
+        default=3,
+        ge=1,
+        description="failures that open it (consecutive, or within `window`), from most of the "
+        "instances routing serves from (more than half; one instance's alone are ejection's)",
     )
     window: int = Field(
         default=0,
