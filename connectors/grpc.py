@@ -33,8 +33,8 @@ from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
 from reach.security.netguard import host_port
 
-# The connector and what moved to the role modules, importable from here as before. The older
-# names of the contract's constants below stay importable too, unlisted: their home is `wire`.
+# This module's names and those that moved to the role modules (importable from here as before).
+# The older names of the contract's constants below stay importable, unlisted: their home is wire.
 __all__ = [
     "STATUS_TABLE",
     "GrpcConnector",

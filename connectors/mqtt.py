@@ -47,9 +47,11 @@ from reach.errors import DeadlineExceeded, InvalidRequest, ReachError, Transport
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
 
-# The connector and what moved to the role modules, importable from here as before. The older
-# names of the contract's constants below stay importable too, unlisted: their home is `wire`.
+# This module's names and those that moved to the role modules (importable from here as before).
+# The older names of the contract's constants below stay importable, unlisted: their home is wire.
 __all__ = [
+    "BACKOFF_FIRST_S",
+    "BACKOFF_MAX_S",
     "AckedPublisher",
     "BrokerLink",
     "MqttConnector",
