@@ -5,6 +5,11 @@ Join (with what each operation declares), a heartbeat with a health report every
 accepted with `ctx.defer()`. An instance the gateway no longer knows (evicted, or a gateway
 restarted with an empty registry) joins again at its next heartbeat.
 
+Given several gateways (`reach_address` as a list, or addresses separated by commas), every call
+goes through `_gateways`: on a gateway that fails, the next is tried at once, and the agent
+stays with the one that answers, so its heartbeats move before `heartbeat_timeout` evicts it and
+a late answer is resent to the next gateway rather than lost.
+
 A gateway that refuses (a 4xx: a loopback address outside `security.allow_networks`, no token
 or one that may not serve this capability, ...) is named in the log with its own message, once
 per change of what it says rather than at every retry, and a 401/403 says how to get a token.
@@ -16,17 +21,22 @@ import asyncio
 import inspect
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
 
+from agent_reach_sdk._gateways import Gateways
 from reach.messages import dumps
 
 log = logging.getLogger("agent_reach_sdk")
 _debug = logging.getLogger("agent_reach_sdk.heartbeat")
 
 LATE_ANSWER_TIMEOUT_S = 30.0
+# Each call's timeout (and with several gateways the most one of them may take at a Join or a
+# heartbeat: see `_registry_timeout`).
+CLIENT_TIMEOUT_S = 5.0
+FAILOVER_MIN_TIMEOUT_S = 1.0
 
 HealthCheck = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
 
@@ -58,7 +68,7 @@ class RegistryClient:
     def __init__(
         self,
         *,
-        reach_url: str,
+        reach_urls: Sequence[str],
         token: str | None,
         capability: str,
         instance_id: str,
@@ -76,7 +86,7 @@ class RegistryClient:
     ) -> None:
         """`operations` gives the Join's operation list, `running` the requests in flight (for
         the health report); `on_join` hears the `max_message_bytes` a Join negotiated."""
-        self.reach_url = reach_url
+        self.gateways = Gateways(reach_urls, self.new_client)
         # The agent token (R18): Join, heartbeats, leave and late answers carry it.
         self.token = token
         self.capability = capability
@@ -98,19 +108,54 @@ class RegistryClient:
         self._heartbeats: asyncio.Task[None] | None = None
         self._refused: str | None = None  # the refusal last logged, until the gateway accepts
 
-    def open(self) -> None:
-        self.client = self.new_client()
+    @property
+    def reach_url(self) -> str:
+        """The gateway calls go to first now (the first address given, until it fails)."""
+        return self.gateways.url
 
-    def new_client(self) -> httpx.AsyncClient:
+    @reach_url.setter
+    def reach_url(self, url: str) -> None:
+        self.gateways.replace([url])
+
+    @property
+    def reach_urls(self) -> tuple[str, ...]:
+        return self.gateways.urls
+
+    @property
+    def client(self) -> httpx.AsyncClient | None:
+        """The current gateway's client while running (None before `open`, after `close`)."""
+        return self.gateways.client
+
+    @client.setter
+    def client(self, client: httpx.AsyncClient | None) -> None:
+        self.gateways.client = client
+
+    def open(self) -> None:
+        self.gateways.open()
+
+    def new_client(self, url: str | None = None) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         return httpx.AsyncClient(
-            base_url=self.reach_url, headers=headers, timeout=5.0, trust_env=False
+            base_url=url or self.reach_url,
+            headers=headers,
+            timeout=CLIENT_TIMEOUT_S,
+            trust_env=False,
         )
 
     async def close(self) -> None:
-        if self.client is not None:
-            await self.client.aclose()
-            self.client = None
+        await self.gateways.close()
+
+    def _registry_timeout(self) -> dict[str, float]:
+        """With several gateways, a Join or heartbeat gives each at most its share of the time
+        the registry allows between heartbeats, so one that hangs cannot hold the heartbeat
+        past `heartbeat_timeout`; with one gateway, the client's own timeout as before."""
+        count = len(self.gateways.urls)
+        if count == 1:
+            return {}
+        ack = self.ack or {}
+        allowed = float(ack.get("heartbeat_timeout") or 6 * self.heartbeat_interval)
+        share = (allowed - self.heartbeat_interval) / count
+        return {"timeout": min(CLIENT_TIMEOUT_S, max(FAILOVER_MIN_TIMEOUT_S, share))}
 
     # -- join, heartbeats, leave ----------------------------------------------------------------
 
@@ -131,7 +176,9 @@ class RegistryClient:
             body["weight"] = self.weight
         if self.max_inflight is not None:
             body["max_inflight"] = self.max_inflight
-        r = await self.client.post("/reach/agents", json=body)
+        r = await self.gateways.send(
+            "joining", "POST", "/reach/agents", json=body, **self._registry_timeout()
+        )
         if r.status_code != 200:
             raise JoinRefused(self._refused_by(r, "join"))
         self._accepted()
@@ -160,7 +207,7 @@ class RegistryClient:
     async def leave(self) -> None:
         if self.client is not None and self.joined.is_set():
             try:
-                await self.client.delete(f"/reach/agents/{self.instance_id}")
+                await self.gateways.send("leaving", "DELETE", f"/reach/agents/{self.instance_id}")
                 log.info("left Reach instance=%s", self.instance_id)
             except httpx.HTTPError:
                 pass
@@ -187,8 +234,12 @@ class RegistryClient:
                 if not self.joined.is_set():
                     await self.join()
                     continue
-                r = await self.client.put(
-                    f"/reach/agents/{self.instance_id}/heartbeat", json=await self.health()
+                r = await self.gateways.send(
+                    "heartbeating",
+                    "PUT",
+                    f"/reach/agents/{self.instance_id}/heartbeat",
+                    json=await self.health(),
+                    **self._registry_timeout(),
                 )
                 if r.status_code == 404:
                     # Evicted, or the gateway restarted with an empty registry: join again.
@@ -257,18 +308,26 @@ class RegistryClient:
             body.update(status="success", result=result or {})
         content = dumps(body)
         if self.client is not None:
-            await self._post_result(self.client, request_id, content)
+            await self._post_result(self.gateways, request_id, content)
             return
-        # Not running (e.g. a restarted process answering an old request): a one-off client.
-        async with self.new_client() as client:
-            await self._post_result(client, request_id, content)
+        # Not running (e.g. a restarted process answering an old request): one-off clients.
+        one_off = Gateways(self.gateways.urls, self.new_client)
+        one_off.current = self.gateways.current
+        try:
+            await self._post_result(one_off, request_id, content)
+        finally:
+            await one_off.close()
 
     async def _post_result(
-        self, client: httpx.AsyncClient, request_id: str, content: bytes, attempts: int = 8
+        self, gateways: Gateways, request_id: str, content: bytes, attempts: int = 8
     ) -> None:
+        # Each attempt tries every gateway (a dead one's answer is resent to the next at once);
+        # the backoff is only between attempts that found none answering.
         for attempt in range(attempts):
             try:
-                r = await client.post(
+                r = await gateways.send(
+                    "sending late answers",
+                    "POST",
                     f"/reach/requests/{request_id}/result",
                     content=content,
                     headers={"Content-Type": "application/json"},

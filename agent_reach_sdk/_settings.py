@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 from reach.security.certs import TlsFiles, identity_of
@@ -21,6 +22,27 @@ def reach_url(address: str | None) -> str:
     """The gateway's base URL: the argument, else `$REACH_ADDRESS`, else 127.0.0.1:7600."""
     address = (address or os.environ.get("REACH_ADDRESS", "127.0.0.1:7600")).rstrip("/")
     return address if "://" in address else f"http://{address}"
+
+
+def reach_urls(addresses: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The gateways' base URLs, in the order given: a list of addresses, or one string of
+    addresses separated by commas (so is `$REACH_ADDRESS`); each as `reach_url` reads it, each
+    once. None (or an empty string) is `$REACH_ADDRESS`, else 127.0.0.1:7600."""
+    if addresses is None or addresses == "":
+        addresses = os.environ.get("REACH_ADDRESS") or "127.0.0.1:7600"
+    if isinstance(addresses, str):
+        given = addresses.split(",")
+    elif isinstance(addresses, Sequence) and all(isinstance(a, str) for a in addresses):
+        given = [part for address in addresses for part in address.split(",")]
+    else:
+        raise ValueError(
+            f"reach_address must be an address, addresses separated by commas or a list of "
+            f"addresses, not {addresses!r}"
+        )
+    urls = dict.fromkeys(reach_url(a.strip()) for a in given if a.strip() and a.strip("/ "))
+    if not urls:
+        raise ValueError(f"reach_address names no gateway: {addresses!r}")
+    return tuple(urls)
 
 
 def check_int(name: str, value: object, maximum: int) -> None:

@@ -19,7 +19,9 @@ idempotent is retried only for a caller that gave an idempotency key.
 `runtime.start()` runs it in a background thread instead (plain scripts), and
 `async with runtime:` on the current loop (asyncio code). The gateway is `reach_address`
 (default: `$REACH_ADDRESS`, else 127.0.0.1:7600); `instance_id` defaults to
-`<capability>-<host>-<pid>-<4 hex>`.
+`<capability>-<host>-<pid>-<4 hex>`. Several gateways (a list, or addresses separated by
+commas) are failed over between: a call a gateway fails (refused, timed out, 5xx) is sent to the
+next at once, and the agent stays with the one that answers (`_gateways`).
 
 Activities run at least once, so a request can be delivered twice (a worker crashed between the
 agent's answer and the workflow recording it). The runtime remembers recent RequestIDs with their
@@ -36,6 +38,7 @@ operation would produce the same result), and the agent's log says so.
 The runtime is a composition of one piece per job, each a module of its own:
 
     _registry_client  join, heartbeats, leave, late answers; a refusal named in the log
+    _gateways         the gateway those go to, and the next when it fails
     _dispatch         the operations served, and how one request becomes one answer
     _answers          the answer cache: a request delivered twice runs once
     _deadlines        handlers given up on at their deadline, held until they end
@@ -49,7 +52,7 @@ import asyncio
 import logging
 import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, overload
 
@@ -102,7 +105,8 @@ class _On(Generic[T]):
 
 class AgentRuntime:
     # Kept by the registry client: what the agent tells the gateway.
-    reach_url = _On[str]("_registry")
+    reach_url = _On[str]("_registry")  # the gateway talked to now
+    reach_urls = _On[tuple[str, ...]]("_registry")  # every gateway, in order of preference
     capability = _On[str]("_registry")
     instance_id = _On[str]("_registry")
     protocol = _On[str]("_registry")
@@ -126,7 +130,7 @@ class AgentRuntime:
         self,
         capability: str,
         *,
-        reach_address: str | None = None,
+        reach_address: str | Sequence[str] | None = None,
         instance_id: str | None = None,
         protocol: str = "http",
         service_address: str | None = None,
@@ -145,7 +149,12 @@ class AgentRuntime:
         tls_ca: str | None = None,
         tracing: str | Any | None = None,
     ) -> None:
-        """`service_address` is where Reach calls this instance: `host:port` for http, grpc
+        """`reach_address` is the gateway (`host:port` or a URL), or several: a list of them, or
+        one string of them separated by commas. With several, the first is used until it fails
+        (connection refused or reset, a timeout, a 5xx); then the next is tried at once, and
+        the agent stays with whichever answers (see docs/agents.md, "Several gateways").
+
+        `service_address` is where Reach calls this instance: `host:port` for http, grpc
         and websocket (port 0 = any free port, filled in before joining); for mqtt, the
         broker's `host:port` (the request topic is added). `listen` is where to bind when it
         differs from the address advertised (e.g. 0.0.0.0:9001 behind a public name).
@@ -196,7 +205,7 @@ class AgentRuntime:
             deadlines=self._deadlines,
         )
         self._registry = RegistryClient(
-            reach_url=_settings.reach_url(reach_address),
+            reach_urls=_settings.reach_urls(reach_address),
             token=token or os.environ.get("REACH_AGENT_TOKEN") or None,
             capability=capability,
             instance_id=instance_id,
@@ -290,7 +299,8 @@ class AgentRuntime:
         try:
             await registry.join()
         except httpx.HTTPError as exc:
-            log.warning("cannot join Reach at %s yet (%r); retrying", registry.reach_url, exc)
+            where = ", ".join(registry.reach_urls)  # each was tried
+            log.warning("cannot join Reach at %s yet (%r); retrying", where, exc)
         except BaseException:
             # Refused (or cancelled): nothing may stay bound for a retry to trip over.
             await self.astop(leave=False, grace_s=0)
