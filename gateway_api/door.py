@@ -1,6 +1,7 @@
 """The door: every invoke, from every front, passes these steps in this order.
 
     identify   who calls, in which trace, with which key     steps/identify.py   401 403 422
+    admit      room for its body among those in flight       steps/admit.py      503
     accept     the body as the standard request              steps/accept.py     413 422
     rules      may this caller call this operation (R19)     steps/rules.py      403
     callback   the callback URL is not request forgery       steps/callback.py   422
@@ -27,6 +28,7 @@ from gateway_api.live import Live
 from gateway_api.steps import rules
 from gateway_api.steps.accept import accept
 from gateway_api.steps.account import Ledger
+from gateway_api.steps.admit import admitted
 from gateway_api.steps.callback import vet_callback
 from gateway_api.steps.identify import CALLER, Identity, Metadata, identify
 from gateway_api.steps.known import Capabilities
@@ -66,8 +68,26 @@ class Door:
     async def invoke(self, metadata: Metadata, body: Body, front: Front) -> InvokeResponse:
         """One invoke through the door; a refusal is raised as a `ReachError` (or Temporal's
         `RPCError`, which `gateway_api.errors.reach_error_of_rpc` names)."""
+        identity = self._identify(metadata)
+        async with admitted(self.live.settings, metadata, body) as room:
+            request, payload_bytes = accept(await room.read(), self.live.limits, identity)
+            assert request.request_id is not None
+            await front.named(request.request_id, identity.caller)  # envelopes name it now
+            on_logs = current_request_id.set(request.request_id)
+            ledger = Ledger(request, identity.caller, self.guard, self.metrics, self.capabilities)
+            try:
+                response = await self._pass(request, payload_bytes, identity, ledger)
+            except BaseException as exc:
+                await ledger.refused(exc)
+                raise
+            finally:
+                current_request_id.reset(on_logs)
+            await ledger.answered(response)
+            return response
+
+    def _identify(self, metadata: Metadata) -> Identity:
         try:
-            identity = identify(metadata, self.guard.auth if self.guard else None)
+            return identify(metadata, self.guard.auth if self.guard else None)
         except ReachError as exc:
             if self.guard is not None:  # who tried, and why not (a forged caller, no token)
                 self.guard.audit.record(
@@ -78,20 +98,6 @@ class Door:
                     reason=exc.message,
                 )
             raise
-        request, payload_bytes = accept(await body.read(), self.live.limits, identity)
-        assert request.request_id is not None
-        await front.named(request.request_id, identity.caller)  # envelopes name it from here
-        on_logs = current_request_id.set(request.request_id)
-        ledger = Ledger(request, identity.caller, self.guard, self.metrics, self.capabilities)
-        try:
-            response = await self._pass(request, payload_bytes, identity, ledger)
-        except BaseException as exc:
-            await ledger.refused(exc)
-            raise
-        finally:
-            current_request_id.reset(on_logs)
-        await ledger.answered(response)
-        return response
 
     async def _pass(
         self, request: InvokeRequest, payload_bytes: int, identity: Identity, ledger: Ledger
