@@ -98,8 +98,9 @@ _ERR: dict[int | str, dict[str, Any]] = {
         404: "Unknown instance (join again) or capability",
         413: "Body larger than the limit",
         422: "Invalid body, path parameter, address or protocol",
+        429: "Join: the principal created registry.new_capabilities_per_minute this minute",
         500: "A bug in Reach",
-        503: "The registry store is unavailable",
+        503: "The registry store is unavailable, or (Join) it holds registry.max_capabilities",
     }.items()
 }
 

@@ -15,9 +15,6 @@ its real size. The count is the process's: its memory is one, whichever door a r
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-
 from gateway_api.front import Body, Bytes
 from gateway_api.steps.identify import Metadata
 from reach.config import ReachSettings
@@ -40,31 +37,49 @@ class InFlight:
 IN_FLIGHT = InFlight()
 
 
-@contextlib.asynccontextmanager
-async def admitted(settings: ReachSettings, metadata: Metadata, body: Body) -> AsyncIterator[Body]:
-    """The request holds room for its body while the block runs (its whole way through the
-    door), or `Unavailable` (503, Retry-After) is raised before its body is read. Yields the
-    body to read (a body of unknown size takes its real size once read)."""
-    limit = settings.transport.max_inflight_bytes
-    held = IN_FLIGHT
-    size = declared_size(metadata, body)
-    known = size is not None
-    want = size if size is not None else settings.transport.max_message_bytes
-    if limit and held.requests and held.bytes + want > limit:
-        raise Unavailable(
-            f"the gateway holds {held.bytes} bytes of requests in flight ({held.requests}); "
-            f"this one's {want} would pass transport.max_inflight_bytes ({limit}). It was not "
-            f"started: retry after {RETRY_AFTER_S}s, or on another gateway",
-            retry_after_s=RETRY_AFTER_S,
-        )
-    held.bytes += want
-    held.requests += 1
-    counted = _Counted(body, want) if not known else body
-    try:
-        yield counted
-    finally:
-        held.bytes -= counted.size if isinstance(counted, _Counted) else want
-        held.requests -= 1
+def admitted(settings: ReachSettings, metadata: Metadata, body: Body) -> Admission:
+    """`async with admitted(settings, metadata, body) as body:` the request holds room for its
+    body while the block runs (its whole way through the door), or `Unavailable` (503,
+    Retry-After) is raised on entry, before its body is read. The block reads the body it is
+    given (one of unknown size takes its real size once read)."""
+    return Admission(settings, metadata, body)
+
+
+class Admission:
+    """One request's room. A class rather than `contextlib.asynccontextmanager`: ~1 µs a
+    request instead of ~8 (a generator and its wrapper per call)."""
+
+    __slots__ = ("body", "held", "metadata", "settings")
+
+    def __init__(self, settings: ReachSettings, metadata: Metadata, body: Body) -> None:
+        self.settings = settings
+        self.metadata = metadata
+        self.body: Body = body
+        self.held = 0
+
+    async def __aenter__(self) -> Body:
+        transport = self.settings.transport
+        size = declared_size(self.metadata, self.body)
+        want = transport.max_message_bytes if size is None else size
+        limit = transport.max_inflight_bytes
+        if limit and IN_FLIGHT.requests and IN_FLIGHT.bytes + want > limit:
+            raise Unavailable(
+                f"the gateway holds {IN_FLIGHT.bytes} bytes of requests in flight "
+                f"({IN_FLIGHT.requests}); this one's {want} would pass "
+                f"transport.max_inflight_bytes ({limit}). It was not started: retry after "
+                f"{RETRY_AFTER_S}s, or on another gateway",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        IN_FLIGHT.bytes += want
+        IN_FLIGHT.requests += 1
+        self.held = want
+        if size is None:
+            self.body = _Counted(self.body, self)
+        return self.body
+
+    async def __aexit__(self, *exc: object) -> None:
+        IN_FLIGHT.bytes -= self.held
+        IN_FLIGHT.requests -= 1
 
 
 def declared_size(metadata: Metadata, body: Body) -> int | None:
@@ -80,14 +95,14 @@ def declared_size(metadata: Metadata, body: Body) -> int | None:
 class _Counted:
     """A body of unknown size: it holds its real size from when it is read."""
 
-    __slots__ = ("body", "size")
+    __slots__ = ("body", "room")
 
-    def __init__(self, body: Body, size: int) -> None:
+    def __init__(self, body: Body, room: Admission) -> None:
         self.body = body
-        self.size = size
+        self.room = room
 
     async def read(self) -> bytes:
         raw = await self.body.read()
-        IN_FLIGHT.bytes += len(raw) - self.size
-        self.size = len(raw)
+        IN_FLIGHT.bytes += len(raw) - self.room.held
+        self.room.held = len(raw)
         return raw

@@ -158,7 +158,7 @@ class TransportSettings(Section):
         default=32 * 1024 * 1024,
         ge=0,
         description="Most bytes of invoke bodies the door holds at once (each costs the "
-        "process about 10-20 times its size until answered: bench/door_memory.py); past it a "
+        "gateway 12-22 times its size in memory until answered: bench/door_memory.py); past it a "
         "new invoke is refused 503 unavailable with Retry-After before its body is read, and "
         "was not started. One invoke is always admitted when none is in flight. 0: no bound.",
     )
