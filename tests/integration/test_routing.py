@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -456,8 +457,21 @@ async def test_consistent_hash_keeps_keys_on_their_instance_across_gateways(
     by_key, by_user = CH, CH_USER  # a loose ring: the ring alone decides
     a, b = pair
     ring = await instances(a, by_key, [f"{by_key}-{i:02d}" for i in range(10)])
-    await instances(b, by_user, [f"{by_user}-{i}" for i in range(4)])
-    await asyncio.sleep(0.5)  # each view has them all (test 7 measures how fast)
+    users_ring = await instances(b, by_user, [f"{by_user}-{i}" for i in range(4)])
+
+    async def routes_to_exactly(gateway: GatewayProcess, capability: str, ids: set[str]) -> bool:
+        """Without a hash key round robin routes: twice round reaches exactly the instances in
+        the gateway's view."""
+        seen = await each(2 * len(ids), CONCURRENT, lambda _: served_by(http, gateway, capability))
+        return set(seen) == ids
+
+    async def views_hold(capability: str, ids: set[str]) -> None:
+        """Until both gateways' views hold exactly `ids` (test 7 measures how fast)."""
+        for gateway in (a, b):
+            await wait_until(partial(routes_to_exactly, gateway, capability, ids), 20)
+
+    await views_hold(by_key, {i.instance_id for i in ring})
+    await views_hold(by_user, {i.instance_id for i in users_ring})
 
     # The ring decides alone (no spill at this load), so calls go CONCURRENT at a time: what a
     # key is sent to does not depend on what else is in flight.
@@ -500,7 +514,7 @@ async def test_consistent_hash_keeps_keys_on_their_instance_across_gateways(
     # One of 10 leaves: only its keys move.
     victim = Counter(on_a.values()).most_common(1)[0][0]
     await next(i for i in ring if i.instance_id == victim).leave()
-    await asyncio.sleep(0.5)
+    await views_hold(by_key, {i.instance_id for i in ring} - {victim})
     moved_to = await each(
         len(keys),
         CONCURRENT,
