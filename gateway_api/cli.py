@@ -7,27 +7,28 @@ reach worker    a worker alone (same as `python worker.py`).
 reach certs     a development CA for mTLS to agents: `certs init`, `certs issue --agent ID`.
 reach invoke | agents | capabilities | config check   the API from a terminal (cli_view).
 reach trace ID | requests   a request's timeline, the recent requests (cli_ops).
+
+The parser is built from modules that import the standard library only, and each command
+imports what it needs when it runs: `reach --help`, `reach agents` and `reach trace` start
+without the settings model, Temporal, the app or httpx (issue 26; bench/cli_start.py measures
+it, tests/unit/test_cli_start.py checks what the parser loads).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import json
 import os
-import signal
+import sys
 from collections.abc import Callable, Coroutine, Sequence
-from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gateway_api import cli_certs, cli_ops, cli_tokens, cli_view
-from gateway_api.devserver import DevServer, PortInUse, require_free
-from reach.config import CONFIG_ENV_VAR, ConfigError, ReachSettings, config_file
-from reach.process import configure_logging, exit_now, run
-from reach.settings_checks import load_checked_settings
+from gateway_api.cli_address import CONFIG_ENV_VAR
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from reach.config import ReachSettings
 
 KEEP_ALIVE_S = 75  # as nginx's default (transport.http_keep_alive_s's)
 GIVE_UP_GRACE_S = 30.0  # how long the gateway may take to stop once Temporal is gone for good
@@ -45,10 +46,14 @@ async def _serve(
     `give_up_after_s`, stop with ConnectionError once Temporal has not answered that long
     (`gateway_api.watchdog`; `reach up` restarts its own dev server instead)."""
     # Imported here: the light commands (tokens, requests, trace, ...) start without them.
+    import asyncio
+
     import uvicorn
 
     from gateway_api.app import create_app
     from gateway_api.http_limits import bounded_h11
+    from reach.config import config_file
+    from reach.process import exit_now
     from worker import connect_temporal
 
     client = await connect_temporal(settings, wait_s=settings.temporal.connect_wait_s)
@@ -97,6 +102,7 @@ async def _serve(
 
 def _require_free_ports(settings: ReachSettings) -> None:
     """The gateway's HTTP and gRPC ports, both on `listen_host`."""
+    from gateway_api.devserver import require_free
     from gateway_api.grpc_front import grpc_port
 
     require_free(
@@ -116,12 +122,16 @@ def _require_free_ports(settings: ReachSettings) -> None:
 
 
 def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
+    from reach.process import run
+
     _require_free_ports(settings)
     bound = settings.temporal.connect_wait_s
     run(_serve(settings, run_worker=run_worker, give_up_after_s=bound), settings)
 
 
 def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: Path) -> str:
+    import json
+
     from gateway_api.grpc_front import grpc_port
 
     url = settings.gateway_url
@@ -164,6 +174,11 @@ async def _announce_when_ready(
 ) -> None:
     """The banner, once the demo agents are routable (read with their token, if they hold one:
     with tokens required an anonymous read is 401)."""
+    import asyncio
+    import contextlib
+
+    import httpx
+
     async with httpx.AsyncClient(base_url=settings.gateway_url, trust_env=False) as client:
         for _ in range(600):
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
@@ -180,6 +195,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
+    import signal
+    from pathlib import Path
+
+    from gateway_api.devserver import DevServer, require_free
+    from reach.process import run
+
     dev = settings.temporal.dev_server
     ui_port = None if dev.headless else dev.ui_port
     _require_free_ports(settings)
@@ -245,7 +266,8 @@ def cmd_certs(settings: ReachSettings, args: argparse.Namespace) -> int:
     return cli_certs.cmd_certs(settings, args)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's arguments; built from modules that import the standard library only."""
     parser = argparse.ArgumentParser(prog="reach", description="Agent-Reach")
     parser.add_argument(
         "--config", help="path to reach.yaml (default: $REACH_CONFIG or ./reach.yaml)"
@@ -267,40 +289,85 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli_certs.add_parser(sub)  # reach certs init | issue (mTLS, R18)
     cli_view.add_parser(sub)  # reach invoke | agents | capabilities | config check
     cli_ops.add_parser(sub)  # reach trace ID | requests
-    args = parser.parse_args(argv)
+    return parser
 
-    configure_logging(args.verbose)
+
+# The commands that only call a gateway's API: they need the gateway's URL (cli_address) and
+# none of the settings model, its checks or the logging set-up; nothing they run logs.
+API_COMMANDS = (cli_view.COMMANDS - {"config"}) | cli_ops.COMMANDS
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.config:
         # The gateway re-reads this file when it changes (R26), as `reach --config` named it.
         os.environ[CONFIG_ENV_VAR] = args.config
     try:
-        if args.command == "config":  # checks the file itself: before loading it
-            exit_now(cli_view.main(None, args))
-        settings = load_checked_settings(args.config)
-        configure_logging(args.verbose, settings.telemetry)  # its format, the sampling
-        if args.command in cli_view.COMMANDS:
-            exit_now(cli_view.main(settings, args))
-        if args.command in cli_ops.COMMANDS:
-            exit_now(cli_ops.main(settings, args))
-        if args.command == "tokens":
-            exit_now(cli_tokens.main(settings, args))
-        if args.command == "certs":
-            exit_now(cmd_certs(settings, args))
-        if args.command == "up":
-            cmd_up(settings, demo=not args.no_demo)
-        elif args.command == "gateway":
-            cmd_gateway(settings, run_worker=not args.no_worker)
-        else:
-            import worker as worker_main
-
-            extra = ["--invoke"] if args.invoke else []
-            for cap in args.capability:
-                extra += ["--capability", cap]
-            if args.config:
-                extra += ["--config", args.config]
-            worker_main.main(extra)
-    except (ConfigError, PortInUse, FileNotFoundError, ConnectionError) as exc:
-        exit_now(1, f"error: {exc}")
+        if args.command in API_COMMANDS:
+            module = cli_view if args.command in cli_view.COMMANDS else cli_ops
+            _exit(module.main(None, args))
+        _exit(_run(args))
     except KeyboardInterrupt:
         pass
-    exit_now(0)
+    except Exception as exc:
+        if _start_up_error(exc):
+            _exit(1, f"error: {exc}")
+        raise
+    _exit(0)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The commands that load the settings: `config check` (its own way), tokens, certs, and
+    the processes (up, gateway, worker)."""
+    from reach.process import configure_logging
+    from reach.settings_checks import load_checked_settings
+
+    configure_logging(args.verbose)
+    if args.command == "config":  # checks the file itself: before loading it
+        return cli_view.main(None, args)
+    settings = load_checked_settings(args.config)
+    configure_logging(args.verbose, settings.telemetry)  # its format, the sampling
+    if args.command == "tokens":
+        return cli_tokens.main(settings, args)
+    if args.command == "certs":
+        return cmd_certs(settings, args)
+    if args.command == "up":
+        cmd_up(settings, demo=not args.no_demo)
+    elif args.command == "gateway":
+        cmd_gateway(settings, run_worker=not args.no_worker)
+    else:
+        import worker as worker_main
+
+        extra = ["--invoke"] if args.invoke else []
+        for cap in args.capability:
+            extra += ["--capability", cap]
+        if args.config:
+            extra += ["--config", args.config]
+        worker_main.main(extra)
+    return 0
+
+
+def _start_up_error(exc: Exception) -> bool:
+    """An error a person fixes (said in one line, exit 1), not a bug (a traceback)."""
+    if isinstance(exc, FileNotFoundError | ConnectionError):
+        return True
+    # Loaded already when one of theirs was raised; imported here so that the light commands
+    # do not load them up front.
+    from gateway_api.devserver import PortInUse
+    from reach.config import ConfigError
+
+    return isinstance(exc, ConfigError | PortInUse)
+
+
+def _exit(code: int, message: str | None = None) -> NoReturn:
+    """`reach.process.exit_now` (no interpreter teardown, spans flushed) once a command loaded
+    it; the same exit without it for the light commands, which start no tracing."""
+    if "reach.process" in sys.modules:
+        from reach.process import exit_now
+
+        exit_now(code, message)
+    if message:
+        print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

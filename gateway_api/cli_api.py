@@ -1,15 +1,23 @@
 """The CLI's client of the gateway's API: one small synchronous client that turns every failure
 into `Failed` with the fix named, the options every gateway command takes, and the exit codes
 the commands share (0 done, 1 the call failed, 2 bad arguments, 3 no gateway there).
+
+The client is the standard library's `http.client`, not httpx: these are a few small requests
+from a short-lived process, and importing httpx took longer than the requests themselves (issue
+26: `reach agents` started in 1.5 s, most of it imports). It is imported when a command first
+calls, so `reach --help` does not load it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:
+    import http.client
+    import ssl
 
 TOKEN_ENV = "REACH_TOKEN"
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
@@ -28,6 +36,18 @@ class NoAnswer(Failed):
     """The gateway took the call and did not answer in time."""
 
 
+class _Unreachable(Exception):
+    """The call did not get an HTTP answer: `reason` says why, as a person reads it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _ReadTimeout(Exception):
+    """The request went out and no answer came within the read timeout."""
+
+
 def gateway_options() -> argparse.ArgumentParser:
     """--gateway, --token and --json: every command that talks to the gateway takes them."""
     gateway = argparse.ArgumentParser(add_help=False)
@@ -41,16 +61,31 @@ def gateway_options() -> argparse.ArgumentParser:
     return gateway
 
 
-def _reason(exc: httpx.TransportError) -> str:
+def _reason(exc: BaseException) -> str:
+    """A transport failure in a few words (the wording the httpx-based client used)."""
+    import http.client
+    import socket
+
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    if isinstance(exc, http.client.RemoteDisconnected):
+        return "Server disconnected without sending a response."
+    if isinstance(exc, http.client.BadStatusLine):
+        return f"illegal status line: {str(exc).strip()!r}"
     text = str(exc) or type(exc).__name__
     lowered = text.lower()
     if "refused" in lowered:
         return "connection refused"
-    if isinstance(exc, httpx.TimeoutException):
-        return "no answer in time"
-    if "name or service not known" in lowered or "nodename nor servname" in lowered:
+    if isinstance(exc, socket.gaierror) or "name or service not known" in lowered:
         return "unknown host"
     return text
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
+        return None
 
 
 class Api:
@@ -59,24 +94,25 @@ class Api:
 
     def __init__(self, base_url: str, token: str | None) -> None:
         self.base_url = base_url.rstrip("/")
-        headers = {"Accept": "application/json", "User-Agent": "reach-cli"}
+        self._headers = {"Accept": "application/json", "User-Agent": "reach-cli"}
         if token:
-            headers["Authorization"] = f"Bearer {token}"
+            self._headers["Authorization"] = f"Bearer {token}"
         self.has_token = bool(token)
-        # trust_env off: a proxy from the environment must not stand between the CLI and a
+        # One connection, kept alive across a command's requests (`reach agents` makes one per
+        # capability). No proxy from the environment: it must not stand between the CLI and a
         # gateway on this machine (the usual case).
-        self._client = httpx.Client(
-            base_url=self.base_url,
-            headers=headers,
-            trust_env=False,
-            timeout=httpx.Timeout(30.0, connect=CONNECT_TIMEOUT_S),
-        )
+        self._conn: http.client.HTTPConnection | None = None
 
     def __enter__(self) -> Api:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._client.close()
+        self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def request(
         self,
@@ -89,37 +125,33 @@ class Api:
     ) -> tuple[int, dict[str, Any]]:
         """(HTTP status, JSON body). A status outside `ok` that is not an envelope the caller
         wants raises `Failed`; envelopes (invoke, request status) come back as they are."""
-        timeout = httpx.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S)
         try:
-            response = self._client.request(method, path, json=body, timeout=timeout)
-        except httpx.ReadTimeout:
+            status, content_type, raw = self._exchange(method, path, body, read_timeout_s)
+        except _ReadTimeout:
             raise NoAnswer(
                 f"the gateway at {self.base_url} accepted the call but did not answer within "
                 f"{read_timeout_s:g}s"
             ) from None
-        except httpx.TransportError as exc:
+        except _Unreachable as exc:
             raise Failed(
-                f"cannot reach the gateway at {self.base_url}: {_reason(exc)} — start it with "
+                f"cannot reach the gateway at {self.base_url}: {exc.reason} — start it with "
                 "`reach up` (or `reach gateway`) or set --gateway",
                 EXIT_UNREACHABLE,
             ) from None
-        try:
-            data = response.json()
-        except ValueError:
-            data = None
+        data = _json_or_none(raw)
         if not isinstance(data, dict):
-            kind = response.headers.get("content-type", "no content type")
+            kind = content_type or "no content type"
             raise Failed(
                 f"{self.base_url}{path} did not answer as a Reach gateway (HTTP "
-                f"{response.status_code}, {kind}) — check --gateway"
+                f"{status}, {kind}) — check --gateway"
             )
-        if response.status_code == 401:
+        if status == 401:
             raise Failed(self._unauthorized(data))
-        if response.status_code == 403:
+        if status == 403:
             raise Failed(f"forbidden: {error_text(data)}")
-        if response.status_code not in ok:
-            raise Failed(error_text(data) + _hint(response.status_code, path))
-        return response.status_code, data
+        if status not in ok:
+            raise Failed(error_text(data) + _hint(status, path))
+        return status, data
 
     def _unauthorized(self, data: dict[str, Any]) -> str:
         if self.has_token:
@@ -131,6 +163,100 @@ class Api:
             "the gateway requires a token — set REACH_TOKEN (or --token) to one from "
             "`reach tokens issue --principal NAME`"
         )
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, str]:
+        """The open connection (made on first use, in CONNECT_TIMEOUT_S) and the URL's path
+        prefix. Raises _Unreachable."""
+        import http.client
+        from urllib.parse import urlsplit
+
+        url = urlsplit(self.base_url)
+        if url.scheme not in ("http", "https"):
+            raise _Unreachable(
+                "Request URL is missing an 'http://' or 'https://' protocol."
+                if not url.scheme
+                else f"Request URL has an unsupported protocol '{url.scheme}://'."
+            )
+        if self._conn is None:
+            try:
+                host, port = url.hostname, url.port
+            except ValueError as exc:  # a port that is no number, or out of range
+                raise _Unreachable(str(exc)) from None
+            if not host:
+                raise _Unreachable("unknown host")
+            if url.scheme == "https":
+                conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                    host, port, timeout=CONNECT_TIMEOUT_S, context=_tls_context()
+                )
+            else:
+                conn = http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT_S)
+            try:
+                conn.connect()
+            except (OSError, OverflowError) as exc:
+                conn.close()
+                raise _Unreachable(_reason(exc)) from None
+            self._conn = conn
+        return self._conn, url.path.rstrip("/")
+
+    def _exchange(
+        self, method: str, path: str, body: dict[str, Any] | None, read_timeout_s: float | None
+    ) -> tuple[int, str | None, bytes]:
+        """One request and its whole answer: (status, content type, body bytes)."""
+        import http.client
+
+        reused = self._conn is not None
+        conn, prefix = self._connection()
+        headers = dict(self._headers)
+        content = None
+        if body is not None:
+            content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+            headers["Content-Type"] = "application/json"
+        sent = False
+        try:
+            assert conn.sock is not None
+            conn.sock.settimeout(read_timeout_s)
+            conn.request(method, _quoted(prefix + path), body=content, headers=headers)
+            sent = True
+            response = conn.getresponse()
+            raw = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self._close()
+            if sent and isinstance(exc, TimeoutError):
+                raise _ReadTimeout from None
+            if reused and method == "GET" and _stale(exc):
+                # The gateway closed the kept-alive connection between two calls: once more on
+                # a new one (a GET has no effect to repeat).
+                return self._exchange(method, path, body, read_timeout_s)
+            raise _Unreachable(_reason(exc)) from None
+        if response.will_close:
+            self._close()
+        return response.status, response.headers.get("content-type"), raw
+
+
+def _quoted(target: str) -> str:
+    """The request target with what may not go raw on the wire percent-encoded (a space in a
+    capability's name, say), as httpx sent it; `%XX` already there is kept."""
+    from urllib.parse import quote
+
+    return quote(target, safe="/:@!$&'()*+,;=?%~")
+
+
+def _stale(exc: BaseException) -> bool:
+    import http.client
+
+    return isinstance(exc, http.client.RemoteDisconnected | ConnectionResetError | BrokenPipeError)
+
+
+def _tls_context() -> ssl.SSLContext:
+    """The CA bundle httpx verified the gateway with (certifi's), else the system's; as before,
+    SSL_CERT_FILE and SSL_CERT_DIR are not read."""
+    import ssl
+
+    try:
+        import certifi
+    except ImportError:
+        return ssl.create_default_context()
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 def error_text(data: dict[str, Any]) -> str:

@@ -12,18 +12,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from reach.config import ReachSettings
-from reach.security.certs import (
-    DEFAULT_AGENT_HOURS,
-    DEFAULT_CA_DAYS,
-    CertificateError,
-    agent_server_name,
-    agent_spiffe_id,
-    expires_at,
-    init_ca,
-    issue_agent,
-)
+if TYPE_CHECKING:
+    from reach.config import ReachSettings
+
+# reach.security.certs' DEFAULT_CA_DAYS and DEFAULT_AGENT_HOURS, copied because that module
+# loads the cryptography stack, and the parser (`reach --help`) must not (issue 26;
+# tests/unit/test_cli_start.py checks they are equal).
+DEFAULT_CA_DAYS = 365
+DEFAULT_AGENT_HOURS = 24
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,6 +42,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def cmd_certs(settings: ReachSettings, args: argparse.Namespace) -> int:
+    from reach.security.certs import (
+        CertificateError,
+        agent_server_name,
+        agent_spiffe_id,
+        expires_at,
+        init_ca,
+        issue_agent,
+    )
+
     tls = settings.security.tls
     directory = Path(args.dir) if args.dir else Path(tls.ca_file).parent
     trust_domain = args.trust_domain or tls.trust_domain

@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from gateway_api.cli_api import EXIT_FAILED, TOKEN_ENV
 from gateway_api.cli_output import print_json
-from reach.config import ConfigError, ReachSettings, config_file
-from reach.settings_checks import load_checked_settings
+
+if TYPE_CHECKING:
+    from reach.config import ReachSettings
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,6 +31,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def check_config(args: argparse.Namespace) -> int:
+    # Here, not above: the parser is built from this module, and `reach --help` should not
+    # wait for the settings model (issue 26).
+    from reach.config import ConfigError, config_file
+    from reach.settings_checks import load_checked_settings
+
     path = args.check_config or getattr(args, "config", None)
     try:
         file_path = config_file(path)

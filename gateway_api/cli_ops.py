@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 from gateway_api.cli_view import (
@@ -21,17 +21,24 @@ from gateway_api.cli_view import (
     Failed,
     clean,
     gateway_options,
+    gateway_url,
     print_json,
     print_table,
 )
-from reach.config import ReachSettings
-from reach.listing import MAX_LIMIT, since_delta
+
+if TYPE_CHECKING:
+    from reach.config import ReachSettings
 
 COMMANDS = frozenset({"trace", "requests"})
 STATUSES = ("running", "success", "error", "timeout")
+# reach.listing.MAX_LIMIT, which the gateway enforces; copied because reach.listing loads
+# pydantic, and the parser (`reach --help`) must not (tests/unit/test_cli_start.py: equal).
+MAX_LIMIT = 500
 
 
 def _since(text: str) -> str:
+    from reach.listing import since_delta  # only when --since is given
+
     try:
         since_delta(text)
     except ValueError as exc:
@@ -80,10 +87,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
 
 
-def main(settings: ReachSettings, args: argparse.Namespace) -> int:
+def main(settings: ReachSettings | None, args: argparse.Namespace) -> int:
+    """Run one of `COMMANDS`; the gateway as `cli_view.gateway_url` finds it."""
     token = args.token or os.environ.get(TOKEN_ENV) or None
     try:
-        with Api(args.gateway or settings.gateway_url, token) as api:
+        with Api(gateway_url(settings, args), token) as api:
             if args.command == "trace":
                 path = f"/reach/requests/{quote(args.request_id, safe='')}/timeline"
                 _, data = api.request("GET", path)

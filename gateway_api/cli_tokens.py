@@ -9,18 +9,15 @@ API (`/reach/admin/tokens`) does the same over HTTP.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from reach.config import ReachSettings
-from reach.security.audit import AuditLog
-from reach.security.guard import token_store
-from reach.security.tokens import Kind, TokenRecord, issue
-from reach.security.webhooks import caller_secret
-from reach.store import create_store
+if TYPE_CHECKING:
+    from reach.config import ReachSettings
+    from reach.security.tokens import Kind, TokenRecord
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400}
@@ -63,10 +60,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(settings: ReachSettings, args: argparse.Namespace) -> int:
+    import asyncio
+
     return asyncio.run(_main(settings, args))
 
 
 async def _main(settings: ReachSettings, args: argparse.Namespace) -> int:
+    # Here, not above: the parser is built from this module, and `reach --help` should not
+    # wait for the token store and its Redis client (issue 26).
+    from reach.security.audit import AuditLog
+    from reach.security.guard import token_store
+    from reach.security.tokens import issue
+    from reach.security.webhooks import caller_secret
+    from reach.store import create_store
+
     if args.tokens_command == "webhook-secret":
         if settings.security.webhook_key is None:
             print(

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway_api import cli_config
 from gateway_api.cli_api import (
@@ -45,8 +45,9 @@ from gateway_api.cli_output import (
     print_table,
     progress,
 )
-from reach.config import ReachSettings
-from reach.messages import new_request_id
+
+if TYPE_CHECKING:
+    from reach.config import ReachSettings
 
 __all__ = [
     "COMMANDS",
@@ -70,6 +71,7 @@ __all__ = [
     "cmd_invoke",
     "compact",
     "gateway_options",
+    "gateway_url",
     "main",
     "print_json",
     "print_table",
@@ -120,13 +122,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(settings: ReachSettings | None, args: argparse.Namespace) -> int:
-    """Run one of `COMMANDS`. `settings` may be None for `config check` (it loads its own)."""
+    """Run one of `COMMANDS`. Without `settings` (what `reach` passes) the gateway is
+    `--gateway`, else the configured one read from the file and the environment alone
+    (`cli_address`); `config check` loads its own."""
     try:
         if args.command == "config":
             return check_config(args)
-        assert settings is not None
         api = Api(
-            args.gateway or settings.gateway_url,
+            gateway_url(settings, args),
             args.token or os.environ.get(TOKEN_ENV) or None,
         )
         with api:
@@ -140,6 +143,18 @@ def main(settings: ReachSettings | None, args: argparse.Namespace) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
+
+
+def gateway_url(settings: ReachSettings | None, args: argparse.Namespace) -> str:
+    """`--gateway`, else the settings' gateway, else the configured one (without loading the
+    settings model: `cli_address`)."""
+    if args.gateway:
+        return str(args.gateway)
+    if settings is not None:
+        return settings.gateway_url
+    from gateway_api.cli_address import configured_gateway_url
+
+    return configured_gateway_url(getattr(args, "config", None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +188,12 @@ def _payload(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_invoke(api: Api, args: argparse.Namespace) -> int:
     payload = _payload(args)
     # The RequestID is chosen here, so that an interrupted wait can still name the request.
-    request_id = args.request_id or new_request_id()
+    if args.request_id:
+        request_id = args.request_id
+    else:
+        from reach.messages import new_request_id  # the one format; it loads pydantic
+
+        request_id = new_request_id()
     body: dict[str, Any] = {
         "request_id": request_id,
         "target": args.capability,
