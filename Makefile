@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: up test lint docs docs-build fmt test-only test-slow fuzz-quick fuzz bench bench-routing install clean proto
+.PHONY: up test lint docs docs-build fmt test-only test-slow fuzz-quick fuzz bench bench-routing bench-cli install clean proto
 
 # The fuzz runs happen in a network namespace of their own with only loopback up, so no URL the
 # fuzzer makes up (callbacks, agent addresses) can send a packet off this machine.
@@ -77,6 +77,11 @@ bench: $(STAMP)
 bench-routing: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench]'
 	$(BIN)/python bench/routing.py $(ARGS)
+
+# CLI start-up: `reach --help`, `reach agents`, `reach trace` in fresh processes (issue 26);
+# ARGS='--before /tmp/cli-before' compares with a worktree of earlier code.
+bench-cli: $(STAMP)
+	$(BIN)/python bench/cli_start.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .reach .mypy_cache .ruff_cache .pytest_cache .hypothesis
