@@ -20,7 +20,11 @@ body read here, and the envelope back; it adds no policy of its own.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+
+from temporalio.service import RPCError
 
 from gateway_api.engine import Engine
 from gateway_api.front import Body, Front
@@ -36,12 +40,14 @@ from gateway_api.steps.limits import Limiter
 from gateway_api.steps.plan import plan
 from gateway_api.steps.route import FirstRoute
 from gateway_api.steps.start import invoke_input, start
-from gateway_api.steps.wait import Verdicts
+from gateway_api.steps.wait import SYNC_GRACE_S, Verdicts
 from reach.errors import ReachError
 from reach.messages import InvokeRequest, InvokeResponse
 from reach.security.guard import Guard
 from reach.telemetry.logs import current_request_id
 from reach.telemetry.metrics import ReachMetrics
+
+log = logging.getLogger("reach.gateway")
 
 
 class Door:
@@ -64,40 +70,86 @@ class Door:
         self.verdicts = verdicts
         self.guard = guard
         self.metrics = metrics
+        self._accounting: set[asyncio.Task[None]] = set()  # outcomes no caller waits for
 
     async def invoke(self, metadata: Metadata, body: Body, front: Front) -> InvokeResponse:
         """One invoke through the door; a refusal is raised as a `ReachError` (or Temporal's
         `RPCError`, which `gateway_api.errors.reach_error_of_rpc` names)."""
         identity = self._identify(metadata)
-        async with admitted(self.live.settings, metadata, body) as room:
-            request, payload_bytes = accept(await room.read(), self.live.limits, identity)
-            assert request.request_id is not None
-            await front.named(request.request_id, identity.caller)  # envelopes name it now
-            on_logs = current_request_id.set(request.request_id)
-            ledger = Ledger(request, identity.caller, self.guard, self.metrics, self.capabilities)
+        room = admitted(self.live.settings, metadata, body)
+        try:
+            readable = await room.__aenter__()
+        except ReachError as exc:
+            self._refused(metadata, exc, identity.caller)
+            raise
+        try:
             try:
-                response = await self._pass(request, payload_bytes, identity, ledger)
-            except BaseException as exc:
-                await ledger.refused(exc)
+                request, payload_bytes = accept(await readable.read(), self.live.limits, identity)
+            except ReachError as exc:
+                self._refused(metadata, exc, identity.caller)
                 raise
-            finally:
-                current_request_id.reset(on_logs)
-            await ledger.answered(response)
-            return response
+            return await self._through(request, payload_bytes, identity, front)
+        finally:
+            await room.__aexit__(None, None, None)
+
+    async def _through(
+        self, request: InvokeRequest, payload_bytes: int, identity: Identity, front: Front
+    ) -> InvokeResponse:
+        assert request.request_id is not None
+        await front.named(request.request_id, identity.caller)  # envelopes name it from here
+        on_logs = current_request_id.set(request.request_id)
+        ledger = Ledger(request, identity.caller, self.guard, self.metrics, self.capabilities)
+        try:
+            response = await self._pass(request, payload_bytes, identity, ledger)
+        except asyncio.CancelledError:
+            # The caller stopped waiting (a gRPC deadline, a shutdown): the request carries
+            # on durably, and is accounted when its outcome is known.
+            if not request.callback:
+                self._account_later(request, ledger)
+            raise
+        except BaseException as exc:
+            await ledger.refused(exc)
+            raise
+        finally:
+            current_request_id.reset(on_logs)
+        await ledger.answered(response)
+        return response
 
     def _identify(self, metadata: Metadata) -> Identity:
         try:
             return identify(metadata, self.guard.auth if self.guard else None)
         except ReachError as exc:
-            if self.guard is not None:  # who tried, and why not (a forged caller, no token)
-                self.guard.audit.record(
-                    "refused",
-                    claimed_caller=metadata.get(CALLER),
-                    status=exc.http_status,
-                    error_type=exc.type,
-                    reason=exc.message,
-                )
+            self._refused(metadata, exc, None)  # a forged caller, no valid token
             raise
+
+    def _refused(self, metadata: Metadata, exc: ReachError, caller: str | None) -> None:
+        """A refusal before the request has its RequestID (identity, room, the body)."""
+        if self.guard is not None:
+            self.guard.audit.record(
+                "refused",
+                caller=caller,
+                claimed_caller=metadata.get(CALLER) if caller is None else None,
+                status=exc.http_status,
+                error_type=exc.type,
+                reason=exc.message,
+            )
+
+    def _account_later(self, request: InvokeRequest, ledger: Ledger) -> None:
+        task = asyncio.create_task(self._account_outcome(request, ledger))
+        self._accounting.add(task)
+        task.add_done_callback(self._accounting.discard)
+
+    async def _account_outcome(self, request: InvokeRequest, ledger: Ledger) -> None:
+        assert request.request_id is not None
+        settings = self.live.settings.policy
+        wait_s = (request.timeout_ms or settings.default_timeout_ms) / 1000 + SYNC_GRACE_S
+        try:
+            async with asyncio.timeout(wait_s):
+                response = await self.engine.outcome(self.engine.handle(request.request_id))
+        except (RPCError, TimeoutError) as exc:  # not started, or no verdict by its deadline
+            log.info("request %s: no outcome to account (%s)", request.request_id, exc)
+            return
+        await ledger.answered(response)
 
     async def _pass(
         self, request: InvokeRequest, payload_bytes: int, identity: Identity, ledger: Ledger
@@ -132,6 +184,10 @@ class Door:
             if not run.started and endpoint is not None:
                 self.route.unused(inp.request_id)
             if request.callback:
+                if not run.started:  # a repeat: of a request that closed without a result?
+                    closed = await self.engine.ended_without_result(run.handle)
+                    if closed is not None:
+                        return closed
                 return InvokeResponse(request_id=inp.request_id, status="accepted")
             return await self.verdicts.verdict(run, wait, now_ms)
         finally:

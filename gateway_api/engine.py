@@ -11,7 +11,12 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio.api.common.v1 import Payload
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+)
 from temporalio.common import (
     SearchAttributePair,
     TypedSearchAttributes,
@@ -117,6 +122,14 @@ class Engine:
             return await handle.result(rpc_timeout=rpc_timeout)
         except WorkflowFailureError as exc:
             return ended_without_result(handle.id, exc.cause)
+
+    async def ended_without_result(self, handle: InvokeHandle) -> InvokeResponse | None:
+        """The envelope of a run that closed without completing (terminated, cancelled,
+        timed out, failed); None while it runs or once it completed. Asked of repeats only."""
+        desc = await handle.describe(rpc_timeout=self.rpc_timeout)
+        if desc.status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED):
+            return None
+        return await self.outcome(handle, self.rpc_timeout)
 
     async def decode(self, payload: Payload) -> InvokeResponse:
         """The final envelope from the result payload its workflow completed with."""

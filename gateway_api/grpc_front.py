@@ -175,7 +175,7 @@ class ReachService:
     async def _invoke(self, raw: bytes, context: InvokeContext) -> pb.InvokeResponse:
         front = _GrpcFront(context)
         try:
-            body = _InvokeBody(parse(pb.InvokeRequest, raw))
+            body = _InvokeBody(parse(pb.InvokeRequest, raw), len(raw))
             response = await self.gateway.door.invoke(metadata_of(context), body, front)
         except asyncio.CancelledError:
             log.info(
@@ -294,10 +294,11 @@ class _InvokeBody:
     """The Invoke message as `POST /reach/invoke`'s body, made when the door reads it (after
     the metadata passed, as HTTP reads its body after the headers)."""
 
-    __slots__ = ("message",)
+    __slots__ = ("held_bytes", "message")
 
-    def __init__(self, message: pb.InvokeRequest) -> None:
+    def __init__(self, message: pb.InvokeRequest, held_bytes: int) -> None:
         self.message = message
+        self.held_bytes = held_bytes  # grpcio holds the whole message already (admission)
 
     async def read(self) -> bytes:
         return as_body(invoke_fields(self.message), "payload_json")

@@ -128,9 +128,17 @@ class Refusal:
     @classmethod
     def of_error(cls, err: ReachError, request_id: str | None) -> Refusal:
         body = error_body(request_id, err.type, err.message, err.retryable)
+        if err.retry_after_s:
+            body["error"]["retry_after_s"] = err.retry_after_s
         if err.outcome_unknown:
             body["error"]["outcome_unknown"] = True
         return cls(err.http_status, err.message, body)
+
+    def retry_after_s(self) -> int:
+        """What HTTP's Retry-After says for this refusal: the error's own, else 1 s."""
+        error = self.envelope.get("error")
+        found = error.get("retry_after_s") if isinstance(error, dict) else None
+        return max(1, found) if isinstance(found, int) else 1
 
     def trailers(self) -> tuple[str, tuple[tuple[str, str | bytes], ...]]:
         """The details and trailing metadata, within what every gRPC client accepts."""
@@ -140,8 +148,8 @@ class Refusal:
         if isinstance(request_id, str):
             trailing.append((REQUEST_ID_KEY, request_id))
         if self.status in (429, 503):
-            # HTTP's Retry-After: 1, in the words gRPC's own retry policies read (gRFC A6).
-            trailing.append((PUSHBACK_KEY, "1000"))
+            # HTTP's Retry-After, in the words gRPC's own retry policies read (gRFC A6).
+            trailing.append((PUSHBACK_KEY, str(1000 * self.retry_after_s())))
         used = trailer_size(details, ((ERROR_KEY, b""), *trailing))
         # What is left for the envelope, as base64 (4 characters for each 3 bytes).
         envelope = fit_envelope(self.envelope, (TRAILERS_MAX_BYTES - used) * 3 // 4)

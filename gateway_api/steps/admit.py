@@ -83,9 +83,13 @@ class Admission:
 
 
 def declared_size(metadata: Metadata, body: Body) -> int | None:
-    """The body's size before it is read, where the front knows it."""
+    """The body's size before it is read, where the front knows it: a body the front holds
+    already says so (`Bytes`, a gRPC message), else HTTP's Content-Length."""
     if isinstance(body, Bytes):
         return len(body.raw)
+    held = getattr(body, "held_bytes", None)
+    if isinstance(held, int):
+        return held
     value = metadata.get(CONTENT_LENGTH)
     if value is not None and value.isascii() and value.isdigit():
         return int(value)

@@ -361,3 +361,35 @@ async def test_temporal_trouble_is_audited_as_the_front_answers_it() -> None:
         await s.invoke(CALL)
     [(event, fields)] = guard.audit.records
     assert (event, fields["error_type"], fields["status"]) == ("invoke", "unavailable", 503)
+
+
+async def test_a_refusal_before_the_request_has_an_id_is_audited() -> None:
+    """A body that is not JSON (422), one past the limit (413), no room in flight (503):
+    refused before the RequestID, each with an audit line naming the caller."""
+    from gateway_api.steps.admit import IN_FLIGHT
+
+    guard = Guard([{"caller": "*", "target_capability": "*", "allowed_operations": ["*"]}])
+    s = stack("search", guard=guard)
+    with pytest.raises(InvalidRequest):
+        await s.door.invoke({"x-reach-caller": "alice"}, Bytes(b"{not json"), s.front)
+    settings = s.door.live.settings
+    held = (IN_FLIGHT.bytes, IN_FLIGHT.requests)
+    IN_FLIGHT.bytes, IN_FLIGHT.requests = settings.transport.max_inflight_bytes, 1
+    try:
+        with pytest.raises(Unavailable, match="max_inflight_bytes"):
+            await s.invoke(CALL, x_reach_caller="alice")
+    finally:
+        IN_FLIGHT.bytes, IN_FLIGHT.requests = held
+    refused = [fields for event, fields in guard.audit.records if event == "refused"]
+    assert [(r["caller"], r["status"]) for r in refused] == [("alice", 422), ("alice", 503)]
+    assert s.engine.started == []
+
+
+def test_a_grpc_refusal_asks_for_the_wait_http_would() -> None:
+    from gateway_api.grpc_wire import PUSHBACK_KEY, Refusal
+
+    refusal = Refusal.of_error(Unavailable("breaker", retry_after_s=10), "req-1")
+    _, trailing = refusal.trailers()
+    assert dict(trailing)[PUSHBACK_KEY] == "10000"
+    _, plain = Refusal.of_error(Unavailable("busy"), "req-2").trailers()
+    assert dict(plain)[PUSHBACK_KEY] == "1000"
