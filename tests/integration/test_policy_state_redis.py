@@ -251,7 +251,8 @@ async def test_key_layout_and_every_key_expires(
         assert HOUR_MS + 300_000 - 60_000 < ttls["out:cap"] <= HOUR_MS + 300_000
         assert 1000 < ttls["tb:caller:cap"] <= 2000  # full again after 1 s, plus 1 s
         assert 25_000 < ttls["claim:idem"] <= 30_000
-        assert await client.hgetall(f"{redis_prefix}:pol:brk:cap") == {"fail": "1"}
+        # The run's failures, and who had them (the breaker's quorum: reach.policy.breaker).
+        assert await client.hgetall(f"{redis_prefix}:pol:brk:cap") == {"fail": "1", "who": "a"}
         entry = await client.hget(f"{redis_prefix}:pol:out:cap", "a")
         assert entry is not None
         assert entry.split()[:3] == ["1", "0", "0"]
