@@ -129,7 +129,13 @@ def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
     run(_serve(settings, run_worker=run_worker, give_up_after_s=bound), settings)
 
 
-def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: Path) -> str:
+def _banner(
+    settings: ReachSettings,
+    ui_port: int | None,
+    agents: int,
+    log_dir: Path,
+    tokens_required: bool = False,
+) -> str:
     import json
 
     from gateway_api.grpc_front import grpc_port
@@ -149,6 +155,13 @@ def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: 
             "timeout_ms": 3000,
         }
     )
+    token_note = auth = ""
+    if tokens_required:  # a token exists: an invoke without one is 401
+        token_note = (
+            "  (tokens are required here: `reach tokens issue --principal me`, then "
+            "export REACH_TOKEN=<its token>)"
+        )
+        auth = '\n      -H "Authorization: Bearer $REACH_TOKEN" \\'
     return f"""
   Agent-Reach is up.
     gateway      {url}      (OpenAPI: {url}/docs){grpc_line}
@@ -157,8 +170,8 @@ def _banner(settings: ReachSettings, ui_port: int | None, agents: int, log_dir: 
     agents       {agents} x knowledge-retriever (logs in {log_dir}/)
     supervised   the dev server and agents restart when they exit (1 s, 2 s, 4 s ... 30 s apart)
 
-  Try:
-    curl -s -X POST {url}/reach/invoke -H 'Content-Type: application/json' \\
+  Try:{token_note}
+    curl -s -X POST {url}/reach/invoke -H 'Content-Type: application/json' \\{auth}
       -d '{example}'
 
   Ctrl-C stops everything; requests stay in {settings.temporal.dev_server.db_filename}.
@@ -185,7 +198,8 @@ async def _announce_when_ready(
                 r = await client.get("/reach/capabilities", headers=headers())
                 caps = {c["name"]: c["routable"] for c in r.json()["capabilities"]}
                 if r.status_code == 200 and caps.get("knowledge-retriever", 0) >= agents:
-                    print(_banner(settings, ui_port, agents, log_dir), flush=True)
+                    required = bool(headers())  # the demo agents hold a token only then
+                    print(_banner(settings, ui_port, agents, log_dir, required), flush=True)
                     return
             await asyncio.sleep(0.1)
 
