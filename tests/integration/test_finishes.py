@@ -1,7 +1,8 @@
-"""Results read as the worker in this process completes the workflow (gateway_api/temporal_adapter.py),
-against a real dev server and a real worker: the result is only ever taken once Temporal has
-closed the workflow, and every other path goes back to the long poll. These also guard the
-SDK internals the module watches (its bridge to core, the eager-start flag on the handle)."""
+"""Results read as the worker in this process completes the workflow
+(gateway_api/temporal_adapter.py), against a real dev server and a real worker: the result is
+only ever taken once Temporal has closed the workflow, and every other path goes back to the
+long poll. These also guard the SDK internals the module watches (its bridge to core, the
+eager-start flag on the handle)."""
 
 from __future__ import annotations
 
