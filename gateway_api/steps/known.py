@@ -13,6 +13,8 @@ from reach.telemetry.metrics import UNKNOWN as UNKNOWN_LABEL
 
 
 class Requests(Protocol):
+    """What the steps ask of the engine about a RequestID (limits ask it too)."""
+
     async def exists(self, request_id: str) -> bool: ...
 
 

@@ -10,8 +10,8 @@ payload) is never refused: it only reads what is already there.
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
+from gateway_api.steps.known import Requests
 from reach.config import LimitSettings, ReachSettings
 from reach.errors import RateLimited
 from reach.invocation import BucketPlan, CallPlan, QueuePlan, idempotency_scope, payload_fingerprint
@@ -19,10 +19,6 @@ from reach.messages import InvokeRequest
 from reach.policy.engine import PolicyEngine, limit_buckets
 from reach.security.rules import Decision
 from reach.telemetry.metrics import ReachMetrics
-
-
-class Requests(Protocol):
-    async def exists(self, request_id: str) -> bool: ...
 
 
 class Limiter:
