@@ -28,6 +28,7 @@ from connectors._tls import ReachTls
 from reach.config import SecuritySettings, TransportSettings
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply
+from reach.registry.models import Discovery
 
 
 class Connector(ABC):
@@ -68,6 +69,21 @@ class Connector(ABC):
         `address` is the one `check_address` returned. The default does nothing: a protocol
         that does not reach agents directly (MQTT: the broker does) has nothing to check."""
         return None
+
+    # True: this protocol's instances do not Join or heartbeat (A2A agents, MCP servers); they
+    # are registered by URL (`POST /reach/agents`, `reach.yaml`, `reach agents add`), described
+    # by `discover`, and kept alive by a probe that calls `discover` every heartbeat_interval.
+    registered_by_url: ClassVar[bool] = False
+
+    async def discover(self, address: str, known: Discovery | None = None) -> Discovery:
+        """What the instance at `address` (checked by `check_address`) serves now. `known` is
+        the last discovery: a protocol that can ask conditionally (an ETag) returns `known`
+        itself when nothing changed. Raises `reach.errors.InvalidRequest` for an answer that
+        is malformed (naming what), `Unavailable`/`TransportError` when nobody answers.
+
+        Called at registration and by the liveness probe; only for `registered_by_url`
+        protocols."""
+        raise NotImplementedError(f"{self.protocol} instances join; they are not discovered")
 
     @abstractmethod
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:

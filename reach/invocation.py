@@ -114,6 +114,11 @@ class Endpoint(BaseModel):
     principal: str | None = Field(
         default=None, description="Whose agent token registered it: only it may answer late."
     )
+    details: dict[str, Any] = Field(
+        default_factory=dict,
+        description="For an instance registered by URL: what its discovery found "
+        "(`reach.registry.models.Discovery.details`), for its connector.",
+    )
     # What resolve met and learnt, for the workflow's plan and the request's record.
     breaker: str = "closed"
     probe: bool = False

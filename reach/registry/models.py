@@ -7,6 +7,7 @@ package's `__init__`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, Protocol
 
@@ -19,6 +20,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     WithJsonSchema,
     WrapValidator,
+    field_serializer,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -26,6 +28,26 @@ from pydantic_core import PydanticCustomError
 from reach.messages import MAX_TIMEOUT_MS, CapabilityName, InstanceId, JsonInt, OperationName
 
 HealthStatus = Literal["ok", "degraded", "unhealthy"]
+
+
+# What an operation may say about itself (OperationDeclaration.description, .input_schema).
+MAX_DESCRIPTION_CHARS = 4096
+MAX_INPUT_SCHEMA_BYTES = 64 * 1024
+MAX_INPUT_SCHEMA_DEPTH = 32
+
+
+def _depth(value: Any) -> int:
+    """How deep a JSON value nests (a scalar: 0), without recursion; counting stops past the
+    limit."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_INPUT_SCHEMA_DEPTH:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in item)
+    return deepest
 
 
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,64}$")]
@@ -47,11 +69,37 @@ class OperationDeclaration(BaseModel):
     timeout_ms: JsonInt | None = Field(
         default=None, ge=1, le=MAX_TIMEOUT_MS, description="The operation's own deadline."
     )
+    description: str | None = Field(
+        default=None,
+        max_length=MAX_DESCRIPTION_CHARS,
+        description="What the operation does, for people and for the MCP and A2A fronts.",
+    )
+    input_schema: dict[str, Any] | None = Field(
+        default=None,
+        description="A JSON Schema object its payload follows (an MCP tool's inputSchema); at "
+        "most 64 KiB as JSON.",
+    )
+
+    @field_validator("input_schema")
+    @classmethod
+    def _schema_bounded(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is None:
+            return None
+        if len(json.dumps(schema, separators=(",", ":"))) > MAX_INPUT_SCHEMA_BYTES:
+            raise ValueError(f"input_schema is larger than {MAX_INPUT_SCHEMA_BYTES} bytes as JSON")
+        if _depth(schema) > MAX_INPUT_SCHEMA_DEPTH:
+            raise ValueError(f"input_schema nests deeper than {MAX_INPUT_SCHEMA_DEPTH} levels")
+        return schema
 
     @property
     def declares(self) -> bool:
         """Whether it says anything beyond the name."""
-        return self.idempotent is not None or self.timeout_ms is not None
+        return (
+            self.idempotent is not None
+            or self.timeout_ms is not None
+            or self.description is not None
+            or self.input_schema is not None
+        )
 
 
 _OPERATION_NAME: TypeAdapter[str] = TypeAdapter(OperationName)
@@ -229,6 +277,14 @@ class InstanceRecord(BaseModel):
             for name, entry in declared.items()
         }
 
+    @field_serializer("declared")
+    def _declared_without_blanks(
+        self, declared: dict[str, OperationDeclaration]
+    ) -> dict[str, dict[str, Any]]:
+        # What an operation left unsaid is not stored: records stay small, and older gateways
+        # read them as they always did.
+        return {name: entry.model_dump(exclude_none=True) for name, entry in declared.items()}
+
     @property
     def routable(self) -> bool:
         return self.status != "unhealthy"
@@ -258,3 +314,21 @@ def declared_policy(instances: Sequence[Declares], operation: str) -> OperationD
     if idempotent is None and timeout_ms is None:
         return None
     return OperationDeclaration(name=operation, idempotent=idempotent, timeout_ms=timeout_ms)
+
+
+class Discovery(BaseModel):
+    """What an instance registered by URL serves, as its protocol's connector found it
+    (`Connector.discover`): an A2A agent's card, an MCP server's tool list.
+
+    `operations` become the instance's operations (and their declarations); `version` changes
+    whenever what is served changes (a hash of the card or the tool list), so a probe that finds
+    another version updates the registry; `etag` lets the next probe ask conditionally;
+    `details` is what `GET /reach/capabilities/{name}` shows per instance and what the
+    connector reads back at invoke time through `Endpoint.details` (the card's JSON-RPC URL,
+    the MCP protocol version negotiated): small, JSON, the protocol's own.
+    """
+
+    operations: list[OperationDeclaration] = Field(default_factory=list, max_length=256)
+    version: str = ""
+    etag: str | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
