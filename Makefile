@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.installed
 NETNS := unshare --net --map-root-user sh -c 'ip link set lo up && exec "$$@"' netns
 
 $(STAMP): pyproject.toml constraints.txt
-	@echo "installing agent-reach into $(VENV) (first run or dependencies changed; about a minute) ..."
+	@echo "installing agent-reach into $(VENV), ~130 packages, 0.9 GB (first run or dependencies changed; 30 s on 2 cores, plus the download the first time pip fetches them) ..."
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@$(BIN)/python -m pip install --quiet --upgrade pip
 	@$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
