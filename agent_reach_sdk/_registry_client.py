@@ -13,6 +13,9 @@ a late answer is resent to the next gateway rather than lost.
 A gateway that refuses (a 4xx: a loopback address outside `security.allow_networks`, no token
 or one that may not serve this capability, ...) is named in the log with its own message, once
 per change of what it says rather than at every retry, and a 401/403 says how to get a token.
+A refused Leave says so (never "left Reach"). Heartbeats that no gateway answers are a WARNING
+at the first failure, then at most once a minute while they go on, and a line when one is
+answered again.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import asyncio
 import inspect
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
 
+from agent_reach_proto import wire
 from agent_reach_sdk._gateways import Gateways
 from reach.messages import dumps
 
@@ -37,6 +42,8 @@ LATE_ANSWER_TIMEOUT_S = 30.0
 # heartbeat: see `_registry_timeout`).
 CLIENT_TIMEOUT_S = 5.0
 FAILOVER_MIN_TIMEOUT_S = 1.0
+# While heartbeats keep failing, a WARNING at most this often (the first failure always).
+BEAT_WARN_EVERY_S = 60.0
 
 HealthCheck = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
 
@@ -107,6 +114,8 @@ class RegistryClient:
         self._on_join = on_join
         self._heartbeats: asyncio.Task[None] | None = None
         self._refused: str | None = None  # the refusal last logged, until the gateway accepts
+        self._beat_failures = 0  # heartbeats in a row that no gateway answered
+        self._beat_warned_at = 0.0
 
     @property
     def reach_url(self) -> str:
@@ -205,12 +214,31 @@ class RegistryClient:
             self._heartbeats = None
 
     async def leave(self) -> None:
+        """Deregister; the log says what happened (left, already forgotten, or refused)."""
         if self.client is not None and self.joined.is_set():
             try:
-                await self.gateways.send("leaving", "DELETE", f"/reach/agents/{self.instance_id}")
-                log.info("left Reach instance=%s", self.instance_id)
-            except httpx.HTTPError:
-                pass
+                r = await self.gateways.send(
+                    "leaving", "DELETE", f"/reach/agents/{self.instance_id}"
+                )
+            except httpx.HTTPError as exc:
+                log.warning(
+                    "could not tell Reach that instance %s leaves (%r); it is evicted once "
+                    "its heartbeats stop for heartbeat_timeout",
+                    self.instance_id,
+                    exc,
+                )
+            else:
+                if r.status_code in (200, 204):
+                    log.info("left Reach instance=%s", self.instance_id)
+                elif r.status_code == 404:
+                    log.info(
+                        "Reach no longer knew instance %s (evicted or never kept): nothing to "
+                        "leave",
+                        self.instance_id,
+                    )
+                else:
+                    self._refused = None  # always said: it is the last word of this agent
+                    self._refused_by(r, "leave")
         self.joined.clear()
 
     async def health(self) -> dict[str, Any]:
@@ -230,15 +258,19 @@ class RegistryClient:
         assert self.client is not None
         while True:
             await asyncio.sleep(self.heartbeat_interval)
+            what = "heartbeat" if self.joined.is_set() else "join"
             try:
                 if not self.joined.is_set():
                     await self.join()
+                    self._beat_answered()
                     continue
+                session = (self.ack or {}).get("session")
                 r = await self.gateways.send(
                     "heartbeating",
                     "PUT",
                     f"/reach/agents/{self.instance_id}/heartbeat",
                     json=await self.health(),
+                    headers={wire.HTTP_SESSION: session} if session else None,
                     **self._registry_timeout(),
                 )
                 if r.status_code == 404:
@@ -252,8 +284,51 @@ class RegistryClient:
                     self._accepted()
                 else:
                     self._refused_by(r, "heartbeat")
-            except (httpx.HTTPError, RuntimeError) as exc:
+                self._beat_answered()
+            except httpx.HTTPError as exc:
+                self._beat_failed(what, exc)
+            except RuntimeError as exc:  # a refused Join, already logged by `_refused_by`
                 _debug.debug("heartbeat failed: %r", exc)
+
+    def _beat_failed(self, what: str, exc: Exception) -> None:
+        """A heartbeat (or Join) that no gateway answered: WARNING at the first of a run of
+        failures, then at most every `BEAT_WARN_EVERY_S` while they go on (DEBUG between)."""
+        now = time.monotonic()
+        self._beat_failures += 1
+        if self._beat_failures == 1:
+            self._beat_warned_at = now
+            ack = self.ack or {}
+            timeout = ack.get("heartbeat_timeout")
+            within = f" after {timeout} s without one" if timeout else ""
+            log.warning(
+                "the %s of instance %s to Reach at %s failed (%r); retrying every %.1f s "
+                "(Reach evicts an instance%s)",
+                what,
+                self.instance_id,
+                ", ".join(self.gateways.urls),
+                exc,
+                self.heartbeat_interval,
+                within,
+            )
+        elif now - self._beat_warned_at >= BEAT_WARN_EVERY_S:
+            self._beat_warned_at = now
+            log.warning(
+                "the heartbeats of instance %s still fail (%d in a row; the last: %r)",
+                self.instance_id,
+                self._beat_failures,
+                exc,
+            )
+        else:
+            _debug.debug("heartbeat failed: %r", exc)
+
+    def _beat_answered(self) -> None:
+        if self._beat_failures:
+            log.info(
+                "Reach answers the heartbeats of instance %s again (after %d failed)",
+                self.instance_id,
+                self._beat_failures,
+            )
+            self._beat_failures = 0
 
     # -- refusals -------------------------------------------------------------------------------
 

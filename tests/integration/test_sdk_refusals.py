@@ -146,3 +146,56 @@ async def test_the_first_token_issued_makes_a_running_agent_say_its_token_is_ref
     assert said in str(exc.value)
     assert "The gateway refused this agent's token: issue one" in str(exc.value)
     assert errors(caplog, said) == [str(exc.value)]  # the log says what the error says
+
+
+def warnings(caplog: pytest.LogCaptureFixture, *words: str) -> list[str]:
+    """The SDK's WARNING lines that contain every one of `words`."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith(SDK)
+        and r.levelno == logging.WARNING
+        and all(w in r.getMessage() for w in words)
+    ]
+
+
+async def test_a_leave_the_gateway_refuses_is_logged_as_refused_not_as_left(
+    open_gateway: GatewayProcess, capability: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=SDK)
+    runtime = agent(open_gateway.url, capability)
+    async with runtime:
+        assert runtime.wait_joined(0)
+        FileTokenStore(open_gateway.stack.tmp / "tokens.json").write(
+            issue("orchestrator", "caller")[1]
+        )
+
+        async def closed() -> bool:
+            return bool(errors(caplog, "refused the heartbeat", "401"))
+
+        await wait_until(closed, 15)
+    # The leave is refused as the heartbeats were: said once more, for the leave, with advice.
+    [line] = errors(caplog, "refused the leave", "401 unauthorized")
+    assert "which has no token: issue one with `reach tokens issue" in line
+    assert not [r for r in caplog.records if "left Reach" in r.getMessage()]
+
+
+async def test_heartbeats_no_gateway_answers_are_a_warning_once_not_at_every_beat(
+    open_gateway: GatewayProcess, capability: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=SDK)
+    runtime = agent(open_gateway.url, capability)
+    async with runtime:
+        assert runtime.wait_joined(0)
+        open_gateway.proc.stop()  # the gateway is gone: every heartbeat's connection is refused
+
+        async def failing() -> bool:
+            return sum("heartbeat failed" in r.getMessage() for r in caplog.records) >= 3
+
+        await wait_until(failing, 15)
+        [line] = warnings(caplog, "the heartbeat of instance", "failed")
+        assert open_gateway.url in line
+        assert "Reach evicts an instance after" in line
+    # Leaving with no gateway to tell: said, and not as a leave that happened.
+    assert warnings(caplog, "could not tell Reach that instance", "leaves")
+    assert not [r for r in caplog.records if "left Reach" in r.getMessage()]
