@@ -64,6 +64,10 @@ HTTP_PATH_PREFIX = "/reach/"
 # A callback Reach POSTs to a caller carries the request id (HTTP_REQUEST_ID, which every
 # gateway response carries too) and which delivery attempt this is.
 HTTP_DELIVERY_ATTEMPT = "X-Reach-Delivery-Attempt"
+# An agent's heartbeat names the session its Join was given (the Ack's `session`), so a process
+# whose instance_id another process joined since is told so (409) instead of keeping that one's
+# record alive.
+HTTP_SESSION = "X-Reach-Session"
 
 # -- gRPC ------------------------------------------------------------------------------------------
 

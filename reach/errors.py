@@ -13,6 +13,7 @@
     ├── AgentError                  agent_error         502
     ├── TransportError              transport_error     502
     ├── UnknownInstance             unknown_instance    404  (heartbeat: join again)
+    ├── InstanceReplaced            instance_replaced   409  (heartbeat: another process joined)
     ├── UnknownRequest              unknown_request     404  (status/result of an unknown id)
     ├── NotFound                    not_found           404  (no such route)
     ├── MethodNotAllowed            method_not_allowed  405  (the route exists, not the method)
@@ -49,6 +50,7 @@ ErrorType = Literal[
     "agent_error",
     "transport_error",
     "unknown_instance",
+    "instance_replaced",
     "unknown_request",
     "not_found",
     "method_not_allowed",
@@ -174,6 +176,13 @@ class UnknownInstance(ReachError):
     http_status = 404
 
 
+class InstanceReplaced(ReachError):
+    """A heartbeat from a process whose instance_id another process has joined since."""
+
+    type = "instance_replaced"
+    http_status = 409
+
+
 class UnknownRequest(ReachError):
     type = "unknown_request"
     http_status = 404
@@ -230,6 +239,7 @@ ERRORS_BY_TYPE: dict[str, type[ReachError]] = {
         AgentError,
         TransportError,
         UnknownInstance,
+        InstanceReplaced,
         UnknownRequest,
         NotFound,
         MethodNotAllowed,

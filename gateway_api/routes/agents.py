@@ -5,6 +5,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
+from agent_reach_proto import wire
 from connectors import ConnectorSet
 from gateway_api.deps import (
     AgentDep,
@@ -96,6 +97,8 @@ _ERR: dict[int | str, dict[str, Any]] = {
         403: "The token may not serve this capability, or another principal holds the "
         "instance_id, or it is not an agent token",
         404: "Unknown instance (join again) or capability",
+        409: "Heartbeat: another process has joined under this instance_id since this "
+        "X-Reach-Session's Join (instance_replaced)",
         413: "Body larger than the limit",
         422: "Invalid body, path parameter, address or protocol",
         429: "Join: the principal created registry.new_capabilities_per_minute this minute",
@@ -130,7 +133,8 @@ async def heartbeat(
     instance_id: InstanceIdPath, request: Request, gateway: GatewayDep, agent: AgentDep
 ) -> HeartbeatAck:
     body = acceptance.health_report(await request.body(), gateway.limits)
-    record = await gateway.agents.heartbeat(instance_id, body, agent)
+    session = request.headers.get(wire.HTTP_SESSION)
+    record = await gateway.agents.heartbeat(instance_id, body, agent, session)
     return HeartbeatAck(
         instance_id=instance_id, status=record.status, heartbeat_interval=record.heartbeat_interval
     )

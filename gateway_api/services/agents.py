@@ -1,7 +1,8 @@
 """Agents: Join, heartbeat and leave, shared by the HTTP routes and the gRPC front.
 
-With tokens required, an agent token must be allowed to serve the capability it joins, and
-an instance_id another principal holds is not taken over (`Registry.join`, `owned`).
+With tokens required, an agent token must be allowed to serve the capability it joins, an
+instance_id another principal holds is not taken over, and one nobody holds is claimed only
+for a capability the token may serve, audited (`Registry.join`, `owned`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ class Agents:
             live = self.connections.get(body.protocol)
             await live.verify_identity(body.service_address, body.instance_id)
         owner = principal.name if principal is not None and principal.kind == "agent" else None
-        ack = await self.registry.join(body, owner)
+        admin = principal is not None and principal.kind == "admin"
+
+        def claim(unowned: InstanceRecord) -> None:
+            self._claim(unowned, principal, body)
+
+        ack = await self.registry.join(body, owner, admin=admin, claim=claim)
         if self.guard is not None:
             self.guard.audit.record(
                 "join",
@@ -68,6 +74,29 @@ class Agents:
                 address=body.service_address,
             )
         return ack
+
+    def _claim(
+        self, unowned: InstanceRecord, principal: Principal | None, body: JoinRequest
+    ) -> None:
+        """An agent token claims an instance nobody holds (joined with auth off, or by an
+        admin) only for a capability it may serve, that instance's as well as the Join's; the
+        claim is audited (`instance_claimed`), never silent."""
+        assert principal is not None
+        if not principal.may_serve(unowned.capability):
+            raise Forbidden(
+                f"instance_id {unowned.instance_id!r} is held by nobody, as an instance of "
+                f"{unowned.capability!r}, which the token of {principal.name!r} may not serve; "
+                "choose another instance_id"
+            )
+        if self.guard is not None:
+            self.guard.audit.record(
+                "instance_claimed",
+                principal=principal.name,
+                capability=body.capability,
+                instance=body.instance_id,
+                previous_capability=unowned.capability,
+                previous_address=unowned.address,
+            )
 
     def _connector_class(self, protocol: str) -> type[Connector]:
         found = self._connector_classes.get(protocol)
@@ -81,11 +110,15 @@ class Agents:
         return found
 
     async def heartbeat(
-        self, instance_id: str, report: HealthReport, principal: Principal | None = None
+        self,
+        instance_id: str,
+        report: HealthReport,
+        principal: Principal | None = None,
+        session: str | None = None,
     ) -> InstanceRecord:
         if principal is not None and principal.kind == "agent":
             await self._owned(instance_id, principal, "heartbeat_refused")
-        record = await self.registry.heartbeat(instance_id, report)
+        record = await self.registry.heartbeat(instance_id, report, session)
         if self.metrics is not None:
             self.metrics.heartbeat(record.capability, record.status)
         return record

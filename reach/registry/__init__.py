@@ -17,11 +17,19 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 
 from reach.config import RegistrySettings, TransportSettings
-from reach.errors import Forbidden, RateLimited, ReachError, Unavailable, UnknownInstance
+from reach.errors import (
+    Forbidden,
+    InstanceReplaced,
+    RateLimited,
+    ReachError,
+    Unavailable,
+    UnknownInstance,
+)
 from reach.registry.models import (
     Ack,
     Declares,
@@ -115,6 +123,7 @@ class Registry:
         interval = max(MIN_HEARTBEAT_INTERVAL_S, min(proposed, timeout / 2))
         size = min(join.max_message_bytes or self.max_message_bytes, self.max_message_bytes)
         return Ack(
+            session=secrets.token_hex(8),
             instance_id=join.instance_id,
             capability=join.capability,
             heartbeat_interval=interval,
@@ -123,11 +132,29 @@ class Registry:
             async_callback=join.async_callback,
         )
 
-    async def join(self, join: JoinRequest, principal: str | None = None) -> Ack:
-        """Register (or re-register) an instance. With a `principal`, an instance_id held by
-        another principal is refused (403), also when the other Join lands in between."""
-        if principal is not None:
-            self._check_owner(await self.get(join.instance_id), principal)
+    async def join(
+        self,
+        join: JoinRequest,
+        principal: str | None = None,
+        *,
+        admin: bool = False,
+        claim: Callable[[InstanceRecord], None] | None = None,
+    ) -> Ack:
+        """Register (or re-register) an instance under a new session (`Ack.session`).
+
+        Who may join under an instance_id that is registered (`docs/security.md`, ownership):
+        - held by a principal: only that principal (or an `admin`); anyone else is refused
+          (403), also when the other Join lands in between;
+        - held by nobody (joined with auth off, or by an admin): a `principal` claims it only
+          if `claim(record)` returns (it raises Forbidden to refuse, and audits the claim).
+        """
+        if principal is not None or not admin:
+            existing = await self.get(join.instance_id)
+            self._check_owner(existing, principal or "", admin=admin)
+            unowned = existing is not None and existing.principal is None
+            if unowned and principal is not None and claim is not None:
+                assert existing is not None
+                claim(existing)
         now = time.time()
         if not await self.store.group_known(join.capability):
             await self._admit_new_capability(join.capability, principal, now)
@@ -148,6 +175,7 @@ class Registry:
             joined_at=now,
             last_seen=now,
             principal=principal,
+            session=ack.session,
         )
         previous = await self.store.put_record(
             join.instance_id,
@@ -156,7 +184,7 @@ class Registry:
             ttl_s=self.settings.heartbeat_timeout,
             group_ttl_s=self._retention_s,
         )
-        before = self._parse(previous) if principal is not None else None
+        before = self._parse(previous) if not admin else None
         if (
             previous is not None
             and before is not None
@@ -222,8 +250,10 @@ class Registry:
             )
 
     @staticmethod
-    def _check_owner(record: InstanceRecord | None, principal: str) -> None:
-        if record is not None and record.principal is not None and record.principal != principal:
+    def _check_owner(record: InstanceRecord | None, principal: str, admin: bool = False) -> None:
+        if admin or record is None or record.principal is None:
+            return
+        if record.principal != principal:
             raise Forbidden(
                 f"instance_id {record.instance_id!r} is held by another principal; "
                 "choose another instance_id"
@@ -237,7 +267,25 @@ class Registry:
             raise Forbidden(f"instance {instance_id!r} was registered by another principal")
         return record
 
-    async def heartbeat(self, instance_id: str, report: HealthReport) -> InstanceRecord:
+    async def heartbeat(
+        self, instance_id: str, report: HealthReport, session: str | None = None
+    ) -> InstanceRecord:
+        """Refresh an instance's record. A heartbeat naming the `session` of an earlier Join
+        whose instance_id another process has joined since is refused (409 instance_replaced)
+        and refreshes nothing: that record lives only as long as its own process heartbeats."""
+        if session is not None:
+            current = await self.get(instance_id)
+            if current is not None and current.session not in (None, session):
+                log.warning(
+                    "heartbeat of instance=%s from a replaced session refused (it re-joined at %s)",
+                    instance_id,
+                    current.address,
+                )
+                raise InstanceReplaced(
+                    f"instance_id {instance_id!r} was joined again by another process (at "
+                    f"{current.address}); this one no longer holds it. It may join again once "
+                    "that one has left or expired, or use an instance_id of its own"
+                )
         health = {
             "status": report.status,
             "checks": report.checks,

@@ -221,6 +221,11 @@ class Ack(BaseModel):
     heartbeat_timeout: float
     max_message_bytes: int
     async_callback: bool
+    session: str | None = Field(
+        default=None,
+        description="This Join's session: heartbeats that name it (X-Reach-Session) are "
+        "refused once another process has joined under the same instance_id. Not a secret.",
+    )
 
 
 class HealthReport(BaseModel):
@@ -253,6 +258,13 @@ class InstanceRecord(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     weight: int = 1
     max_inflight: int | None = None
+    # An instance registered by URL (`registered_by_url`): what its discovery found, and its
+    # version and ETag, for the probe. Left out of a joined instance's record: joined records
+    # are stored as before, and an older gateway reads either (it ignores what it lacks).
+    registered_by_url: bool = Field(default=False, exclude_if=lambda v: not v)
+    details: dict[str, Any] = Field(default_factory=dict, exclude_if=lambda v: not v)
+    discovery_version: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    discovery_etag: str | None = Field(default=None, exclude_if=lambda v: v is None)
     status: HealthStatus = "ok"
     checks: dict[str, Any] = Field(default_factory=dict)
     inflight: int = 0
@@ -261,6 +273,8 @@ class InstanceRecord(BaseModel):
     # The principal whose agent token registered it (None: auth off): only it may heartbeat,
     # leave, answer late or join again under this instance_id.
     principal: str | None = None
+    # The last Join's session (`Ack.session`); None in records written before sessions.
+    session: str | None = None
 
     @field_validator("declared", mode="before")
     @classmethod

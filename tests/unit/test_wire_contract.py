@@ -52,6 +52,7 @@ PINNED = {
     "HTTP_TRACEPARENT": "traceparent",
     "HTTP_PATH_PREFIX": "/reach/",
     "HTTP_DELIVERY_ATTEMPT": "X-Reach-Delivery-Attempt",
+    "HTTP_SESSION": "X-Reach-Session",
     "GRPC_AGENT_SERVICE": "reach.agent.v1.Agent",
     "GRPC_INVOKE_METHOD": "/reach.agent.v1.Agent/Invoke",
     "GRPC_STATUS": "x-reach-status",
