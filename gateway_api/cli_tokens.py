@@ -13,6 +13,7 @@ import json
 import re
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ async def _main(settings: ReachSettings, args: argparse.Namespace) -> int:
         return 0
     store = create_store(settings.registry) if settings.registry.type == "redis" else None
     tokens = token_store(settings, store)
+    where = tokens_home(settings)
     audit = AuditLog(settings.audit)
     try:
         if args.tokens_command == "issue":
@@ -112,6 +114,7 @@ async def _main(settings: ReachSettings, args: argparse.Namespace) -> int:
                 print(f"token {record.id} for {record.principal} ({record.kind})")
                 print(f"  {secret}")
                 print("store it now: it is not shown again (only its hash is kept)")
+                print(f"kept in {where}")
             if first:
                 print(first_token_warning(settings), file=sys.stderr)
             return 0
@@ -120,7 +123,7 @@ async def _main(settings: ReachSettings, args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps([_view(r) for r in records], indent=1))
             else:
-                _table(records)
+                _table(records, where)
             return 0
         try:
             record = await tokens.revoke(args.token_id)
@@ -128,7 +131,7 @@ async def _main(settings: ReachSettings, args: argparse.Namespace) -> int:
             print(f"error: {exc.args[0]}", file=sys.stderr)
             return 1
         audit.record("token_revoked", principal="cli", token_id=record.id)
-        print(f"revoked token {record.id} of {record.principal}")
+        print(f"revoked token {record.id} of {record.principal} (in {where})")
         return 0
     finally:
         audit.flush_now()
@@ -156,10 +159,19 @@ def _view(record: TokenRecord) -> dict[str, object]:
     return out
 
 
-def _table(records: list[TokenRecord]) -> None:
+def tokens_home(settings: ReachSettings) -> str:
+    """Where this command reads and writes tokens, as the gateway does (`token_store`)."""
+    if settings.registry.type == "redis":
+        return "Redis (registry.redis_url; every gateway on it)"
+    path = Path(settings.auth.tokens_file)
+    return f"{path.absolute()} (auth.tokens_file)"
+
+
+def _table(records: list[TokenRecord], where: str) -> None:
     if not records:
-        print("no tokens (auth.mode auto: the gateway is open, on loopback only)")
+        print(f"no tokens in {where} (auth.mode auto: the gateway is open, on loopback only)")
         return
+    print(f"tokens in {where}")
     now = time.time()
     rows = [("ID", "PRINCIPAL", "KIND", "CAPABILITIES", "STATE", "EXPIRES")]
     for r in records:

@@ -111,7 +111,7 @@ class TransportSettings(Section):
     ports: dict[str, Annotated[int, Field(ge=-1, le=65535)]] = Field(
         default_factory=lambda: {"http": 7600, "grpc": 7601},
         description="grpc: the gateway's gRPC front (0 = any free port, -1 = off). The HTTP "
-        "port is `listen_port`.",
+        "port is `listen_port`; an `http` key that says another port is an error.",
     )
     max_message_bytes: int = Field(
         default=DEFAULT_MAX_MESSAGE_BYTES,

@@ -66,7 +66,64 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> ReachSett
     data = read_yaml(file_path) if file_path else {}
     data.update(overrides)
     try:
-        return ReachSettings(**data)
+        settings = ReachSettings(**data)
     except ValidationError as exc:
         source = source_name(file_path)
         raise ConfigError(_format_errors(f"{source} (or REACH_* variables)", exc)) from exc
+    env = {key.lower(): value for key, value in os.environ.items()}  # as pydantic reads it
+    _check_http_port(settings, data, env, source_name(file_path))
+    if file_path is not None:
+        _anchor_tokens_file(settings, data, env, file_path)
+    return settings
+
+
+def _check_http_port(
+    settings: ReachSettings, data: dict[str, Any], env: dict[str, str], source: str
+) -> None:
+    """`transport.ports.http` (the seed's schema) must say what `listen_port` says.
+
+    The gateway's HTTP port is `listen_port`; nothing reads `ports.http`, so one that disagrees
+    is a port someone expects the gateway on and it is not. Each source is held to its own
+    word: a file may not say two ports, and REACH_TRANSPORT__PORTS__HTTP may not differ from
+    the port in force. REACH_LISTEN_PORT alone overrides both keys of the file (no error)."""
+    env_http = env.get("reach_transport__ports__http")
+    if env_http is not None:
+        given, key = env_http, "REACH_TRANSPORT__PORTS__HTTP"
+    elif "reach_listen_port" in env:
+        return  # the environment moved the port; the file's two keys are both overridden
+    else:
+        transport = data.get("transport")
+        ports = transport.get("ports") if isinstance(transport, dict) else None
+        if not isinstance(ports, dict) or "http" not in ports:
+            return
+        given, key = ports["http"], f"transport.ports.http in {source}"
+    port = settings.listen_port
+    if str(given).strip() == str(port):
+        return
+    if "reach_listen_port" in env:
+        where = f"REACH_LISTEN_PORT={port}"
+    elif "listen_port" in data:
+        where = f"listen_port: {port} in {source}"
+    else:
+        where = f"listen_port {port} (its default)"
+    raise ConfigError(
+        f"{key} says the HTTP port is {given}, but {where}: the gateway listens on "
+        "listen_port and nothing reads transport.ports.http. Write the same port in both "
+        "(or leave transport.ports.http out)"
+    )
+
+
+def _anchor_tokens_file(
+    settings: ReachSettings, data: dict[str, Any], env: dict[str, str], file_path: Path
+) -> None:
+    """A relative `auth.tokens_file` written in the file is relative to the file (so the CLI
+    run from any directory and the gateway read the same tokens); one given in the
+    environment, or the default, stays relative to the working directory."""
+    auth = data.get("auth")
+    if not isinstance(auth, dict) or "tokens_file" not in auth:
+        return
+    if "reach_auth__tokens_file" in env or "reach_auth" in env:
+        return
+    tokens = Path(settings.auth.tokens_file)
+    if not tokens.is_absolute():
+        settings.auth.tokens_file = os.path.abspath(file_path.parent / tokens)

@@ -34,7 +34,8 @@ class AuthSettings(Section):
     )
     tokens_file: str = Field(
         default=".reach/tokens.json",
-        description="Where tokens live with the memory registry (with redis: in Redis).",
+        description="Where tokens live with the memory registry (with redis: in Redis). "
+        "Relative: to reach.yaml when written there, else to the working directory.",
     )
     resync_s: float = Field(
         default=30.0,

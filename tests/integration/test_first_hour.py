@@ -7,7 +7,10 @@ joins and a caller invokes.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +155,55 @@ async def test_a_callback_requests_audit_record_carries_its_outcome(
     assert isinstance(outcome["duration_ms"], int)
     [accepted] = records("invoke_accepted")
     assert accepted["status"] == 202
+
+
+def _reach_cli(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "TEMPORAL_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "gateway_api", *args],
+        env={**clean, **env},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_relative_tokens_file_is_the_configs_wherever_the_cli_runs(tmp_path: Path) -> None:
+    home = tmp_path / "deploy"
+    home.mkdir()
+    config = home / "reach.yaml"
+    config.write_text("reach:\n  auth:\n    tokens_file: state/tokens.json\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    kept = home / "state" / "tokens.json"
+    # Run from another directory: the tokens go beside the config (where the gateway started
+    # with it reads them), and the CLI says which file it used.
+    done = _reach_cli(
+        "tokens", "issue", "--principal", "orchestrator", cwd=elsewhere, REACH_CONFIG=str(config)
+    )
+    assert done.returncode == 0, done.stderr
+    assert kept.is_file()
+    assert not (elsewhere / "state").exists()
+    assert f"kept in {kept} (auth.tokens_file)" in done.stdout
+    done = _reach_cli("tokens", "list", cwd=ROOT, REACH_CONFIG=str(config))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == f"tokens in {kept} (auth.tokens_file)"
+    assert "orchestrator" in done.stdout
+    # The default is the working directory's, and an empty store says where it looked.
+    done = _reach_cli("tokens", "list", cwd=elsewhere)
+    assert done.stdout.startswith(f"no tokens in {elsewhere / '.reach' / 'tokens.json'} ")
+
+
+def test_config_check_refuses_a_ports_http_that_is_not_listen_port(tmp_path: Path) -> None:
+    config = tmp_path / "reach.yaml"
+    config.write_text(SEED_YAML.replace("ports: { http: 7600", "ports: { http: 7700"))
+    done = _reach_cli("config", "check", "--config", str(config), cwd=tmp_path)
+    assert done.returncode == 1
+    assert "transport.ports.http in" in done.stderr
+    assert "says the HTTP port is 7700, but listen_port: 7600 in" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = _reach_cli(
+        "config", "check", "--config", str(config), cwd=tmp_path, **{"REACH_LISTEN_PORT": "7700"}
+    )  # the environment moves the port: the file's two keys are both overridden
+    assert done.returncode == 0, done.stderr

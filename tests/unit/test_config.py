@@ -122,3 +122,48 @@ def test_a_loopback_gateway_without_an_allowlist_reaches_loopback_only() -> None
     assert wide.security.allow_networks == []
     strict = {"security": {"allow_networks": []}}
     assert ReachSettings.model_validate(strict).security.allow_networks == []
+
+
+def test_ports_http_that_disagrees_with_listen_port_is_an_error_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "reach.yaml"
+    config.write_text("reach:\n  listen_port: 7600\n  transport:\n    ports: { http: 7700 }\n")
+    with pytest.raises(ConfigError) as exc:
+        load_settings(config)
+    said = str(exc.value)
+    assert f"transport.ports.http in {config} says the HTTP port is 7700" in said
+    assert f"listen_port: 7600 in {config}" in said
+    # Only ports.http written: listen_port's default is what it disagrees with.
+    config.write_text("reach:\n  transport:\n    ports: { http: 8000, grpc: 8001 }\n")
+    with pytest.raises(ConfigError, match=r"but listen_port 7600 \(its default\)"):
+        load_settings(config)
+    # Agreeing keys, or the environment moving the port (both of the file's keys): no error.
+    config.write_text("reach:\n  listen_port: 7700\n  transport:\n    ports: { http: 7700 }\n")
+    assert load_settings(config).listen_port == 7700
+    monkeypatch.setenv("REACH_LISTEN_PORT", "7800")
+    assert load_settings(config).listen_port == 7800
+    # The environment naming the other key disagrees with the port in force.
+    monkeypatch.setenv("REACH_TRANSPORT__PORTS__HTTP", "7900")
+    with pytest.raises(ConfigError, match="REACH_TRANSPORT__PORTS__HTTP says the HTTP port is"):
+        load_settings(config)
+
+
+def test_a_relative_tokens_file_in_the_config_is_relative_to_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "etc"
+    home.mkdir()
+    config = home / "reach.yaml"
+    config.write_text("reach:\n  auth:\n    tokens_file: secrets/tokens.json\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert load_settings(config).auth.tokens_file == str(home / "secrets" / "tokens.json")
+    # Given in the environment, it is the shell's path (its working directory's); the default
+    # stays where it always was (the working directory's .reach/).
+    monkeypatch.setenv("REACH_AUTH__TOKENS_FILE", "mine.json")
+    assert load_settings(config).auth.tokens_file == "mine.json"
+    monkeypatch.delenv("REACH_AUTH__TOKENS_FILE")
+    config.write_text("reach: {}\n")
+    assert load_settings(config).auth.tokens_file == ".reach/tokens.json"
