@@ -1,0 +1,390 @@
+"""MCP on the wire, for `connectors.mcp`: the names both protocol generations use, reading one
+JSON-RPC answer from a Streamable HTTP response (JSON or SSE, bounded), and what an answer means
+in Reach's vocabulary (the rules are `docs/protocols/mcp.md`'s).
+
+Two generations share one endpoint URL:
+
+- 2026-07-28 ("stateless"): every request is a self-contained POST carrying the protocol version
+  in `params._meta` and in the `MCP-Protocol-Version`, `Mcp-Method` and `Mcp-Name` headers; no
+  handshake, no session; closing the response stream is the cancellation.
+- 2025-11-25 / 2025-06-18 / 2025-03-26 ("session-based"): `initialize` first, the
+  `Mcp-Session-Id` the server hands out on every later request, `notifications/cancelled` to
+  cancel.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from reach.acceptance import check_json, parse_json
+from reach.errors import (
+    AgentError,
+    AgentFault,
+    DeadlineExceeded,
+    ReachError,
+    TransportError,
+)
+from reach.messages import Reply, dumps
+from reach.registry.models import (
+    MAX_DESCRIPTION_CHARS,
+    Discovery,
+    OperationDeclaration,
+)
+
+MODERN = "2026-07-28"
+# Offered in this order at `initialize`: a server answers with the one it speaks.
+SESSION_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26")
+
+ACCEPT = "application/json, text/event-stream"
+H_VERSION = "MCP-Protocol-Version"
+H_SESSION = "Mcp-Session-Id"
+H_METHOD = "Mcp-Method"
+H_NAME = "Mcp-Name"
+META_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+CLIENT_INFO = {"name": "agent-reach", "version": "1"}
+
+# JSON-RPC and MCP error codes this connector tells apart.
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+METHOD_NOT_FOUND = -32601
+INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
+REQUEST_TIMEOUT = -32001
+HEADER_MISMATCH = -32020
+MISSING_CAPABILITY = -32021
+UNSUPPORTED_VERSION = -32022
+
+_CODE_NAMES = {
+    PARSE_ERROR: "parse_error",
+    INVALID_REQUEST: "invalid_request",
+    METHOD_NOT_FOUND: "method_not_found",
+    INVALID_PARAMS: "invalid_params",
+    INTERNAL_ERROR: "internal_error",
+    HEADER_MISMATCH: "header_mismatch",
+    MISSING_CAPABILITY: "missing_client_capability",
+    UNSUPPORTED_VERSION: "unsupported_protocol_version",
+    -32042: "url_elicitation_required",
+}
+
+# Discovery's bounds: pages of tools/list, tools kept (Discovery.operations' own cap), bytes of
+# one page, the tools a discovery names as skipped.
+MAX_PAGES = 32
+MAX_TOOLS = 256
+MAX_LIST_BYTES = 4 * 1024 * 1024
+MAX_SKIPPED_NAMED = 20
+# An answer's envelope around a result: the result may come twice (structuredContent and the
+# text block the SDKs add beside it), plus the JSON-RPC wrapping and the SSE framing.
+ENVELOPE_BYTES = 64 * 1024
+MAX_LINE_BYTES = 1024 * 1024
+
+
+def read_limit(result_limit: int) -> int:
+    """How many bytes of a response are read for a result of at most `result_limit` bytes."""
+    return 2 * result_limit + ENVELOPE_BYTES
+
+
+class Unsupported(Exception):
+    """The server refused the protocol version this request carried: it did not run the
+    request (nothing was dispatched), so negotiating again and resending it is safe."""
+
+
+class SessionGone(Exception):
+    """The server answered 404 to a request carrying a session id: it does not know the
+    session (expired, restarted), so it did not run the request."""
+
+
+def header_value(value: str) -> str:
+    """A value as an `Mcp-Name` header carries it: as it is when plain visible ASCII, else
+    the `=?base64?...?=` form the 2026-07-28 transport defines."""
+    plain = value.isascii() and value.isprintable() and value == value.strip()
+    if plain and not (value.startswith("=?base64?") and value.endswith("?=")):
+        return value
+    return f"=?base64?{base64.b64encode(value.encode()).decode('ascii')}?="
+
+
+def envelope_meta(version: str) -> dict[str, Any]:
+    """What a 2026-07-28 request's `params._meta` must carry (empty for the session-based
+    generations, which said it once at `initialize`)."""
+    if version != MODERN:
+        return {}
+    return {META_VERSION: MODERN, META_CAPABILITIES: {}, META_CLIENT_INFO: CLIENT_INFO}
+
+
+def request_headers(
+    version: str | None, session: str | None, method: str, name: str | None
+) -> dict[str, str]:
+    headers = {"Accept": ACCEPT, "Content-Type": "application/json"}
+    if version is not None:
+        headers[H_VERSION] = version
+    if session is not None:
+        headers[H_SESSION] = session
+    if version == MODERN:
+        headers[H_METHOD] = method
+        if name is not None:
+            headers[H_NAME] = header_value(name)
+    return headers
+
+
+def body(rpc_id: int | None, method: str, params: dict[str, Any]) -> bytes:
+    message: dict[str, Any] = {"jsonrpc": "2.0", "method": method, "params": params}
+    if rpc_id is not None:
+        message["id"] = rpc_id
+    return dumps(message)
+
+
+# -- reading one answer --------------------------------------------------------------------------
+
+
+async def _limited(response: httpx.Response, limit: int, where: str) -> AsyncIterator[bytes]:
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise AgentError(
+                f"{where} answered more than {limit} bytes; the negotiated "
+                f"max_message_bytes leaves no room for more",
+                retryable=False,
+            )
+        yield chunk
+
+
+async def _sse_messages(chunks: AsyncIterator[bytes], where: str) -> AsyncIterator[bytes]:
+    """The `data` of each SSE event (its lines joined), as they arrive."""
+    buffer = b""
+    data: list[bytes] = []
+    async for chunk in chunks:
+        buffer += chunk
+        while True:
+            end = buffer.find(b"\n")
+            if end < 0:
+                if len(buffer) > MAX_LINE_BYTES:
+                    raise AgentError(f"{where} sent an SSE line over {MAX_LINE_BYTES} bytes")
+                break
+            line, buffer = buffer[:end].rstrip(b"\r"), buffer[end + 1 :]
+            if not line:
+                if data:
+                    yield b"\n".join(data)
+                    data = []
+            elif line.startswith(b"data:"):
+                data.append(line[5:].removeprefix(b" "))
+            # `event:`, `id:`, `retry:` and comments (`: ping`) carry nothing this reads.
+    if data:
+        yield b"\n".join(data)
+
+
+def _parsed(raw: bytes, where: str) -> Any:
+    try:
+        return parse_json(raw, what="its answer")
+    except ReachError as exc:
+        raise AgentError(f"{where}: {exc.message}", retryable=False) from exc
+
+
+async def read_answer(
+    response: httpx.Response,
+    rpc_id: int,
+    limit: int,
+    where: str,
+    on_notification: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The JSON-RPC response to request `rpc_id` in `response` (a 2xx): its `result`, or the
+    typed error its `error` stands for. Notifications on an SSE stream (progress) go to
+    `on_notification`; a request the server sends back (sampling, elicitation) is not served."""
+    kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    chunks = _limited(response, limit, where)
+    if kind == "text/event-stream":
+        async for data in _sse_messages(chunks, where):
+            message = _parsed(data, where)
+            if not isinstance(message, dict):
+                continue
+            if "method" in message:
+                if on_notification is not None and "id" not in message:
+                    on_notification(message)
+                continue
+            if message.get("id") == rpc_id or ("error" in message and message.get("id") is None):
+                return outcome(message, where, response.status_code)
+        raise TransportError(
+            f"{where} closed its event stream before answering", outcome_unknown=True
+        )
+    if kind != "application/json":
+        raise AgentError(f"{where} answered with content type {kind or 'none'!r}", retryable=False)
+    raw = b"".join([chunk async for chunk in chunks])
+    message = _parsed(raw, where)
+    if not isinstance(message, dict):
+        raise AgentError(f"{where} answered with JSON that is not one JSON-RPC response")
+    return outcome(message, where, response.status_code)
+
+
+def outcome(message: dict[str, Any], where: str, status: int) -> dict[str, Any]:
+    """A JSON-RPC response's result, or its error raised as Reach's."""
+    error = message.get("error")
+    if error is not None:
+        raise error_for(error, where, status)
+    result = message.get("result")
+    if not isinstance(result, dict):
+        raise AgentError(f"{where} answered a JSON-RPC response without a result object")
+    return result
+
+
+def error_for(error: Any, where: str, status: int | None = None) -> Exception:
+    """A JSON-RPC error as the closed vocabulary (`Unsupported` for a refused protocol
+    version, which the caller negotiates again from). The server's code and message travel
+    as the `agent_error`'s fault."""
+    if not isinstance(error, dict):
+        error = {}
+    code = error.get("code") if isinstance(error.get("code"), int) else None
+    text = str(error.get("message") or "")
+    if code == UNSUPPORTED_VERSION:
+        return Unsupported(text)
+    name = _CODE_NAMES.get(code or 0, "jsonrpc_error")
+    fault = AgentFault(type=name, message=text, status=code)
+    said = f" JSON-RPC error {code}" + (f": {text}" if text else "")
+    if code == REQUEST_TIMEOUT:
+        return DeadlineExceeded(f"{where} answered{said}")
+    # The server's own trouble (internal, or its implementation-defined band) may pass;
+    # a request it found wrong would be found wrong again.
+    retryable = code == INTERNAL_ERROR or (code is not None and -32019 <= code <= -32000)
+    if code in (METHOD_NOT_FOUND,):
+        return AgentError(f"{where}: operation not served;{said}", retryable=False, fault=fault)
+    return AgentError(f"{where} answered{said}", retryable=retryable, fault=fault)
+
+
+async def http_refusal(response: httpx.Response, where: str, *, had_session: bool) -> Exception:
+    """What a non-2xx answer means: a JSON-RPC error in its body first (a 2026-07-28 server
+    sends one with a table-mapped status), else the status as the HTTP connector reads it."""
+    code = response.status_code
+    raw = b""
+    with contextlib.suppress(httpx.HTTPError):
+        async for chunk in _limited(response, ENVELOPE_BYTES, where):
+            raw += chunk
+    if code == 404 and had_session:
+        return SessionGone(raw.decode("utf-8", "replace")[:200])
+    message: Any = None
+    with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
+        message = json.loads(raw)
+    if isinstance(message, dict) and isinstance(message.get("error"), dict):
+        return error_for(message["error"], where, code)
+    text = raw.decode("utf-8", "replace").strip()[:1000]
+    fault = AgentFault(type="http_error", message=text, status=code)
+    said = f" HTTP {code}" + (f": {text}" if text else "")
+    if code == 400 and "protocol" in text.lower() and "version" in text.lower():
+        return Unsupported(text)
+    if code == 404:
+        return AgentError(f"{where}: no MCP endpoint here;{said}", retryable=False, fault=fault)
+    return AgentError(f"{where} answered{said}", retryable=code >= 500 or code == 429, fault=fault)
+
+
+# -- a tool call's answer ------------------------------------------------------------------------
+
+
+def _text_of(blocks: list[Any]) -> str | None:
+    texts = [b["text"] for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
+    texts = [t for t in texts if isinstance(t, str)]
+    return "\n".join(texts) if texts else None
+
+
+def tool_reply(result: dict[str, Any], where: str, limit: int) -> Reply:
+    """A `tools/call` result as Reach's Reply (the mapping rule of docs/protocols/mcp.md):
+
+    - `isError: true`: an `agent_error` (not retryable: the tool ran and said no), with the
+      text blocks as the server's words;
+    - `structuredContent` when present: the result (an object as it is, another JSON value
+      as `{"value": ...}`);
+    - else the content blocks, lossless: `{"content": [...]}`, plus `"text"`, the text blocks
+      joined by newlines, when there is any.
+    """
+    kind = result.get("resultType", "complete")
+    if kind != "complete":
+        raise AgentError(
+            f"{where} answered a {kind!r} result, which Reach cannot continue "
+            "(only complete results are)",
+            retryable=False,
+        )
+    blocks = result.get("content")
+    blocks = blocks if isinstance(blocks, list) else []
+    if result.get("isError") is True:
+        words = _text_of(blocks) or ""
+        fault = AgentFault(type="tool_error", message=words)
+        raise AgentError(
+            f"{where}: the tool failed" + (f": {words[:300]}" if words else ""),
+            retryable=False,
+            fault=fault,
+        )
+    if "structuredContent" in result and result["structuredContent"] is not None:
+        data = result["structuredContent"]
+        mapped: dict[str, Any] = data if isinstance(data, dict) else {"value": data}
+    else:
+        mapped = {"content": blocks}
+        text = _text_of(blocks)
+        if text is not None:
+            mapped["text"] = text
+    try:
+        check_json(mapped, what="its result", limit=limit)
+    except ReachError as exc:
+        raise AgentError(f"{where}; {exc.message}", retryable=False) from exc
+    return Reply(status="ok", result=mapped)
+
+
+# -- a tool list as operations -------------------------------------------------------------------
+
+
+def declaration(tool: dict[str, Any]) -> OperationDeclaration | None:
+    """A tool as an operation (None: its name cannot be one). Its annotations decide retry
+    safety: `readOnlyHint` or `idempotentHint` true is idempotent, anything else is not. A
+    description past the limit is cut; an input schema past the limits is left out."""
+    hints = tool.get("annotations")
+    hints = hints if isinstance(hints, dict) else {}
+    idempotent = hints.get("readOnlyHint") is True or hints.get("idempotentHint") is True
+    description = tool.get("description")
+    if isinstance(description, str) and len(description) > MAX_DESCRIPTION_CHARS:
+        description = description[: MAX_DESCRIPTION_CHARS - 1] + "…"
+    schema = tool.get("inputSchema")
+    fields: dict[str, Any] = {
+        "name": tool.get("name"),
+        "idempotent": idempotent,
+        "description": description if isinstance(description, str) else None,
+    }
+    try:
+        return OperationDeclaration.model_validate(
+            {**fields, "input_schema": schema if isinstance(schema, dict) else None}
+        )
+    except ValueError:
+        pass
+    try:
+        return OperationDeclaration.model_validate(fields)  # the schema was what did not fit
+    except ValueError:
+        return None
+
+
+def discovery(tools: list[Any], details: dict[str, Any]) -> Discovery:
+    """The tools a server listed as a Discovery; `version` is a hash of the list as served."""
+    operations: list[OperationDeclaration] = []
+    skipped: list[str] = []
+    seen: set[str] = set()
+    for tool in tools:
+        op = declaration(tool) if isinstance(tool, dict) else None
+        if op is None or op.name in seen or len(operations) >= MAX_TOOLS:
+            name = tool.get("name") if isinstance(tool, dict) else None
+            skipped.append(str(name)[:80])
+            continue
+        seen.add(op.name)
+        operations.append(op)
+    version = hashlib.sha256(
+        json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    ).hexdigest()[:32]
+    if skipped:
+        details = {
+            **details,
+            "skipped_tools": skipped[:MAX_SKIPPED_NAMED],
+            "skipped_count": len(skipped),
+        }
+    return Discovery(operations=operations, version=version, details=details)
