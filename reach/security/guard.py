@@ -32,6 +32,7 @@ from reach.security.tokens import (
     SharedTokenStore,
     TokenCache,
     TokenStore,
+    mirror_path,
 )
 from reach.settings_checks import load_checked_settings
 from reach.store import Store
@@ -52,9 +53,11 @@ LIVE_AUDIT_FIELDS = frozenset({"redact_keys", "max_string"})
 
 
 def token_store(settings: ReachSettings, store: Store | None) -> TokenStore:
-    """Redis registry: tokens in Redis (every gateway); memory: the tokens file on this host."""
+    """Redis registry: tokens in Redis (every gateway), mirrored in this host's tokens file;
+    memory: the tokens file on this host."""
     if settings.registry.type == "redis" and store is not None:
-        return SharedTokenStore(store)
+        mirror = mirror_path(settings.auth.tokens_file, settings.registry.key_prefix)
+        return SharedTokenStore(store, FileTokenStore(mirror))
     return FileTokenStore(settings.auth.tokens_file)
 
 

@@ -9,9 +9,16 @@ Where records live (`TokenStore`):
   the CLI writes it and every gateway on the host sees the change within `FILE_POLL_S`.
 - `SharedTokenStore`: a hash in the registry's store (Redis), with a change notice published
   on every write, so a revocation reaches every gateway at once (and a full re-read every
-  `auth.resync_s` covers a notice lost while a subscription reconnected).
+  `auth.resync_s` covers a notice lost while a subscription reconnected). Every write is also
+  kept in a mirror file beside the host's tokens file (`mirror_path`), which reads merge in.
 
 Gateways verify from a local copy (`TokenCache`): no store round trip per request.
+
+Records are revoked, never deleted, and a revocation is never undone, so copies merge one
+way (`merge`): a record any copy holds is kept, and revoked from the earliest time any copy
+says. A Redis restarted empty, or restored from a snapshot taken before a revocation, cannot
+revive a token a gateway or the mirror saw revoked: the gateway keeps it revoked and writes
+what the store lacks back into it (`TokenCache.reload`).
 """
 
 from __future__ import annotations
@@ -83,6 +90,22 @@ class Principal:
 
     def may_serve(self, capability: str) -> bool:
         return ANY in self.capabilities or capability in self.capabilities
+
+
+def merge(*copies: Iterable[TokenRecord]) -> dict[str, TokenRecord]:
+    """Copies of the records as one: every id any copy holds, each revoked at the earliest
+    time any copy says (a revocation is never undone by a copy that predates it)."""
+    out: dict[str, TokenRecord] = {}
+    for records in copies:
+        for record in records:
+            seen = out.get(record.id)
+            if seen is None:
+                out[record.id] = record
+                continue
+            times = [t for t in (seen.revoked_at, record.revoked_at) if t is not None]
+            if times and seen.revoked_at != min(times):
+                out[record.id] = seen.model_copy(update={"revoked_at": min(times)})
+    return out
 
 
 def digest(token: str) -> str:
@@ -260,20 +283,65 @@ class FileTokenStore(TokenStore):
         return stop
 
 
+def mirror_path(tokens_file: str | Path, key_prefix: str) -> Path:
+    """Where a host keeps its mirror of a shared store's records: beside the tokens file, named
+    by the deployment's key prefix (so neither the memory registry's file nor another
+    deployment's records are mixed in)."""
+    path = Path(tokens_file)
+    return path.with_name(f"{path.stem}.{key_prefix}.mirror.json")
+
+
 class SharedTokenStore(TokenStore):
-    """Token records in the shared store (a Redis hash); every write is announced."""
+    """Token records in the shared store (a Redis hash); every write is announced, and kept
+    in `mirror` too (the host's tokens file) when one is given."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, mirror: FileTokenStore | None = None) -> None:
         self.store = store
+        self.mirror = mirror
+        self._mirror_failed = False
 
-    async def load(self) -> list[TokenRecord]:
+    async def load_shared(self) -> list[TokenRecord]:
+        """What the shared store holds (without the mirror)."""
         raw = await self.store.hash_all(HASH_KEY)
         parsed = (_parse(v, "the shared store") for v in raw.values())
         return [r for r in parsed if r is not None]
 
+    async def load(self) -> list[TokenRecord]:
+        shared = await self.load_shared()
+        return list(merge(shared, await self.load_mirror()).values())
+
+    async def load_mirror(self) -> list[TokenRecord]:
+        if self.mirror is None:
+            return []
+        try:
+            return await self.mirror.load()
+        except ReachError as exc:
+            self._mirror_trouble(exc)
+            return []
+
     async def save(self, record: TokenRecord) -> None:
+        await self.keep(record)
         await self.store.hash_set(HASH_KEY, record.id, record.model_dump_json())
         await self.store.publish(CHANNEL, record.id)
+
+    async def keep(self, record: TokenRecord) -> None:
+        """Write `record` into the mirror (a mirror that fails is logged, never fatal)."""
+        if self.mirror is None:
+            return
+        try:
+            await self.mirror.save(record)
+        except (OSError, ReachError) as exc:
+            self._mirror_trouble(exc)
+
+    def _mirror_trouble(self, exc: Exception) -> None:
+        if not self._mirror_failed:
+            self._mirror_failed = True
+            log.warning(
+                "the token mirror %s is not usable (%s): revocations then live only in the "
+                "shared store and the gateways' copies",
+                self.mirror.path if self.mirror else "-",
+                exc,
+            )
 
     async def watch(self, on_change: Callable[[], None]) -> Callable[[], Awaitable[None]]:
         subscription = await self.store.subscribe(CHANNEL, lambda _message: on_change())
@@ -301,6 +369,7 @@ class TokenCache:
         # Unreadable at start: refuse to start (an empty book would leave the door open).
         self.book = TokenBook(await self.store.load())
         self.loaded_at = time.time()
+        await self._reassert(self.book.records)
         self._stop = await self.store.watch(self.changed)
         self._resync = asyncio.get_running_loop().create_task(self._resync_forever())
 
@@ -318,22 +387,42 @@ class TokenCache:
                 return
 
     async def reload(self) -> None:
+        """Re-read the store and merge it into this copy (`merge`): a record the store lost,
+        or holds from before its revocation, stays as this copy knows it, and is written back
+        into a shared store (re-asserted), so a Redis restarted empty or from an older
+        snapshot cannot revive a revoked token nor reopen the door."""
         try:
             records = await self.store.load()
         except (ReachError, OSError) as exc:
             log.warning("could not re-read tokens (keeping the last copy): %s", exc)
             return
-        if not records and len(self.book) > 0:
-            # Records are revoked, never deleted: a store that reads back empty lost them
-            # (a moved file, a flushed Redis), and must not turn the door open.
-            log.error(
-                "the token store reads back empty after holding %d tokens; keeping them "
-                "(restore the store, or restart the gateway to start afresh)",
-                len(self.book),
-            )
-            return
-        self.book = TokenBook(records)
+        known = merge(self.book.records.values(), records)
+        if known != self.book.records:
+            self.book = TokenBook(known.values())
         self.loaded_at = time.time()
+        await self._reassert(known)
+
+    async def _reassert(self, known: dict[str, TokenRecord]) -> None:
+        """Write into the shared store (and the mirror) what they lack of `known`."""
+        store = self.store
+        if not isinstance(store, SharedTokenStore):
+            return
+        try:
+            shared = {r.id: r for r in await store.load_shared()}
+            mirrored = {r.id: r for r in await store.load_mirror()}
+            for record in known.values():
+                if store.mirror is not None and mirrored.get(record.id) != record:
+                    await store.keep(record)
+                if shared.get(record.id) != record:
+                    log.warning(
+                        "token %s (%s): the shared store %s; writing this gateway's copy back",
+                        record.id,
+                        record.state(time.time()),
+                        "had lost it" if record.id not in shared else "held an older copy",
+                    )
+                    await store.save(record)
+        except (ReachError, OSError) as exc:
+            log.warning("could not write the tokens back into the shared store: %s", exc)
 
     async def _resync_forever(self) -> None:
         while True:
