@@ -172,13 +172,14 @@ async def _sse_messages(chunks: AsyncIterator[bytes], where: str) -> AsyncIterat
                 break
             line, buffer = buffer[:end].rstrip(b"\r"), buffer[end + 1 :]
             if not line:
-                if data:
-                    yield b"\n".join(data)
-                    data = []
+                joined = b"\n".join(data)
+                data = []
+                if joined.strip():  # a priming event (an id, empty data) carries no message
+                    yield joined
             elif line.startswith(b"data:"):
                 data.append(line[5:].removeprefix(b" "))
             # `event:`, `id:`, `retry:` and comments (`: ping`) carry nothing this reads.
-    if data:
+    if b"".join(data).strip():
         yield b"\n".join(data)
 
 
