@@ -262,6 +262,8 @@ def build_workers(
                     acts.pinned,
                     acts.follow,
                     acts.take_token,
+                    acts.follow_task,
+                    acts.cancel_task,
                 ],
                 # OpenTelemetry passed through, as Temporal's own OTel plugin does: one context
                 # inside and out (the trace ids on the workflow's log records).
@@ -285,7 +287,7 @@ def build_workers(
             Worker(
                 client,
                 task_queue=capability_queue(capability),
-                activities=[acts.resolve, acts.call],
+                activities=[acts.resolve, acts.call, acts.follow_task, acts.cancel_task],
             )
         )
     return workers

@@ -32,9 +32,11 @@ from reach.errors import (
 )
 from reach.invocation import (
     ACTIVITY_CALL,
+    ACTIVITY_CANCEL_TASK,
     ACTIVITY_CLAIM_KEY,
     ACTIVITY_DELIVER_CALLBACK,
     ACTIVITY_FOLLOW,
+    ACTIVITY_FOLLOW_TASK,
     ACTIVITY_PINNED,
     ACTIVITY_RELEASE_KEY,
     ACTIVITY_RELEASE_ROUTE,
@@ -47,10 +49,12 @@ from reach.invocation import (
     ClaimOutcome,
     Endpoint,
     FollowInput,
+    FollowTaskInput,
     ResolveInput,
     TakeInput,
 )
 from reach.messages import InvokeResponse, Reply
+from reach.outcome import carried
 from reach.policy.engine import PolicyEngine
 from reach.registry import Registry
 from reach.registry.view import RegistryView
@@ -180,6 +184,12 @@ class ReachActivities:
             first: InvokeResponse = await handle.result()
             return first
         except WorkflowFailureError as exc:
+            # Its error or timeout fails its workflow, the envelope inside (reach.outcome).
+            cause = exc.cause
+            if isinstance(cause, ApplicationError):
+                carries = carried(cause.type, cause.details)
+                if carries is not None:
+                    return carries
             raise to_application_error(
                 InternalError(f"request {inp.request_id} ended without a result: {exc.cause}")
             ) from exc
@@ -252,6 +262,30 @@ class ReachActivities:
                 self.metrics.agent_call(endpoint.capability, endpoint.protocol, outcome, seconds)
         await self._record(inp.endpoint, ok=True)
         return reply
+
+    @activity.defn(name=ACTIVITY_FOLLOW_TASK)
+    async def follow_task(self, inp: FollowTaskInput) -> Reply:
+        """One look at an agent's long work (an A2A task) a call answered with a handle for:
+        a read, safe to repeat, never a resend of the request."""
+        try:
+            connector = self.connectors.get(inp.endpoint.protocol)
+            return await connector.follow(inp.endpoint, inp.handle, inp.timeout_ms / 1000)
+        except ReachError as err:
+            raise to_application_error(err) from err
+        except Exception as exc:
+            raise _internal(f"following {inp.endpoint.instance_id}'s task", exc) from exc
+
+    @activity.defn(name=ACTIVITY_CANCEL_TASK)
+    async def cancel_task(self, inp: FollowTaskInput) -> bool:
+        """The request's deadline passed while the agent's work went on: ask it to stop."""
+        try:
+            connector = self.connectors.get(inp.endpoint.protocol)
+            await connector.cancel(inp.endpoint, inp.handle, inp.timeout_ms / 1000)
+        except ReachError as err:
+            raise to_application_error(err) from err
+        except Exception as exc:
+            raise _internal(f"canceling {inp.endpoint.instance_id}'s task", exc) from exc
+        return True
 
     async def _record(self, endpoint: Endpoint, ok: bool) -> None:
         """Count the outcome without holding up the answer: a slow store must not turn a

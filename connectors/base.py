@@ -89,6 +89,17 @@ class Connector(ABC):
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         """Deliver `message` to `endpoint` and return its answer within `timeout_s`."""
 
+    async def follow(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> Reply:
+        """Where the work `handle` names stands now (`handle`: the `Reply.follow` an invoke
+        returned, kept in the request's history): its final Reply, an accepted Reply with a
+        handle (still going), or the Reach error it ended in. Only a connector whose invoke
+        returns follow handles implements it (A2A: `GetTask`)."""
+        raise NotImplementedError(f"{self.protocol} returns no follow handles")
+
+    async def cancel(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> None:
+        """Ask the agent to stop the work `handle` names (the request's deadline passed)."""
+        raise NotImplementedError(f"{self.protocol} returns no follow handles")
+
     def held(self) -> dict[str, str]:
         """instance_id -> capability of every instance this connector holds a connection to."""
         return {}

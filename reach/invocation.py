@@ -26,6 +26,10 @@ ACTIVITY_FOLLOW = "reach.follow"
 ACTIVITY_TAKE_TOKEN = "reach.take_token"
 ACTIVITY_RELEASE_KEY = "reach.release_key"
 ACTIVITY_RELEASE_ROUTE = "reach.release_route"
+# An agent's own long work (an A2A task) the call answered with a handle to follow: where it
+# stands now, and asking it to stop at the deadline.
+ACTIVITY_FOLLOW_TASK = "reach.follow_task"
+ACTIVITY_CANCEL_TASK = "reach.cancel_task"
 # Which instance attempt 1 was pinned to (naming a lost task's attempt that may have run).
 ACTIVITY_PINNED = "reach.pinned"
 # Late answers arrive as an update (validated, refused without a trace once the result is final);
@@ -205,6 +209,15 @@ class ClaimOutcome(BaseModel):
 
 class FollowInput(BaseModel):
     request_id: str
+
+
+class FollowTaskInput(BaseModel):
+    """One look at (or the cancel of) the work a call's `Reply.follow` handle names."""
+
+    endpoint: Endpoint
+    handle: dict[str, Any]
+    timeout_ms: int
+    request_id: str = ""
 
 
 class TakeInput(BaseModel):

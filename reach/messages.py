@@ -73,7 +73,12 @@ def _integral(value: Any) -> Any:
 # An integer field as JSON Schema means it (5 and 5.0), under strict validation otherwise.
 JsonInt = Annotated[int, BeforeValidator(_integral)]
 
-RequestStatus = Literal["accepted", "running", "success", "error", "timeout"]
+# input_required: an A2A agent's task waits for the caller (input-required, auth-required);
+# canceled: the agent canceled it. Both final, HTTP 200, `result` says which task
+# (docs/protocols/a2a.md).
+RequestStatus = Literal[
+    "accepted", "running", "success", "error", "timeout", "input_required", "canceled"
+]
 DeliveryStatus = Literal["pending", "delivered", "given_up"]
 
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
@@ -125,11 +130,16 @@ class Reply(BaseModel):
     """An agent's answer as a connector reports it.
 
     `accepted` means the agent took the request and will answer later through
-    `POST /reach/requests/{request_id}/result` (R3).
+    `POST /reach/requests/{request_id}/result` (R3) — or, with `follow`, that the connector can
+    follow the work itself: the handle (an A2A task's id, context id and URL) is kept in the
+    request's history and handed to `Connector.follow` until the work ends.
+    `input_required` and `canceled` are final answers of an agent's task (A2A): `result` holds
+    the task and context ids, its state and the agent's words (docs/protocols/a2a.md).
     """
 
-    status: Literal["ok", "accepted"]
+    status: Literal["ok", "accepted", "input_required", "canceled"]
     result: dict[str, Any] | None = None
+    follow: dict[str, Any] | None = None
 
 
 class ErrorInfo(BaseModel):

@@ -68,6 +68,8 @@ with workflow.unsafe.imports_passed_through():
         timed_out,
     )
     from workflows._failures import Failed, StaleRoute, error_of
+    from workflows._following import TaskFollowing
+    from workflows._following import capability_queue as capability_queue  # invoke.py's
 
 ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 # Requests accepted before a broken call was re-delivered to its instance retried elsewhere;
@@ -93,10 +95,6 @@ FIRST_TASK_EVENTS = 3
 STORE_STEP = timedelta(seconds=10)
 
 
-def capability_queue(capability: str) -> str:
-    return f"reach-cap-{capability}"
-
-
 # How the log names each step that waits (operators and tests read "retrying in").
 DOING = {Retry: "retrying", Redeliver: "re-delivering", WaitForStore: "waiting for the store"}
 
@@ -106,7 +104,7 @@ def follows(rule: Rule) -> bool:
     return workflow.patched(PATCHES[rule])
 
 
-class AttemptLoop:
+class AttemptLoop(TaskFollowing):
     def __init__(self) -> None:
         self._late: LateAnswer | None = None
         # Instances this run has called, with the principal that registered each: who may answer.
@@ -343,8 +341,10 @@ class AttemptLoop:
         if self._late is not None:
             # Acknowledged while the call was still out: that answer came first.
             return self._answered_late(inp, instance_id)
-        if reply.status == "ok":
-            return self._envelope(inp, "success", result=reply.result, instance_id=instance_id)
+        if reply.follow is not None:  # the agent's own long work, followed (workflows._following)
+            return await self._follow_task(inp, endpoint, reply.follow)
+        if reply.status != "accepted":
+            return self._final_reply(inp, reply, instance_id)
         return await self._await_late_answer(inp, instance_id)
 
     def _movable(self, inp: InvokeInput) -> bool | None:

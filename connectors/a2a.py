@@ -1,0 +1,295 @@
+"""A2A connector: Reach calls agents that speak the Agent2Agent protocol (v1.0, JSON-RPC binding).
+
+An A2A agent does not Join: it is registered by its base URL (`registered_by_url`), described
+by its agent card (`discover`: `GET {base}/.well-known/agent-card.json`, conditional on the
+last ETag, skills as operations), and called by `SendMessage` on the card's JSON-RPC URL
+(`invoke`). The mapping both ways is `connectors._a2a_wire` (and docs/protocols/a2a.md); the
+card's checks, the forgery guard on its URLs included, are `connectors._a2a_card`.
+
+Long tasks: `SendMessage` asks to be answered as soon as the agent has a task
+(`returnImmediately`), so a task still submitted or working comes back at once as an accepted
+`Reply` with a follow handle (task id, context id, JSON-RPC URL). The workflow keeps that handle
+in its history and follows the task (`follow`: one `GetTask`) on durable timers until it ends
+or the deadline passes, when it sends `CancelTask` (`cancel`). A restarted gateway or worker
+goes on following the same task: the message is never sent again.
+
+Connections: one guarded httpx client (its own keep-alive pool) per instance, opened on first
+use, closed when idle past `transport.idle_timeout_s` or when the instance leaves the registry;
+the address guard vets every new connection (the card's and the JSON-RPC URL's alike). The
+connections are anyio's, which set TCP_NODELAY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import httpx
+
+from connectors._a2a_card import MAX_CARD_BYTES, card_url, discovery_of
+from connectors._a2a_wire import (
+    A2A_VERSION,
+    TASK_NOT_FOUND,
+    get_task_request,
+    reply_of_get,
+    reply_of_send,
+    rpc_error,
+    send_request,
+)
+from connectors._address import check_http_address, refuse
+from connectors._answers import fault_of
+from connectors._guard import GuardedTransport
+from connectors._pools import ConnectionStats, Pools
+from connectors.base import PooledConnector
+from connectors.http import map_httpx_exceptions
+from reach.config import SecuritySettings, TransportSettings
+from reach.errors import AgentError, InvalidRequest, ReachError, TransportError, Unavailable
+from reach.invocation import Endpoint
+from reach.messages import Message, Reply, dumps
+from reach.registry.models import Discovery
+from reach.security.netguard import DEFAULT_PORTS, AddressGuard, host_port
+
+MAX_ERROR_BODY_BYTES = 64 * 1024
+CARD_TIMEOUT_S = 5.0
+MAX_CONNECTIONS_PER_INSTANCE = 64
+
+
+async def _read_bounded(response: httpx.Response, limit: int, what: str, where: str) -> bytes:
+    declared = response.headers.get("content-length")
+    if declared is not None and "content-encoding" not in response.headers:
+        with contextlib.suppress(ValueError):
+            if int(declared) > limit:
+                raise AgentError(f"{where}: {what} of {declared} bytes; at most {limit}")
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise AgentError(f"{where}: {what} of more than {limit} bytes", retryable=False)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class A2AConnector(PooledConnector):
+    protocol = "a2a"
+    registered_by_url = True
+
+    def __init__(
+        self,
+        transport: TransportSettings | None = None,
+        *,
+        stats: ConnectionStats | None = None,
+        security: SecuritySettings | None = None,
+    ) -> None:
+        super().__init__(transport, stats=stats, security=security)
+        # As the HTTP connector: built without security settings (tests), no guard.
+        self.guard = AddressGuard(self.security.allow_networks) if security is not None else None
+        expiry = self.transport.idle_timeout_s
+
+        def make_client(_: str) -> httpx.AsyncClient:
+            limits = httpx.Limits(
+                max_connections=MAX_CONNECTIONS_PER_INSTANCE,
+                max_keepalive_connections=MAX_CONNECTIONS_PER_INSTANCE,
+                keepalive_expiry=expiry,
+            )
+            guarded = None if self.guard is None else GuardedTransport(self.guard, limits=limits)
+            return httpx.AsyncClient(
+                limits=limits, trust_env=False, follow_redirects=False, transport=guarded
+            )
+
+        async def close(client: httpx.AsyncClient) -> None:
+            await client.aclose()
+
+        self._pools: Pools[httpx.AsyncClient] = self._new_pools(make_client, close)
+        self._cards: httpx.AsyncClient | None = None
+        # address -> JSON-RPC URL, for instances whose details do not say (joined, not found
+        # by URL): read from the card once.
+        self._urls: dict[str, str] = {}
+
+    @classmethod
+    def check_address(cls, address: str) -> str:
+        """An A2A agent's base URL: http(s)://host[:port][/path] (its card is under it)."""
+        if "://" not in address:
+            raise refuse(address, "an A2A agent is named by its base URL: http(s)://host[:port]")
+        return check_http_address(address)
+
+    @classmethod
+    def address_host_port(cls, address: str) -> tuple[str, int] | None:
+        return host_port(address, DEFAULT_PORTS)
+
+    def _card_client(self) -> httpx.AsyncClient:
+        if self._cards is None:
+            limits = httpx.Limits(max_connections=32, max_keepalive_connections=8)
+            guarded = None if self.guard is None else GuardedTransport(self.guard, limits=limits)
+            self._cards = httpx.AsyncClient(
+                limits=limits, trust_env=False, follow_redirects=False, transport=guarded
+            )
+        return self._cards
+
+    async def discover(self, address: str, known: Discovery | None = None) -> Discovery:
+        url = card_url(address)
+        if self.guard is not None:
+            await self.guard.check_url(url)  # InvalidRequest naming the refusal, nothing sent
+        headers = {"Accept": "application/json", "A2A-Version": A2A_VERSION}
+        if known is not None and known.etag:
+            headers["If-None-Match"] = known.etag
+        where = f"the agent card at {url[:120]}"
+        try:
+            with map_httpx_exceptions(url):
+                async with asyncio.timeout(CARD_TIMEOUT_S):
+                    request = self._card_client().build_request(
+                        "GET", url, headers=headers, timeout=CARD_TIMEOUT_S
+                    )
+                    response = await self._card_client().send(request, stream=True)
+                    try:
+                        if response.status_code == 304 and known is not None:
+                            return known
+                        if response.status_code != 200:
+                            raise Unavailable(f"{where}: answered HTTP {response.status_code}")
+                        raw = await _read_bounded(response, MAX_CARD_BYTES, "a card", where)
+                    finally:
+                        await response.aclose()
+        except AgentError as exc:  # too large: the card, not the agent's answer to a call
+            raise InvalidRequest(exc.message) from None
+        except TransportError as exc:
+            raise Unavailable(exc.message) from None
+        except ReachError as exc:
+            if exc.type == "timeout":
+                raise Unavailable(f"{where}: no answer within {CARD_TIMEOUT_S:.0f}s") from None
+            raise
+        found = await discovery_of(address, raw, response.headers.get("etag"), self.guard)
+        self._urls[address] = found.details["url"]
+        return found
+
+    async def _rpc_url(self, endpoint: Endpoint) -> str:
+        url = endpoint.details.get("url")
+        if isinstance(url, str) and url:
+            return url
+        known = self._urls.get(endpoint.address)
+        if known is None:
+            try:
+                known = (await self.discover(endpoint.address)).details["url"]
+            except (InvalidRequest, Unavailable) as exc:
+                # Nothing was sent: another attempt (or instance) may do better.
+                raise TransportError(
+                    f"agent {endpoint.instance_id}: {exc.message}", retryable=exc.retryable
+                ) from None
+        return known
+
+    async def _call(
+        self,
+        endpoint: Endpoint,
+        url: str,
+        method: str,
+        params: dict[str, Any],
+        timeout_s: float,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
+        """One JSON-RPC call: its `result`, or the Reach error its answer or failure is."""
+        limit = endpoint.max_message_bytes or self.transport.max_message_bytes
+        where = f"agent {endpoint.instance_id}"
+        body = dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+        sent_headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "A2A-Version": A2A_VERSION,
+            **(headers or {}),
+        }
+        pool = self._pools.acquire(
+            f"{endpoint.instance_id} {endpoint.address}",
+            endpoint.capability,
+            endpoint.address,
+            instance_id=endpoint.instance_id,
+        )
+        try:
+            with map_httpx_exceptions(endpoint.address):
+                async with asyncio.timeout(max(timeout_s, 0.001)):
+                    http = pool.value
+                    request = http.build_request(
+                        "POST",
+                        url,
+                        content=body,
+                        headers=sent_headers,
+                        timeout=max(timeout_s, 0.001),
+                    )
+                    response = await http.send(request, stream=True)
+                    try:
+                        code = response.status_code
+                        if code == 200:
+                            # The envelope around a result of `limit` bytes stays well within.
+                            raw = await _read_bounded(response, limit + 4096, "an answer", where)
+                        else:
+                            raw = b""
+                            async for chunk in response.aiter_bytes():
+                                raw += chunk
+                                if len(raw) >= MAX_ERROR_BODY_BYTES:
+                                    break
+                    finally:
+                        await response.aclose()
+        except (httpx.ConnectError, TransportError):
+            self.stats.count(endpoint.capability, self.protocol, "failed")
+            raise
+        finally:
+            self._pools.release(pool)
+        if code != 200:
+            fault, final = fault_of(raw[:MAX_ERROR_BODY_BYTES], code)
+            said = f": {fault.message[:200]}" if fault.message else ""
+            retryable = (code >= 500 or code == 429) and not final
+            raise AgentError(
+                f"{where} answered HTTP {code}{said}", retryable=retryable, fault=fault
+            )
+        try:
+            answer = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raise AgentError(f"{where} answered {method} with no JSON", retryable=False) from None
+        if not isinstance(answer, dict):
+            raise AgentError(f"{where} answered {method} with no JSON-RPC object", retryable=False)
+        if answer.get("error") is not None:
+            raise rpc_error(answer["error"], f"{where} refused {method}")
+        if "result" not in answer:
+            raise AgentError(f"{where} answered {method} with no result", retryable=False)
+        return answer["result"]
+
+    async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
+        limit = endpoint.max_message_bytes or self.transport.max_message_bytes
+        url = await self._rpc_url(endpoint)
+        headers = {}
+        if message.header.traceparent:
+            headers["traceparent"] = message.header.traceparent
+        params = send_request(message)
+        result = await self._call(endpoint, url, "SendMessage", params, timeout_s, headers)
+        return reply_of_send(result, endpoint, url, limit)
+
+    async def follow(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> Reply:
+        """Where the task `handle` names stands now: its final Reply, an accepted Reply (still
+        going), or the Reach error it ended in. A task the agent no longer knows is an
+        agent_error whose outcome is unknown (it may have run)."""
+        limit = endpoint.max_message_bytes or self.transport.max_message_bytes
+        url = str(handle.get("url") or "") or await self._rpc_url(endpoint)
+        task_id = str(handle.get("task_id") or "")
+        try:
+            result = await self._call(
+                endpoint, url, "GetTask", get_task_request(task_id), timeout_s
+            )
+        except AgentError as exc:
+            if getattr(exc, "code", None) == TASK_NOT_FOUND:
+                exc.message = (
+                    f"agent {endpoint.instance_id} no longer knows task {task_id} (it was "
+                    "working when last seen): it may have run"
+                )
+                exc.outcome_unknown = True
+            raise
+        return reply_of_get(result, endpoint, url, limit)
+
+    async def cancel(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> None:
+        """Ask the agent to cancel the task `handle` names (a task already ended is fine)."""
+        url = str(handle.get("url") or "") or await self._rpc_url(endpoint)
+        params = {"id": str(handle.get("task_id") or "")}
+        await self._call(endpoint, url, "CancelTask", params, timeout_s)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self._cards is not None:
+            await self._cards.aclose()
+            self._cards = None

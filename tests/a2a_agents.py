@@ -1,0 +1,229 @@
+"""A2A agents built on the a2a-sdk's own server, for the connector's tests and the bench.
+
+Run one in its own process: `python -m tests.a2a_agents --port P [--name N]`. It serves its card
+at `/.well-known/agent-card.json`, the JSON-RPC binding at `/`, and `GET /count`: how many
+messages it has received, per skill (what a test reads to prove a message was sent once).
+
+Skills (the skill is the message's `reach.operation` metadata, as Reach's connector sends it):
+
+    echo    answers at once with a Message: one data part, {"echo": <the payload>}
+    slow    a Task that works for `payload.seconds` (default 3) and completes with an artifact
+    ask     a Task that asks for input; a follow-up naming the task completes it
+    fail    a Task that fails, in the agent's own words
+    cancel  a Task the agent cancels itself
+
+`A2AAgentProcess` starts one for a test (a free port, its log in the test's directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from a2a.helpers import new_data_part, new_text_message, new_text_part
+from a2a.server.agent_execution import AgentExecutor, RequestContext
+from a2a.server.events import EventQueue
+from a2a.server.request_handlers import DefaultRequestHandler
+from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
+from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
+from a2a.types import (
+    AgentCapabilities,
+    AgentCard,
+    AgentInterface,
+    AgentSkill,
+    Message,
+    Task,
+    TaskState,
+    TaskStatus,
+)
+from google.protobuf import json_format
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+SKILLS = {
+    "echo": "Answers at once with what it was sent.",
+    "slow": "Works for payload.seconds, then completes.",
+    "ask": "Asks for a name, then greets it.",
+    "fail": "Fails, saying why.",
+    "cancel": "Cancels its own task.",
+}
+
+
+def card(name: str, url: str, *, push: bool = False, description: str = "") -> AgentCard:
+    return AgentCard(
+        name=name,
+        description=description or "Reach's test agent",
+        version="1.0.0",
+        supported_interfaces=[
+            AgentInterface(url=url, protocol_binding="JSONRPC", protocol_version="1.0")
+        ],
+        capabilities=AgentCapabilities(streaming=True, push_notifications=push),
+        default_input_modes=["application/json", "text/plain"],
+        default_output_modes=["application/json", "text/plain"],
+        skills=[
+            AgentSkill(id=skill, name=skill, description=text, tags=["test"])
+            for skill, text in SKILLS.items()
+        ],
+    )
+
+
+def _payload(message: Message | None) -> dict[str, Any]:
+    if message is None:
+        return {}
+    for part in message.parts:
+        if part.HasField("data"):
+            value = json_format.MessageToDict(part.data)
+            if isinstance(value, dict):
+                return value
+    return {}
+
+
+def _skill(message: Message | None) -> str:
+    if message is None:
+        return ""
+    meta = json_format.MessageToDict(message.metadata) if message.HasField("metadata") else {}
+    reach = meta.get("reach")
+    return str(reach.get("operation", "")) if isinstance(reach, dict) else ""
+
+
+class TestExecutor(AgentExecutor):
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.message_ids: list[str] = []
+
+    async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
+        message = context.message
+        skill = _skill(message)
+        self.counts[skill or "?"] += 1
+        self.counts["total"] += 1
+        if message is not None:
+            self.message_ids.append(message.message_id)
+        payload = _payload(message)
+        task_id = context.task_id or ""
+        context_id = context.context_id or ""
+        current = context.current_task
+        if current is not None and current.status.state == TaskState.TASK_STATE_INPUT_REQUIRED:
+            updater = TaskUpdater(event_queue, task_id, context_id)
+            await updater.start_work()
+            await updater.add_artifact([new_data_part({"hello": payload.get("name", "?")})])
+            await updater.complete()
+            return
+        if skill == "echo":
+            reply = Message(
+                message_id=f"echo-{message.message_id if message else ''}",
+                role="ROLE_AGENT",
+                parts=[new_data_part({"echo": payload})],
+                context_id=context_id,
+            )
+            await event_queue.enqueue_event(reply)
+            return
+        await event_queue.enqueue_event(
+            Task(
+                id=task_id,
+                context_id=context_id,
+                status=TaskStatus(state=TaskState.TASK_STATE_SUBMITTED),
+                history=[message] if message is not None else [],
+            )
+        )
+        updater = TaskUpdater(event_queue, task_id, context_id)
+        await updater.start_work()
+        if skill == "slow":
+            seconds = float(payload.get("seconds", 3))
+            await asyncio.sleep(seconds)
+            await updater.add_artifact(
+                [new_data_part({"done": True, "seconds": seconds})], name="result"
+            )
+            await updater.add_artifact([new_text_part("all done")], name="note")
+            await updater.complete()
+        elif skill == "ask":
+            await updater.requires_input(
+                new_text_message("What is your name?", context_id=context_id, task_id=task_id)
+            )
+        elif skill == "cancel":
+            await updater.cancel(new_text_message("I changed my mind", task_id=task_id))
+        else:  # fail, and any skill it does not have
+            await updater.failed(
+                new_text_message(f"I cannot do {skill or 'that'}", task_id=task_id)
+            )
+
+    async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
+        self.counts["canceled"] += 1
+        updater = TaskUpdater(event_queue, context.task_id or "", context.context_id or "")
+        await updater.cancel()
+
+
+def app(name: str, url: str) -> Starlette:
+    executor = TestExecutor()
+    own = card(name, url)
+    handler = DefaultRequestHandler(executor, InMemoryTaskStore(), own)
+    routes = [*create_jsonrpc_routes(handler, "/"), *create_agent_card_routes(own)]
+
+    async def count(request: Request) -> Response:
+        return JSONResponse({"counts": dict(executor.counts), "message_ids": executor.message_ids})
+
+    routes.append(Route("/count", count, methods=["GET"]))
+    return Starlette(routes=routes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--name", default="test-agent")
+    args = parser.parse_args()
+    url = f"http://127.0.0.1:{args.port}/"
+    print(f"a2a agent {args.name} serving at {url}", flush=True)
+    uvicorn.run(
+        app(args.name, url),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+    )
+
+
+class A2AAgentProcess:
+    """One test agent in a process of its own, on a free loopback port."""
+
+    def __init__(self, log_dir: Path, name: str = "test-agent") -> None:
+        from tests.helpers import free_port, spawn
+
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = spawn(
+            [sys.executable, "-m", "tests.a2a_agents", "--port", str(self.port), "--name", name],
+            {},
+            log_dir / f"a2a-{name}-{self.port}.log",
+        )
+
+    async def ready(self, timeout_s: float = 30.0) -> A2AAgentProcess:
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(trust_env=False) as client:
+            while time.monotonic() < deadline:
+                if self.proc.popen.poll() is not None:
+                    raise RuntimeError(f"a2a agent exited:\n{self.proc.output()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.url}/count", timeout=1)).status_code == 200:
+                        return self
+                await asyncio.sleep(0.05)
+        raise TimeoutError(f"a2a agent not ready:\n{self.proc.output()}")
+
+    async def counts(self) -> dict[str, Any]:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            r = await client.get(f"{self.url}/count", timeout=5)
+            r.raise_for_status()
+            body: dict[str, Any] = r.json()
+            return body
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Following an agent's own long work (an A2A task) that a call answered with a handle for.
+
+The call's `Reply.follow` is in the request's history (the activity's result), so from there on
+nothing sends the message again: a worker or gateway that restarts replays to the same handle
+and goes on following it. Following is a loop of durable timers, each followed by one look
+(`reach.follow_task`, a read such as A2A's `GetTask`):
+
+- the waits grow from `FIRST_WAIT_S` by `GROWTH` to at most `MAX_WAIT_S` (a task of a few
+  seconds is seen ending within a few tenths of a second; a day-long one costs about a
+  thousand looks in its history), and never run past the deadline;
+- a late answer (an agent's push, as `POST /reach/requests/{id}/result`) ends the wait at once;
+- a look that gets no answer (the agent unreachable, or slow) is tried again on the next timer;
+  after `UNREACHABLE_S` without one the request ends `transport_error`, its outcome unknown;
+- a final look ends the request: success, `input_required`, `canceled`, or the agent's error;
+- when the deadline passes first, the agent is asked to stop (`reach.cancel_task`) and the
+  request ends `timeout`, its outcome unknown (the agent may have done some or all of it).
+
+Nothing here is retried by the policy: the request was delivered once, and its work is the
+agent's. Requests recorded before follow handles existed never reach this code (their replies
+carry none), so no history needs a patch for it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+
+with workflow.unsafe.imports_passed_through():
+    from reach.invocation import (
+        ACTIVITY_CANCEL_TASK,
+        ACTIVITY_FOLLOW_TASK,
+        CallPlan,
+        Endpoint,
+        FollowTaskInput,
+        InvokeInput,
+        LateAnswer,
+    )
+    from reach.messages import ErrorInfo, InvokeResponse, Reply, RequestStatus
+    from workflows._failures import Failed
+
+FIRST_WAIT_S = 0.05
+GROWTH = 1.5
+MAX_WAIT_S = 60.0
+LOOK_TIMEOUT_MS = 10_000
+UNREACHABLE_S = 10.0
+CANCEL_TIMEOUT = timedelta(seconds=5)
+_ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
+
+
+def capability_queue(capability: str) -> str:
+    return f"reach-cap-{capability}"
+
+
+def wait_before(look: int) -> float:
+    """The wait before look `look` (0, 1, ...)."""
+    return min(MAX_WAIT_S, FIRST_WAIT_S * GROWTH**look)
+
+
+class TaskFollowing:
+    """The follow loop, a base of `workflows._attempts.AttemptLoop`, which provides these."""
+
+    _late: LateAnswer | None
+    _deadline_ms: int
+    _plan: CallPlan
+
+    def _now_ms(self) -> int:
+        raise NotImplementedError
+
+    def _envelope(
+        self,
+        inp: InvokeInput,
+        status: RequestStatus,
+        *,
+        result: dict[str, Any] | None = None,
+        error: ErrorInfo | None = None,
+        instance_id: str | None = None,
+    ) -> InvokeResponse:
+        raise NotImplementedError
+
+    def _answered_late(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:
+        raise NotImplementedError
+
+    async def _run(
+        self,
+        inp: InvokeInput,
+        name: str,
+        arg: Any,
+        result_type: type[Any],
+        instance_id: str | None,
+    ) -> Any:
+        raise NotImplementedError
+
+    def _final_reply(self, inp: InvokeInput, reply: Reply, instance_id: str) -> InvokeResponse:
+        """The envelope of a final reply (ok, input_required, canceled)."""
+        if reply.status == "ok":
+            return self._envelope(inp, "success", result=reply.result, instance_id=instance_id)
+        status: RequestStatus = "canceled" if reply.status == "canceled" else "input_required"
+        return self._envelope(inp, status, result=reply.result or {}, instance_id=instance_id)
+
+    async def _follow_task(
+        self, inp: InvokeInput, endpoint: Endpoint, handle: dict[str, Any]
+    ) -> InvokeResponse:
+        instance_id = endpoint.instance_id
+        look = 0
+        unanswered_since: int | None = None
+        while True:
+            remaining = self._deadline_ms - self._now_ms()
+            if self._late is None and remaining > 0:
+                with contextlib.suppress(builtins.TimeoutError):
+                    await workflow.wait_condition(
+                        lambda: self._late is not None,
+                        timeout=timedelta(seconds=min(wait_before(look), remaining / 1000)),
+                    )
+            if self._late is not None:
+                return self._answered_late(inp, instance_id)
+            remaining = self._deadline_ms - self._now_ms()
+            if remaining <= 0:
+                return await self._task_past_deadline(inp, endpoint, handle)
+            look += 1
+            try:
+                reply: Reply = await self._run(
+                    inp,
+                    ACTIVITY_FOLLOW_TASK,
+                    FollowTaskInput(
+                        endpoint=endpoint,
+                        handle=handle,
+                        timeout_ms=max(1, min(remaining, LOOK_TIMEOUT_MS)),
+                        request_id=inp.request_id,
+                    ),
+                    Reply,
+                    instance_id,
+                )
+            except Failed as failed:
+                error = failed.error
+                if error.type not in ("transport_error", "timeout"):
+                    return self._envelope(inp, "error", error=error, instance_id=instance_id)
+                now = self._now_ms()
+                unanswered_since = now if unanswered_since is None else unanswered_since
+                if now - unanswered_since < UNREACHABLE_S * 1000:
+                    continue
+                return self._envelope(
+                    inp,
+                    "error",
+                    error=ErrorInfo(
+                        type="transport_error",
+                        message=f"agent {instance_id} stopped answering about task "
+                        f"{handle.get('task_id')} ({error.message}); it may have run it",
+                        retryable=False,
+                        outcome_unknown=True,
+                    ),
+                    instance_id=instance_id,
+                )
+            unanswered_since = None
+            if reply.status == "accepted":
+                handle = {**handle, **(reply.follow or {})}
+                continue
+            return self._final_reply(inp, reply, instance_id)
+
+    async def _task_past_deadline(
+        self, inp: InvokeInput, endpoint: Endpoint, handle: dict[str, Any]
+    ) -> InvokeResponse:
+        """Ask the agent to stop, then end `timeout` (whatever the cancel's own outcome)."""
+        arg = FollowTaskInput(
+            endpoint=endpoint,
+            handle=handle,
+            timeout_ms=int(CANCEL_TIMEOUT.total_seconds() * 1000),
+            request_id=inp.request_id,
+        )
+        said = "CancelTask was sent"
+        try:
+            if inp.plan.mode == "queue":
+                await workflow.execute_activity(
+                    ACTIVITY_CANCEL_TASK,
+                    arg,
+                    result_type=bool,
+                    task_queue=capability_queue(inp.target),
+                    schedule_to_close_timeout=CANCEL_TIMEOUT,
+                    retry_policy=_ONE_ATTEMPT,
+                )
+            else:
+                await workflow.execute_local_activity(
+                    ACTIVITY_CANCEL_TASK,
+                    arg,
+                    result_type=bool,
+                    schedule_to_close_timeout=CANCEL_TIMEOUT,
+                    retry_policy=_ONE_ATTEMPT,
+                )
+        except (ActivityError, ApplicationError, TimeoutError) as exc:
+            workflow.logger.warning("CancelTask failed: %s", exc)
+            said = "CancelTask failed"
+        task = handle.get("task_id")
+        return self._envelope(
+            inp,
+            "timeout",
+            error=ErrorInfo(
+                type="timeout",
+                message=f"no answer within timeout_ms={self._plan.timeout_ms}: agent "
+                f"{endpoint.instance_id}'s task {task} was still {handle.get('state', 'working')}"
+                f" ({said}); it may have run in part or whole",
+                retryable=False,
+                outcome_unknown=True,
+            ),
+            instance_id=endpoint.instance_id,
+        )
