@@ -1,12 +1,19 @@
 """Protocol plug-ins behind one `Connector` interface, found through the entry-point group
 `agent_reach.connectors` (built-ins are registered the same way as third-party ones).
+
+A connector class that is not installed as a distribution (a test's, a script's) is named in
+`$AGENT_REACH_CONNECTORS` (`name=module:Class[,name=module:Class...]`), read by every process
+that loads connectors (gateways and workers) each time it looks one up. Those come first: a
+name there hides an installed connector of the same name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from importlib.metadata import entry_points
 
@@ -27,9 +34,11 @@ from connectors.base import Connector
 from reach.config import SecuritySettings, TransportSettings
 
 ENTRY_POINT_GROUP = "agent_reach.connectors"
+EXTRA_ENV_VAR = "AGENT_REACH_CONNECTORS"
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "EXTRA_ENV_VAR",
     "AddressRefused",
     "ConnectionStats",
     "Connector",
@@ -50,18 +59,36 @@ log = logging.getLogger("connectors")
 LiveInstances = Callable[[str], Awaitable[set[str] | None]]
 
 
+def _extra() -> dict[str, str]:
+    """`$AGENT_REACH_CONNECTORS` as protocol -> 'module:Class'."""
+    named: dict[str, str] = {}
+    for item in os.environ.get(EXTRA_ENV_VAR, "").split(","):
+        name, sep, value = item.partition("=")
+        if sep and name.strip() and value.strip():
+            named[name.strip()] = value.strip()
+    return named
+
+
+def _checked(cls: object, where: str) -> type[Connector]:
+    if not (isinstance(cls, type) and issubclass(cls, Connector)):
+        raise TypeError(f"entry point {where} is not a Connector subclass")
+    return cls
+
+
 def available() -> dict[str, str]:
-    """Protocol name -> 'module:Class' of every installed connector."""
-    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    """Protocol name -> 'module:Class' of every installed connector (and extra one)."""
+    installed = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return installed | _extra()
 
 
 def load(protocol: str) -> type[Connector]:
+    extra = _extra().get(protocol)
+    if extra is not None:
+        module, _, attr = extra.partition(":")
+        return _checked(getattr(importlib.import_module(module), attr), extra)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == protocol:
-            cls = ep.load()
-            if not (isinstance(cls, type) and issubclass(cls, Connector)):
-                raise TypeError(f"entry point {ep.value} is not a Connector subclass")
-            return cls
+            return _checked(ep.load(), ep.value)
     known = ", ".join(sorted(available())) or "none installed"
     raise LookupError(f"no connector for protocol {protocol!r}; known: {known}")
 

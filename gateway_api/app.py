@@ -19,6 +19,7 @@ from gateway_api import grpc_front
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath, is_invoke
 from gateway_api.gateway import Gateway
+from gateway_api.prober import Prober
 from gateway_api.routes import admin, agents, codec, health, invoke, metrics, requests, ui
 from gateway_api.temporal_adapter import Finishes
 from reach.config import ConfigError, ReachSettings
@@ -133,6 +134,9 @@ def create_app(
             watcher.start()
         app.state.config_watcher = watcher
         app.state.connectors = services.connectors
+        # Instances registered by URL (reach.yaml `agents:` first): probed every interval.
+        prober = Prober(gateway.agents.remote, settings)
+        prober.start()
         try:
             # The gRPC front stops before the workers: its in-flight invokes need them.
             async with running_workers(workers), grpc_front.serving(settings, gateway) as front:
@@ -151,6 +155,8 @@ def create_app(
                 finishes.close()
             if watcher is not None:
                 await watcher.aclose()
+            await prober.aclose()
+            await gateway.agents.remote.aclose()
             await guard.aclose()
             await services.aclose()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
@@ -45,6 +46,7 @@ from reach.messages import (
     dumps,
 )
 from reach.registry import HealthReport, JoinRequest
+from reach.registry.by_url import UrlRegistration
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -185,6 +187,28 @@ def invoke_request(raw: bytes, limits: Limits) -> tuple[InvokeRequest, bytes]:
 def join_request(raw: bytes, limits: Limits) -> JoinRequest:
     """`POST /reach/agents`. The service address's form is the connector's to check."""
     return parse_model(JoinRequest, raw, limits)
+
+
+def join_or_registration(
+    raw: bytes, limits: Limits, by_url: Callable[[str], bool]
+) -> JoinRequest | UrlRegistration:
+    """`POST /reach/agents`: a Join, or a registration by URL when the body's `protocol` is
+    one whose instances are registered by URL (`by_url(protocol)`: A2A, MCP)."""
+    if len(raw) > limits.max_body_bytes:
+        raise PayloadTooLarge(
+            f"body is {len(raw)} bytes; the limit is {limits.max_body_bytes} bytes"
+        )
+    data = parse_json(raw)
+    if not isinstance(data, dict):
+        raise InvalidRequest("body must be a JSON object (Content-Type: application/json)")
+    protocol = data.get("protocol")
+    model: type[JoinRequest | UrlRegistration] = JoinRequest
+    if isinstance(protocol, str) and by_url(protocol):
+        model = UrlRegistration
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc, root="body")) from None
 
 
 def health_report(raw: bytes, limits: Limits) -> HealthReport:

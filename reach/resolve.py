@@ -229,6 +229,7 @@ class Resolver:
             max_message_bytes=chosen.max_message_bytes,
             joined_at=chosen.joined_at,
             principal=chosen.principal,
+            details=dict(chosen.details),
             breaker=admission.status,
             probe=admission.probe,
             declared_idempotent=declared.idempotent if declared else None,

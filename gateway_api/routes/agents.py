@@ -19,6 +19,7 @@ from reach import acceptance
 from reach.errors import UnknownCapability, UnknownInstance
 from reach.messages import ErrorResponse
 from reach.registry import Ack, HealthReport, InstanceRecord, JoinRequest
+from reach.registry.by_url import Registered, UrlRegistration
 
 router = APIRouter(prefix="/reach", tags=["agents"])
 
@@ -100,24 +101,47 @@ _ERR: dict[int | str, dict[str, Any]] = {
         409: "Heartbeat: another process has joined under this instance_id since this "
         "X-Reach-Session's Join (instance_replaced)",
         413: "Body larger than the limit",
-        422: "Invalid body, path parameter, address or protocol",
+        422: "Invalid body, path parameter, address or protocol; registration by URL: what "
+        "the instance answered cannot be joined (a malformed card or tool list, named)",
         429: "Join: the principal created registry.new_capabilities_per_minute this minute",
         500: "A bug in Reach",
-        503: "The registry store is unavailable, or (Join) it holds registry.max_capabilities",
+        502: "Registration by URL: the instance could not be reached, or answered in error",
+        503: "The registry store is unavailable, or (Join) it holds registry.max_capabilities; "
+        "registration by URL: the instance did not answer in time",
     }.items()
+}
+
+
+_JOIN_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "The instance's proposal (R8); for a protocol whose instances are "
+        "registered by URL (a2a, mcp), the instance's URL and capability "
+        "(docs/instances-by-url.md)",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "anyOf": [JoinRequest.model_json_schema(), UrlRegistration.model_json_schema()]
+                }
+            }
+        },
+    }
 }
 
 
 @router.post(
     "/agents",
-    response_model=Ack,
+    response_model=Registered | Ack,
     responses=_ERR,
-    summary="Join: register an instance",
-    openapi_extra=json_body(JoinRequest, "The instance's proposal (R8)"),
+    summary="Join: register an instance (or an A2A agent or MCP server by its URL)",
+    openapi_extra=_JOIN_BODY,
 )
 async def join(request: Request, gateway: GatewayDep, agent: AgentDep) -> Ack:
-    body = acceptance.join_request(await request.body(), gateway.limits)
-    return await gateway.agents.join(body, agent)
+    agents = gateway.agents
+    body = acceptance.join_or_registration(await request.body(), gateway.limits, agents.by_url)
+    if isinstance(body, UrlRegistration):
+        return await agents.remote.register(body, agent)
+    return await agents.join(body, agent)
 
 
 @router.put(

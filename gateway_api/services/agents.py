@@ -3,6 +3,11 @@
 With tokens required, an agent token must be allowed to serve the capability it joins, an
 instance_id another principal holds is not taken over, and one nobody holds is claimed only
 for a capability the token may serve, audited (`Registry.join`, `owned`).
+
+A protocol whose instances are registered by URL (A2A, MCP: `Connector.registered_by_url`)
+is registered through `remote` (`gateway_api.services.remote`), which discovers what the
+instance serves and joins it here with that `discovery`; a gRPC Join of such a protocol is
+one too.
 """
 
 from __future__ import annotations
@@ -11,8 +16,11 @@ import connectors
 from connectors import ConnectorSet
 from connectors.base import Connector
 from gateway_api.live import Live
+from gateway_api.services.remote import Remote
 from reach.errors import Forbidden, InvalidRequest, ReachError
 from reach.registry import Ack, HealthReport, InstanceRecord, JoinRequest, Registry
+from reach.registry.by_url import UrlRegistration
+from reach.registry.models import Discovery
 from reach.security.auth import may_serve
 from reach.security.guard import Guard
 from reach.security.tokens import Principal
@@ -37,23 +45,49 @@ class Agents:
         # protocol -> its connector class: finding one reads every installed distribution's
         # entry points (tens of ms), so each protocol is looked up once per process.
         self._connector_classes: dict[str, type[Connector]] = {}
+        self.remote = Remote(self)
 
-    async def join(self, body: JoinRequest, principal: Principal | None = None) -> Ack:
+    async def join(
+        self,
+        body: JoinRequest,
+        principal: Principal | None = None,
+        *,
+        discovery: Discovery | None = None,
+    ) -> Ack:
         """Register an instance whose protocol has a connector and whose address it accepts.
         A refusal is audited (`join_refused`): a token for another capability, a takeover of
-        an instance another principal holds, a forbidden address."""
+        an instance another principal holds, a forbidden address.
+
+        `discovery`: an instance registered by URL, as `remote` found it at the address it
+        checked. Without one, a protocol registered by URL is registered through `remote`."""
+        if discovery is None and self.by_url(body.protocol):
+            return await self.remote.register(UrlRegistration.from_join(body), principal)
         try:
-            return await self._join(body, principal)
+            return await self._join(body, principal, discovery)
         except ReachError as exc:
             self._refused("join_refused", exc, principal, body.instance_id, body.capability)
             raise
 
-    async def _join(self, body: JoinRequest, principal: Principal | None) -> Ack:
+    def by_url(self, protocol: str) -> bool:
+        """Whether `protocol`'s instances are registered by URL (False: unknown protocol)."""
+        try:
+            return self.connector_class(protocol).registered_by_url
+        except InvalidRequest:
+            return False
+
+    async def _join(
+        self, body: JoinRequest, principal: Principal | None, discovery: Discovery | None
+    ) -> Ack:
         may_serve(principal, body.capability)
-        connector = self._connector_class(body.protocol)
-        body.service_address = connector.check_address(body.service_address)
-        await self._vet_address(connector, body.service_address)
-        if self.connections is not None and self.live.settings.security.tls.enabled:
+        connector = self.connector_class(body.protocol)
+        if discovery is None:  # else `remote` checked and vetted it before discovering
+            body.service_address = connector.check_address(body.service_address)
+            await self.vet_address(connector, body.service_address)
+        if (
+            discovery is None
+            and self.connections is not None
+            and self.live.settings.security.tls.enabled
+        ):
             # mTLS: the agent must hold a certificate from the CA for this instance_id (403).
             live = self.connections.get(body.protocol)
             await live.verify_identity(body.service_address, body.instance_id)
@@ -63,7 +97,7 @@ class Agents:
         def claim(unowned: InstanceRecord) -> None:
             self._claim(unowned, principal, body)
 
-        ack = await self.registry.join(body, owner, admin=admin, claim=claim)
+        ack = await self.registry.join(body, owner, admin=admin, claim=claim, discovery=discovery)
         if self.guard is not None:
             self.guard.audit.record(
                 "join",
@@ -72,6 +106,7 @@ class Agents:
                 instance=body.instance_id,
                 protocol=body.protocol,
                 address=body.service_address,
+                **({"registered_by_url": True} if discovery is not None else {}),
             )
         return ack
 
@@ -98,7 +133,7 @@ class Agents:
                 previous_address=unowned.address,
             )
 
-    def _connector_class(self, protocol: str) -> type[Connector]:
+    def connector_class(self, protocol: str) -> type[Connector]:
         found = self._connector_classes.get(protocol)
         if found is None:
             known = connectors.available()
@@ -124,9 +159,16 @@ class Agents:
         return record
 
     async def leave(self, instance_id: str, principal: Principal | None = None) -> bool:
+        """Deregister an instance; one registered by URL is forgotten too (no probe joins it
+        again), also once its record has expired."""
         if principal is not None and principal.kind == "agent":
             await self._owned(instance_id, principal, "leave_refused")
-        left = await self.registry.leave(instance_id)
+        try:
+            forgotten = await self.remote.forget(instance_id, principal)
+        except Forbidden as exc:
+            self._refused("leave_refused", exc, principal, instance_id)
+            raise
+        left = await self.registry.leave(instance_id) or forgotten
         if left and self.guard is not None:
             self.guard.audit.record(
                 "leave", principal=principal.name if principal else None, instance=instance_id
@@ -159,7 +201,7 @@ class Agents:
                 reason=exc.message,
             )
 
-    async def _vet_address(self, connector: type[Connector], address: str) -> None:
+    async def vet_address(self, connector: type[Connector], address: str) -> None:
         """Every address a joining agent's host resolves to must be allowed, else 422."""
         target = connector.address_host_port(address)
         if target is None:

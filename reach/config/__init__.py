@@ -9,12 +9,14 @@ A wrong field fails at start-up with a message that names the file and the field
 
 One module per role, every public name re-exported here (`from reach.config import X`):
 `base` (the error, the section base), `connections` (registry, transport, callbacks, Temporal),
-`policy`, `routing`, `security`, `observability` (telemetry, metrics), `settings` (the whole
-`reach:` mapping) and `loading` (file and environment). This package imports no other part of
+`policy`, `routing`, `security`, `agents` (instances registered by URL), `observability`
+(telemetry, metrics), `settings` (the whole `reach:` mapping) and `loading` (file and
+environment). This package imports no other part of
 Reach above `reach.invocation`, `reach.limits` and `reach.messages`; checks that need plug-ins
 live in `reach.settings_checks`.
 """
 
+from reach.config.agents import UrlAgentOperation, UrlAgentSettings
 from reach.config.base import DAY_MS, ConfigError
 from reach.config.connections import (
     CallbackSettings,
@@ -91,6 +93,8 @@ __all__ = [
     "TemporalSettings",
     "TlsSettings",
     "TransportSettings",
+    "UrlAgentOperation",
+    "UrlAgentSettings",
     "config_file",
     "load_settings",
     "read_yaml",

@@ -12,6 +12,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from reach.config.agents import UrlAgentSettings
 from reach.config.connections import (
     CallbackSettings,
     RegistrySettings,
@@ -93,6 +94,12 @@ class ReachSettings(BaseSettings):
     )
     auth: AuthSettings = Field(default_factory=AuthSettings)
     rules: list[RuleSettings] = Field(default_factory=list, description="R19; deny wins")
+    agents: list[UrlAgentSettings] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="Instances registered by URL at start (A2A agents, MCP servers); see "
+        "docs/instances-by-url.md.",
+    )
     audit: AuditSettings = Field(default_factory=AuditSettings)
     security: SecuritySettings = Field(
         default_factory=SecuritySettings,

@@ -33,6 +33,7 @@ from reach.errors import (
 from reach.registry.models import (
     Ack,
     Declares,
+    Discovery,
     HealthReport,
     HealthStatus,
     InstanceRecord,
@@ -139,8 +140,14 @@ class Registry:
         *,
         admin: bool = False,
         claim: Callable[[InstanceRecord], None] | None = None,
+        discovery: Discovery | None = None,
+        joined_at: float | None = None,
     ) -> Ack:
         """Register (or re-register) an instance under a new session (`Ack.session`).
+
+        `discovery`: an instance registered by URL, as its connector found it (its details,
+        version and ETag are kept in the record); `joined_at`: when it first joined, for one
+        whose discovery changed (it did not restart: requests pinned to it stay pinned).
 
         Who may join under an instance_id that is registered (`docs/security.md`, ownership):
         - held by a principal: only that principal (or an `admin`); anyone else is refused
@@ -172,11 +179,16 @@ class Registry:
             labels=join.labels,
             weight=join.weight,
             max_inflight=join.max_inflight,
-            joined_at=now,
+            joined_at=joined_at or now,
             last_seen=now,
             principal=principal,
             session=ack.session,
         )
+        if discovery is not None:
+            record.registered_by_url = True
+            record.details = discovery.details
+            record.discovery_version = discovery.version
+            record.discovery_etag = discovery.etag
         previous = await self.store.put_record(
             join.instance_id,
             join.capability,

@@ -31,7 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from reach.errors import ReachError
@@ -68,6 +68,8 @@ class RouteEntry:
     joined_at: float
     declared: Mapping[str, OperationDeclaration]
     principal: str | None = None  # whose agent token registered it (None: auth off)
+    # What discovery found of an instance registered by URL (empty for one that joined).
+    details: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def routable(self) -> bool:
@@ -157,10 +159,12 @@ class _Interned:
             joined_at=record.joined_at,
             declared=self.declared(record.declared),
             principal=record.principal,
+            details=record.details or _NO_DETAILS,
         )
 
 
 _NONE_DECLARED: Mapping[str, OperationDeclaration] = {}
+_NO_DETAILS: Mapping[str, Any] = {}
 
 
 class RegistryView:

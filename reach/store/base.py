@@ -149,6 +149,10 @@ class Store(ABC):
     async def hash_all(self, key: str) -> dict[str, str]:
         """Every field of a long-lived hash (empty when there is none)."""
 
+    @abstractmethod
+    async def hash_delete(self, key: str, field: str) -> str | None:
+        """Remove one field of a long-lived hash; returns the value it held (None: none)."""
+
     async def ping(self) -> bool:
         return True
 

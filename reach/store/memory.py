@@ -138,6 +138,9 @@ class MemoryStore(Store):
     async def hash_all(self, key: str) -> dict[str, str]:
         return dict(self._hashes.get(key, {}))
 
+    async def hash_delete(self, key: str, field: str) -> str | None:
+        return self._hashes.get(key, {}).pop(field, None)
+
     async def publish(self, channel: str, message: str) -> None:
         for listener in list(self._channels.get(channel, ())):
             listener(message)

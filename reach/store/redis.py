@@ -174,6 +174,13 @@ if tonumber(ARGV[1]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return n
 """
 
+# KEYS: hash. ARGV: field. The value it held (nil: none), removed.
+_HASH_DELETE = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return v
+"""
+
 
 @contextlib.contextmanager
 def unavailable_on_error(prefix: str) -> Iterator[None]:
@@ -241,6 +248,7 @@ class RedisStore(Store):
         self._list = client.register_script(_GROUPS)
         self._expire = client.register_script(_EXPIRE)
         self._incr = client.register_script(_INCR)
+        self._hash_delete = client.register_script(_HASH_DELETE)
         # Heartbeats are most of the store's traffic: those that arrive while a batch is on
         # the wire go together in the next one (one pipeline, one round trip).
         self._updates = _GroupCommit(client, self._update)
@@ -346,6 +354,10 @@ class RedisStore(Store):
         with unavailable_on_error(self._p):
             found = await self._r.hgetall(self._k(f"h:{key}"))
         return {str(k): str(v) for k, v in found.items()}
+
+    async def hash_delete(self, key: str, field: str) -> str | None:
+        held = await self._run(self._hash_delete, [self._k(f"h:{key}")], [field])
+        return None if held is None else str(held)
 
     async def publish(self, channel: str, message: str) -> None:
         with unavailable_on_error(self._p):

@@ -167,6 +167,14 @@ class ReachMetrics:
             ["capability", "outcome"],
             registry=r,
         )
+        self._probes = Counter(
+            "reach_probes",
+            "Liveness probes of instances registered by URL (A2A agents, MCP servers), by "
+            "outcome: ok, changed (what it serves), joined (back or new), or the Reach error "
+            "type the probe failed with.",
+            ["capability", "protocol", "outcome"],
+            registry=r,
+        )
         self._invoke_children: dict[tuple[str, str, str, str], tuple[Counter, Histogram]] = {}
         self._operations: dict[str, set[str]] = {}
         self._accepted = _Children(self._accept_seconds)
@@ -175,6 +183,7 @@ class ReachMetrics:
         self._beats = _Children(self._heartbeats)
         self._evicted = _Children(self._evictions)
         self._limited = _Children(self._rate_limited)
+        self._probed = _Children(self._probes)
         self._live = LiveCollector()
         r.register(self._live)
 
@@ -231,6 +240,10 @@ class ReachMetrics:
 
     def heartbeat(self, capability: str, status: str) -> None:
         self._beats(capability, status).inc()
+
+    def probe(self, capability: str, protocol: str, outcome: str) -> None:
+        """A probe of an instance registered by URL ended (`gateway_api.prober`)."""
+        self._probed(capability, protocol, outcome).inc()
 
     def evicted(self, capability: str, instance_id: str) -> None:
         """A `Registry.on_evicted` listener (the instance is not a label: counted per

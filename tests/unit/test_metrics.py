@@ -86,6 +86,7 @@ async def busy_metrics() -> tuple[ReachMetrics, InflightTracker, PolicyEngine, C
     m.retry("cap")
     m.heartbeat("cap", "ok")
     m.evicted("cap", "cap-01")
+    m.probe("cap", "a2a", "ok")
     m.rate_limited("cap", "reject")
     tracker.begin("cap", "cap-01", f"{REQUEST_ID}:1")
     for _ in range(2):
@@ -121,6 +122,7 @@ async def test_names_and_labels_follow_prometheus_conventions() -> None:
         "reach_retries": "counter",
         "reach_heartbeats": "counter",
         "reach_evictions": "counter",
+        "reach_probes": "counter",
         "reach_rate_limited": "counter",
         "reach_inflight_calls": "gauge",
         "reach_breaker_state": "gauge",

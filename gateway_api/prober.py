@@ -1,0 +1,242 @@
+"""The liveness probe of instances registered by URL (A2A agents, MCP servers).
+
+Such an instance does not heartbeat; each gateway probes it instead. Every heartbeat_interval
+the prober reads the registrations (`Remote.registrations`) and their records, and for each
+instance due (`reach.registry.by_url.probe_due`: not joined, or not heartbeaten for half an
+interval by any gateway) asks its connector what it serves now (`Connector.discover`, with the
+last discovery as `known`, so a protocol with ETags asks conditionally):
+
+- it answers the same: a heartbeat (status ok, `checks.probe` says so), as an agent's own;
+- it answers something else (another version): it joins again with the new operations and
+  details, keeping its join time (it did not restart);
+- it answers and has no record (it never joined, or its record expired): it joins again and is
+  back in routing;
+- it does not answer, or answers what cannot be joined: nothing is written, so the record goes
+  stale and leaves routing after heartbeat_timeout, as a silent agent's does.
+
+The first failure after a success (and the first success after a failure) is logged and
+audited (`probe_failed`, `probe_recovered`), once per transition in each gateway; every
+outcome is counted (`reach_probes_total`). An instance whose id another process joined
+under (a record not registered by URL) is left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from gateway_api.services.remote import Remote
+from reach.config import ReachSettings
+from reach.errors import ReachError, UnknownInstance
+from reach.registry import MIN_HEARTBEAT_INTERVAL_S, HealthReport, InstanceRecord, Registry
+from reach.registry.by_url import (
+    Registration,
+    changed,
+    join_request,
+    known_discovery,
+    probe_due,
+)
+from reach.registry.models import Discovery
+
+log = logging.getLogger("reach.prober")
+
+MAX_PROBES_IN_FLIGHT = 32
+"""Probes one gateway runs at once (the rest of a round wait their turn)."""
+
+Clock = Callable[[], float]
+
+
+def probe_interval(settings: ReachSettings) -> float:
+    """Seconds between rounds: the heartbeat interval an agent is given (`Registry.negotiate`)."""
+    registry = settings.registry
+    return max(
+        MIN_HEARTBEAT_INTERVAL_S,
+        min(registry.heartbeat_interval, registry.heartbeat_timeout / 2),
+    )
+
+
+def probe_timeout(settings: ReachSettings) -> float:
+    """How long one probe waits: what leaves room for another before the record expires."""
+    return min(10.0, max(0.5, settings.registry.heartbeat_timeout / 3))
+
+
+class Prober:
+    """The probe loop of one gateway (`start` in the app's lifespan, `aclose` at its end)."""
+
+    def __init__(
+        self, remote: Remote, settings: ReachSettings, *, clock: Clock = time.time
+    ) -> None:
+        self.remote = remote
+        self.settings = settings
+        self.interval_s = probe_interval(settings)
+        self.timeout_s = probe_timeout(settings)
+        self.clock = clock
+        # instance_id -> why its last probe here failed (transitions are logged once).
+        self.failing: dict[str, str] = {}
+        self._slots = asyncio.Semaphore(MAX_PROBES_IN_FLIGHT)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def registry(self) -> Registry:
+        return self.remote.agents.registry
+
+    def start(self) -> None:
+        """Register `reach.yaml`'s `agents:`, then probe every interval until `aclose`."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="reach-prober")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        if self.settings.agents:
+            joined = await self.remote.register_configured(self.settings.agents)
+            log.info(
+                "reach.yaml agents: %d of %d registered by URL joined at start",
+                joined,
+                len(self.settings.agents),
+            )
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.round()
+            except ReachError as exc:  # the store's trouble: the next round tries again
+                log.warning("probe round skipped: %s", exc.message)
+            except Exception:
+                log.exception("probe round failed")
+
+    async def round(self) -> dict[str, str]:
+        """Probe every registered instance that is due; instance_id -> outcome (`skipped`
+        for one another gateway probed in the last half interval)."""
+        registrations = await self.remote.registrations()
+        for gone in set(self.failing) - set(registrations):
+            del self.failing[gone]
+        if not registrations:
+            return {}
+        ids = sorted(registrations)
+        records = await self.registry.get_many(ids)
+        now = self.clock()
+        outcomes: dict[str, str] = {}
+        due: list[tuple[Registration, InstanceRecord | None]] = []
+        for instance_id, record in zip(ids, records, strict=True):
+            if record is not None and not record.registered_by_url:
+                outcomes[instance_id] = "taken"  # another process joined under this id
+            elif not probe_due(record, now, self.interval_s):
+                outcomes[instance_id] = "skipped"
+            else:
+                due.append((registrations[instance_id], record))
+        results = await asyncio.gather(*(self._bounded(reg, rec) for reg, rec in due))
+        outcomes.update(zip((reg.instance_id for reg, _ in due), results, strict=True))
+        return outcomes
+
+    async def _bounded(self, registration: Registration, record: InstanceRecord | None) -> str:
+        async with self._slots:
+            try:
+                return await self.probe(registration, record)
+            except Exception:  # a connector's bug: this instance's probe, not the round
+                log.exception("probe of %s failed unexpectedly", registration.instance_id)
+                self._failed(registration, "internal", "the probe raised (see the log)")
+                return "internal"
+
+    async def probe(self, registration: Registration, record: InstanceRecord | None) -> str:
+        """One probe of one instance: its outcome (ok, changed, joined, or an error type)."""
+        known = known_discovery(record) if record is not None else None
+        try:
+            discovery = await self.remote.discover(registration, known, self.timeout_s)
+            outcome = await self._apply(registration, record, discovery)
+        except ReachError as exc:
+            self._failed(registration, exc.type, exc.message)
+            return exc.type
+        self._succeeded(registration, outcome)
+        return outcome
+
+    async def _apply(
+        self, registration: Registration, record: InstanceRecord | None, discovery: Discovery
+    ) -> str:
+        if record is not None and not changed(record, discovery):
+            report = HealthReport(status="ok", checks={"probe": "ok"})
+            try:
+                await self.registry.heartbeat(registration.instance_id, report)
+                return "ok"
+            except UnknownInstance:  # expired since it was read: it joins again below
+                record = None
+        await self._join(registration, discovery, record)
+        return "joined" if record is None else "changed"
+
+    async def _join(
+        self, registration: Registration, discovery: Discovery, record: InstanceRecord | None
+    ) -> None:
+        join = join_request(registration, discovery)
+        await self.registry.join(
+            join,
+            registration.principal,
+            discovery=discovery,
+            joined_at=record.joined_at if record is not None else None,
+        )
+        if registration.instance_id not in await self.remote.registrations():
+            # Removed while this probe ran: what it just joined leaves again.
+            await self.registry.leave(registration.instance_id)
+            return
+        if record is not None:
+            log.info(
+                "instance=%s (%s at %s) serves another version: %s -> %s, %d operations",
+                registration.instance_id,
+                registration.protocol,
+                registration.address,
+                record.discovery_version,
+                discovery.version,
+                len(join.operations),
+            )
+
+    def _failed(self, registration: Registration, error_type: str, reason: str) -> None:
+        self._count(registration, error_type)
+        if registration.instance_id in self.failing:
+            return
+        self.failing[registration.instance_id] = reason
+        log.warning(
+            "probe of instance=%s (%s at %s) failed: %s; it leaves routing after %.1fs without "
+            "a successful probe",
+            registration.instance_id,
+            registration.protocol,
+            registration.address,
+            reason,
+            self.settings.registry.heartbeat_timeout,
+        )
+        self._audit("probe_failed", registration, error_type=error_type, reason=reason)
+
+    def _succeeded(self, registration: Registration, outcome: str) -> None:
+        self._count(registration, outcome)
+        if self.failing.pop(registration.instance_id, None) is None:
+            return
+        log.info(
+            "probe of instance=%s (%s at %s) succeeds again (%s)",
+            registration.instance_id,
+            registration.protocol,
+            registration.address,
+            outcome,
+        )
+        self._audit("probe_recovered", registration, outcome=outcome)
+
+    def _count(self, registration: Registration, outcome: str) -> None:
+        metrics = self.remote.agents.metrics
+        if metrics is not None:
+            metrics.probe(registration.capability, registration.protocol, outcome)
+
+    def _audit(self, event: str, registration: Registration, **fields: str) -> None:
+        guard = self.remote.agents.guard
+        if guard is not None:
+            guard.audit.record(
+                event,
+                capability=registration.capability,
+                instance=registration.instance_id,
+                protocol=registration.protocol,
+                address=registration.address,
+                **fields,
+            )
