@@ -56,6 +56,14 @@ class Requests:
             raise
         owner = desc.typed_search_attributes.get(SA_CALLER)
         if principal is not None and principal.kind != "admin" and owner != principal.name:
+            if self.guard is not None:  # a look at another caller's request: audited
+                self.guard.audit.record(
+                    "request_read_refused",
+                    request_id=request_id,
+                    principal=principal.name,
+                    status=404,
+                    error_type="unknown_request",
+                )
             raise UnknownRequest(f"no request with id {request_id!r}")
         if desc.status == WorkflowExecutionStatus.RUNNING:
             response = InvokeResponse(

@@ -14,6 +14,7 @@ from temporalio.service import RPCError
 
 from gateway_api.errors import reach_error_of_rpc, status_code_of
 from gateway_api.steps.known import Capabilities
+from gateway_api.steps.start import RequestIdTaken
 from reach.errors import ReachError
 from reach.messages import InvokeRequest, InvokeResponse
 from reach.security.guard import Guard
@@ -76,8 +77,11 @@ class Ledger:
         if not isinstance(err, ReachError):
             return  # a bug: the front's last resort answers and logs it
         if self.guard is not None and self.decision is not None:
+            # Another caller's RequestID: not an outcome of that request (which has its own
+            # `invoke` record), a try at it.
+            taken = isinstance(err, RequestIdTaken)
             self._audit(
-                "invoke",
+                "request_id_taken" if taken else "invoke",
                 request_id=self.request.request_id,
                 duration_ms=round(seconds * 1000, 3),
                 status=err.http_status,

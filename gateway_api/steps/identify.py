@@ -9,6 +9,10 @@ this one function reads it. The names are HTTP's, for every front:
   the token's principal);
 - `traceparent`: W3C trace context, passed on to the agent unchanged;
 - `idempotency-key`: an alias of the body's `idempotency_key` (the two must agree).
+
+Which tokens invoke (`docs/security.md`): caller tokens, and admin tokens (as their principal,
+under the same rules); an agent token registers and answers but does not call (403), so a
+leaked agent token reaches only what it serves. An agent that also calls holds a caller token.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 from agent_reach_proto import wire
 from reach import acceptance
+from reach.errors import Forbidden
 from reach.security.auth import Auth
 
 # The caller's side of the wire contract, as every front names it (lower case).
@@ -45,7 +50,14 @@ def identify(metadata: Metadata, auth: Auth | None) -> Identity:
     if auth is None:
         caller = claimed or "anonymous"
     else:
-        caller = auth.caller(metadata.get(AUTHORIZATION), claimed).name
+        principal = auth.caller(metadata.get(AUTHORIZATION), claimed)
+        if principal.kind == "agent":
+            raise Forbidden(
+                f"token {principal.token_id} of {principal.name!r} is an agent token: it "
+                "registers and answers, it does not invoke; an agent that calls others holds a "
+                "caller token too (reach tokens issue --principal NAME)"
+            )
+        caller = principal.name
     return Identity(
         caller=caller,
         traceparent=acceptance.traceparent_header(metadata.get(TRACEPARENT)),

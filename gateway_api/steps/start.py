@@ -2,7 +2,9 @@
 
 A repeat (the RequestID exists) attaches to the first request, only if it asks the same:
 same body and caller (409 otherwise); it may drop the callback and wait for the result
-instead, but never add or change one.
+instead, but never add or change one. A RequestID belongs to the caller that first used it:
+another caller's repeat is refused 409 saying only that the id is taken (`RequestIdTaken`,
+audited as `request_id_taken`), never whose it is, its state or its result.
 
 A start whose answer is lost (the RPC timed out, the connection broke) may have started the
 workflow all the same. The door then asks whether it exists: if it does, the request goes on
@@ -116,13 +118,22 @@ async def _after_an_unclear_start(
     return engine.handle(request_id)
 
 
+class RequestIdTaken(RequestConflict):
+    """A RequestID another caller holds (a 409 `request_conflict` that says nothing more)."""
+
+
 def check_repeat(request_id: str, first: InvokeInput, repeat: InvokeInput) -> None:
-    """A repeated RequestID attaches only to the same request; it may drop the callback (and
-    wait for the result instead) but never add or change one."""
+    """A repeated RequestID attaches only to the same caller's same request; it may drop the
+    callback (and wait for the result instead) but never add or change one."""
+    if first.caller != repeat.caller:
+        raise RequestIdTaken(
+            f"request_id {request_id!r} is taken; send the request with a new request_id, or "
+            "with none (Reach then gives it one)"
+        )
     read_it = f"GET /reach/requests/{request_id} reads the first one"
     if not same_request(first, repeat):
         raise RequestConflict(
-            f"request_id {request_id!r} was first used with another body or caller; repeat "
+            f"request_id {request_id!r} was first used with another body; repeat "
             f"the request exactly or use a new request_id ({read_it})"
         )
     if repeat.callback and repeat.callback != first.callback:

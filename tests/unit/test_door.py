@@ -240,8 +240,14 @@ async def test_a_repeat_attaches_and_one_that_asks_otherwise_is_409() -> None:
     again = await s.invoke({**CALL, "request_id": "req-2"}, x_reach_caller="alice")
     assert again.status == "success"
     assert len(s.engine.started) == 1
-    with pytest.raises(RequestConflict, match="another body or caller"):
-        await s.invoke({**CALL, "request_id": "req-2", "payload": {"q": "y"}})
+    with pytest.raises(RequestConflict, match="another body"):
+        await s.invoke(
+            {**CALL, "request_id": "req-2", "payload": {"q": "y"}}, x_reach_caller="alice"
+        )
+    # Another caller's RequestID: taken, and nothing more is said of it.
+    with pytest.raises(RequestConflict, match="is taken") as taken:
+        await s.invoke({**CALL, "request_id": "req-2"}, x_reach_caller="bob")
+    assert "alice" not in taken.value.message
 
 
 async def test_a_callback_to_a_forbidden_address_is_refused_before_the_start() -> None:
