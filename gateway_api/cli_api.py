@@ -138,6 +138,8 @@ class Api:
                 "`reach up` (or `reach gateway`) or set --gateway",
                 EXIT_UNREACHABLE,
             ) from None
+        if status == 204 and status in ok:
+            return status, {}  # done, nothing to say (a DELETE)
         data = _json_or_none(raw)
         if not isinstance(data, dict):
             kind = content_type or "no content type"

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway_api import cli_config
+from gateway_api import cli_agents, cli_config
 from gateway_api.cli_api import (
     CONNECT_TIMEOUT_S,
     EXIT_FAILED,
@@ -112,9 +112,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     agents = sub.add_parser(
         "agents",
         parents=[gateway],
-        help="registered instances: protocol, health, checks, in-flight, last heartbeat",
+        help="registered instances: protocol, health, checks, in-flight, last heartbeat; "
+        "add PROTOCOL URL --capability NAME, remove ID (instances registered by URL)",
+        usage="reach agents [CAPABILITY] | add {a2a|mcp} URL --capability NAME "
+        "[--instance-id ID] | remove ID",
     )
     agents.add_argument("capability", nargs="?", help="only this capability")
+    cli_agents.add_arguments(agents)
 
     sub.add_parser("capabilities", parents=[gateway], help="capabilities and instance counts")
 
@@ -135,6 +139,8 @@ def main(settings: ReachSettings | None, args: argparse.Namespace) -> int:
         with api:
             if args.command == "invoke":
                 return cmd_invoke(api, args)
+            if args.command == "agents" and (args.capability in cli_agents.ACTIONS or args.words):
+                return cli_agents.main(api, args)
             if args.command == "agents":
                 return cmd_agents(api, args)
             return cmd_capabilities(api, args)
