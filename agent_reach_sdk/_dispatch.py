@@ -25,7 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent_reach_sdk import wire
+from pydantic import BaseModel, ValidationError
+
+from agent_reach_sdk import _schema, wire
 from agent_reach_sdk._answers import AnswerCache
 from agent_reach_sdk._deadlines import LATEST_DEADLINE_MS, DeadlineKeeper, DeadlinePassed
 from agent_reach_sdk.context import Deferred, RequestContext, current_request_id
@@ -86,7 +88,13 @@ class Dispatcher:
     # -- registration ---------------------------------------------------------------------------
 
     def operation(
-        self, name: str, *, idempotent: bool | None = None, timeout_ms: int | None = None
+        self,
+        name: str,
+        *,
+        idempotent: bool | None = None,
+        timeout_ms: int | None = None,
+        input_schema: dict[str, Any] | None = None,
+        description: str | None = None,
     ) -> Callable[[OperationFunc], OperationFunc]:
         if idempotent is not None and not isinstance(idempotent, bool):
             raise TypeError(f"idempotent must be a bool or None, not {idempotent!r}")
@@ -105,10 +113,25 @@ class Dispatcher:
         if timeout_ms is not None:
             declared["timeout_ms"] = timeout_ms
 
+        if input_schema is not None:
+            _schema.checked(input_schema, name)
+        if description is not None and not isinstance(description, str):
+            raise TypeError(f"description must be a string or None, not {description!r}")
+
         def register(func: OperationFunc) -> OperationFunc:
-            self.calls[name] = (func, Shape.of(func))
-            if declared:
-                self.declared[name] = declared
+            shape = Shape.of(func)
+            said = dict(declared)
+            annotation = _schema.payload_annotation(func)
+            shape.model = _schema.model_of(annotation)
+            schema = input_schema if input_schema is not None else _schema.schema_of(annotation)
+            if schema is not None:
+                said["input_schema"] = _schema.checked(schema, name)
+            about = description if description is not None else _schema.description_of(func)
+            if about:
+                said["description"] = about[: _schema.MAX_DESCRIPTION_CHARS]
+            self.calls[name] = (func, shape)
+            if said:
+                self.declared[name] = said
             else:
                 self.declared.pop(name, None)
             return func
@@ -213,10 +236,15 @@ class Dispatcher:
         remaining = (deadline / 1000 - time.time()) if deadline is not None else None
         if remaining is not None and remaining <= 0:
             return error_answer(504, "timeout", "the request's deadline passed before it started")
+        func, shape = call
+        if shape.model is not None:
+            try:
+                payload = shape.model.model_validate(payload)
+            except ValidationError as exc:
+                return error_answer(422, "invalid_request", _invalid_payload(exc), retryable=False)
         token = current_request_id.set(request_id)
         try:
             self.executed += 1
-            func, shape = call
             result = await self._deadlines.run(
                 request_id, shape.call(func, payload, ctx), remaining
             )
@@ -236,6 +264,8 @@ class Dispatcher:
 
     def _checked(self, name: str, result: Any) -> Answer:
         """The handler's result as an answer Reach can carry, else the error that says why."""
+        if isinstance(result, BaseModel):
+            result = result.model_dump(mode="json")
         if not isinstance(result, dict):
             result = {"value": result}
         answer = Answer(200, result)
@@ -269,6 +299,14 @@ class Dispatcher:
         return answer
 
 
+def _invalid_payload(exc: ValidationError) -> str:
+    """A payload that does not fit the handler's model, in the words a refusal uses."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "payload"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"payload.{where}: {first['msg']}{more}"
+
+
 def _attempt(value: str | None) -> int | None:
     """X-Reach-Attempt as a number (1 when absent), None when it is not one Reach sends."""
     if not value:
@@ -293,13 +331,15 @@ def _json_kind(value: object) -> str:
 
 
 class Shape:
-    """How an operation is called: with the context or without, on the loop or in a thread."""
+    """How an operation is called: with the context or without, on the loop or in a thread,
+    with the payload as it came or validated into the pydantic model the handler takes."""
 
-    __slots__ = ("is_async", "takes_ctx")
+    __slots__ = ("is_async", "model", "takes_ctx")
 
     def __init__(self, takes_ctx: bool, is_async: bool) -> None:
         self.takes_ctx = takes_ctx
         self.is_async = is_async
+        self.model: type[BaseModel] | None = None
 
     @classmethod
     def of(cls, func: OperationFunc) -> Shape:

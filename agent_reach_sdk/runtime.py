@@ -241,15 +241,32 @@ class AgentRuntime:
     # -- operations ---------------------------------------------------------------------------
 
     def operation(
-        self, name: str, *, idempotent: bool | None = None, timeout_ms: int | None = None
+        self,
+        name: str,
+        *,
+        idempotent: bool | None = None,
+        timeout_ms: int | None = None,
+        input_schema: dict[str, Any] | None = None,
+        description: str | None = None,
     ) -> Callable[[OperationFunc], OperationFunc]:
         """Register `func(payload)` or `func(payload, ctx)`, sync or async, as operation `name`.
 
         `idempotent=True` declares that running it twice is safe, so Reach may retry it on a
         retryable failure (`False`: never without the caller's idempotency key); `timeout_ms`
         is its own deadline (1 ms to 24 h). Both are sent at Join; Reach's configuration for
-        the operation, where it has one, wins."""
-        return self._dispatcher.operation(name, idempotent=idempotent, timeout_ms=timeout_ms)
+        the operation, where it has one, wins.
+
+        `input_schema` (a JSON Schema object) and `description` say what the operation takes
+        and does (Reach's MCP front lists them as the tool's); by default they are derived from
+        the handler: its docstring, and the payload's annotation (a pydantic model, which the
+        handler is then handed validated, or a TypedDict; see `agent_reach_sdk._schema`)."""
+        return self._dispatcher.operation(
+            name,
+            idempotent=idempotent,
+            timeout_ms=timeout_ms,
+            input_schema=input_schema,
+            description=description,
+        )
 
     @property
     def operations(self) -> list[str]:

@@ -19,6 +19,7 @@ from gateway_api import grpc_front
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath, is_invoke
 from gateway_api.gateway import Gateway
+from gateway_api.mcp_front import McpFront, is_mcp
 from gateway_api.prober import Prober
 from gateway_api.routes import admin, agents, codec, health, invoke, metrics, requests, ui
 from gateway_api.temporal_adapter import Finishes
@@ -49,11 +50,14 @@ class ReachApp(FastAPI):
     """
 
     fast: InvokeFastPath | None = None
+    mcp: McpFront | None = None  # POST /mcp and its metadata document, likewise
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         fast = self.fast
         if fast is not None and is_invoke(scope) and not self._framework_telemetry():
             await fast(scope, receive, send)
+        elif self.mcp is not None and is_mcp(scope):
+            await self.mcp(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
 
@@ -173,6 +177,7 @@ def create_app(
     app.add_middleware(BodyLimit, limit=limit)
     app.add_middleware(CatchBugs)
     app.fast = InvokeFastPath(app.state, limit)
+    app.mcp = McpFront(app.state, limit)  # the MCP front (gateway_api/mcp_front.py)
     app.include_router(invoke.router)
     app.include_router(requests.router)  # GET /reach/requests, .../{id}/timeline
     app.include_router(agents.router)

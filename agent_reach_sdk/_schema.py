@@ -1,0 +1,103 @@
+"""What an operation tells Reach about its input: a JSON Schema and a description (sent at Join,
+listed by Reach's MCP front as the tool's `inputSchema` and `description`).
+
+Derived from the handler when not given (`@runtime.operation(..., input_schema=...,
+description=...)` wins):
+
+- the description is the handler's docstring (its first 4096 characters);
+- the schema is that of the payload parameter's annotation: a pydantic model (the handler is
+  then handed the validated model instance, and a payload that does not fit is refused with
+  422 `invalid_request` naming the field, before the handler runs), a `TypedDict` (fields may
+  be `Annotated[int, Field(ge=1, description=...)]`; before Python 3.12, `typing_extensions`'
+  TypedDict, which pydantic reads), or a `dict[str, T]`. A bare `dict`,
+  `Any` or no annotation says nothing: the payload is then any JSON object.
+
+Read once at registration, from the handler's own annotations (the strings that
+`from __future__ import annotations` leaves are resolved in its module), so serving a request
+costs nothing more. A schema that is not an object's, or that is bigger or deeper than Reach
+takes (64 KiB, 32 levels), is a `ValueError` at registration rather than a refused Join.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, PydanticUserError, TypeAdapter
+from typing_extensions import is_typeddict  # both typing's TypedDict and its own
+
+# reach.registry.models' bound (its import, ~30 ms of the registry's models, is left to
+# `checked`, which only an operation with a schema needs).
+MAX_DESCRIPTION_CHARS = 4096
+
+
+def description_of(func: Callable[..., Any]) -> str | None:
+    doc = inspect.getdoc(func)
+    if not doc:
+        return None
+    return doc[:MAX_DESCRIPTION_CHARS]
+
+
+def payload_annotation(func: Callable[..., Any]) -> Any:
+    """The payload parameter's annotation, resolved (None when it has none)."""
+    target = func if inspect.isfunction(func) or inspect.ismethod(func) else func.__call__  # type: ignore[operator]
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if not params or params[0].annotation is inspect.Parameter.empty:
+        return None
+    try:
+        hints = typing.get_type_hints(target, include_extras=True)
+    except Exception:  # a forward reference that does not resolve: say nothing
+        return None
+    return hints.get(params[0].name)
+
+
+def model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model the payload is validated into, when the handler takes one."""
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def schema_of(annotation: Any) -> dict[str, Any] | None:
+    if annotation is None or annotation is Any or annotation is dict:
+        return None
+    model = model_of(annotation)
+    if model is not None:
+        return model.model_json_schema()
+    origin = typing.get_origin(annotation)
+    if is_typeddict(annotation) or origin is dict:
+        try:
+            return TypeAdapter(annotation).json_schema()
+        except PydanticUserError:  # typing.TypedDict before Python 3.12 (typing_extensions' is)
+            return None
+    return None
+
+
+def checked(schema: dict[str, Any], name: str) -> dict[str, Any]:
+    """The schema as Reach will take it at Join, else a `ValueError` that says why."""
+    from reach.registry.models import (
+        MAX_INPUT_SCHEMA_BYTES,
+        MAX_INPUT_SCHEMA_DEPTH,
+        OperationDeclaration,
+    )
+
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        raise ValueError(
+            f"the input_schema of operation {name!r} must be a JSON Schema object whose "
+            '"type" is "object" (a payload is always a JSON object)'
+        )
+    try:
+        OperationDeclaration(name=name, input_schema=json.loads(json.dumps(schema)))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"the input_schema of operation {name!r} is not one Reach takes (at most "
+            f"{MAX_INPUT_SCHEMA_BYTES} bytes as JSON, {MAX_INPUT_SCHEMA_DEPTH} levels deep, "
+            f"standard JSON): {exc}"
+        ) from None
+    return schema

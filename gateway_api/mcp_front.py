@@ -1,0 +1,444 @@
+"""The MCP front: Reach answers as an MCP server at `POST /mcp` (Streamable HTTP).
+
+    initialize        the handshake (2025-11-25, 2025-06-18, ...): a version and a session id
+    server/discover   the stateless protocol's (2026-07-28) versions and capabilities
+    ping              {}
+    tools/list        every routable capability.operation the caller's rules allow
+    tools/call        one durable invoke through the door (`Door.invoke`), like POST /reach/invoke
+
+Both protocol generations on one endpoint (`gateway_api._mcp_wire`): a request that carries
+its version in `params._meta` is the stateless protocol, anything else the handshake one,
+whose session ids are stateless tokens any gateway accepts. Nothing is kept per client.
+
+**The door.** A tool call is the JSON body `POST /reach/invoke` takes (`target`, `operation`,
+`payload` = the arguments; `_meta` may add `reach/requestId`, `reach/idempotencyKey` and
+`reach/timeoutMs`), handed to `Door.invoke` with the HTTP headers as its metadata: the same
+tokens, rules, limits, routing, audit, traces and metrics. The front adds no policy; the
+envelope becomes the tool result (`gateway_api._mcp_tools`).
+
+**Durable past the stream.** The result's `_meta` names the RequestID (`reach/requestId`). A
+client that asks for `text/event-stream` and whose call is still running after `SSE_AFTER_S`
+gets an SSE stream instead: its headers carry `X-Reach-Request-Id` at once (and a progress
+notification names it, when the client gave a `progressToken`), comments keep it alive every
+`KEEPALIVE_S`, and the result comes as its last event. A stream that breaks loses nothing: the
+request carries on in Temporal, `GET /reach/requests/{id}` reads its verdict from any gateway,
+and the same call repeated with `_meta["reach/requestId"]` set to that id attaches to it.
+
+**Auth.** Reach's bearer tokens. Without a valid one (when tokens are required) every request
+is 401 with `WWW-Authenticate: Bearer resource_metadata="..."`, pointing at the RFC 9728
+protected-resource metadata served at `/.well-known/oauth-protected-resource` (and `/mcp`
+appended, the path-inserted form). A request with an `Origin` header that is neither loopback
+nor the `Host` it was sent to is refused (403): a web page must not drive a local gateway.
+
+**Errors.** Malformed JSON-RPC is -32700 or -32600 (400), a batch -32600 (400), an unknown method
+-32601, bad params (an unknown tool, arguments that are not an object, deeper than 64 levels
+or larger than the message limit) -32602, another Reach refusal (403, 409, 429, 503) -32000
+with the error's type and status in `data`; a call that failed after Reach took it is a
+result with `isError: true`. A body over `Limits.max_body_bytes` is 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+from urllib.parse import urlsplit
+
+from starlette.datastructures import State
+from starlette.types import Receive, Scope, Send
+from temporalio.service import RPCError
+
+import reach
+from gateway_api import _mcp_wire as wire
+from gateway_api._mcp_tools import Catalog, call_result, rpc_error_of
+from gateway_api.errors import reach_error_of_rpc
+from gateway_api.front import Bytes
+from gateway_api.gateway import Gateway
+from gateway_api.routes.invoke import metadata_of
+from gateway_api.steps.identify import Identity, identify
+from reach.errors import ReachError
+from reach.messages import InvokeResponse, dumps
+
+log = logging.getLogger("reach.gateway")
+
+PATH = "/mcp"
+METADATA_PATH = "/.well-known/oauth-protected-resource"
+PATHS = frozenset({PATH, METADATA_PATH, METADATA_PATH + PATH})
+SERVER_INFO = {"name": "agent-reach", "title": "Agent-Reach", "version": reach.__version__}
+INSTRUCTIONS = (
+    "Each tool is a capability.operation served by agents behind Reach; every call is a "
+    "durable request whose RequestID is in the result's _meta (reach/requestId)."
+)
+# A tool call still running after this long is answered as an SSE stream (when accepted).
+SSE_AFTER_S = 5.0
+KEEPALIVE_S = 15.0
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_mcp(scope: Scope) -> bool:
+    return bool(scope["type"] == "http" and scope["path"] in PATHS)
+
+
+class _Answer(Exception):
+    """An HTTP answer decided before any JSON-RPC dispatch (401, 403, 405, 413, 415)."""
+
+    def __init__(self, status: int, body: dict[str, Any] | None, headers: dict[str, str]) -> None:
+        super().__init__(status)
+        self.status, self.body, self.headers = status, body, headers
+
+
+class _Call:
+    """The MCP front's side of the door: it keeps the RequestID once the door has one."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self) -> None:
+        self.request_id: str | None = None
+
+    async def named(self, request_id: str, caller: str) -> None:
+        self.request_id = request_id
+
+
+class McpFront:
+    """`/mcp` and the protected-resource metadata as an ASGI app of their own (`is_mcp`),
+    answered ahead of FastAPI's middleware like `POST /reach/invoke`."""
+
+    def __init__(self, state: State, limit: int) -> None:
+        self.state = state
+        self.limit = limit
+        self._catalog: tuple[Gateway, Catalog] | None = None
+        self._calls: set[asyncio.Future[InvokeResponse]] = set()  # calls being streamed
+
+    @property
+    def gateway(self) -> Gateway:
+        gateway: Gateway = self.state.gateway
+        return gateway
+
+    def catalog(self) -> Catalog:
+        gateway = self.gateway
+        if self._catalog is None or self._catalog[0] is not gateway:
+            self._catalog = (gateway, Catalog(gateway.registry))
+        return self._catalog[1]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            if scope["path"] != PATH:
+                await self._metadata(scope, send)
+            elif scope["method"] == "POST":
+                await self._post(scope, receive, send)
+            elif scope["method"] == "DELETE":  # nothing is kept per session: nothing to end
+                self._identify(scope, metadata_of(scope))
+                await _send(send, 204, b"", {})
+            else:  # no server-initiated stream (GET): the specification's 405
+                await _send_json(send, 405, None, {"allow": "POST, DELETE"})
+        except _Answer as answer:
+            await _send_json(send, answer.status, answer.body, answer.headers)
+
+    # -- the metadata document -------------------------------------------------------------
+
+    async def _metadata(self, scope: Scope, send: Send) -> None:
+        if scope["method"] not in ("GET", "HEAD"):
+            await _send_json(send, 405, None, {"allow": "GET"})
+            return
+        document = {
+            "resource": self._base(scope) + PATH,
+            "bearer_methods_supported": ["header"],
+            "resource_name": "Agent-Reach",
+            "resource_documentation": "https://agent-reach.dev/mcp-front/",
+        }
+        headers = {"access-control-allow-origin": "*", "cache-control": "max-age=300"}
+        await _send_json(send, 200, document, headers)
+
+    def _base(self, scope: Scope) -> str:
+        public = self.gateway.settings.public_url
+        if public:
+            return public.rstrip("/")
+        host = metadata_of(scope).get("host") or self.gateway.settings.gateway_url.split("//")[1]
+        return f"{scope.get('scheme', 'http')}://{host}"
+
+    # -- POST /mcp ---------------------------------------------------------------------------
+
+    def _identify(self, scope: Scope, headers: dict[str, str]) -> Identity:
+        origin = headers.get("origin")
+        if origin is not None and not _same_origin(origin, headers.get("host")):
+            raise _Answer(
+                403, _refusal("forbidden", f"Origin {origin[:100]!r} may not call this gateway"), {}
+            )
+        guard = self.gateway.guard
+        try:
+            return identify(headers, guard.auth if guard is not None else None)
+        except ReachError as exc:
+            if guard is not None:
+                guard.audit.record(
+                    "refused", status=exc.http_status, error_type=exc.type, reason=exc.message
+                )
+            extra = {}
+            if exc.http_status == 401:
+                value = f'Bearer resource_metadata="{self._base(scope)}{METADATA_PATH}{PATH}"'
+                if headers.get("authorization"):
+                    value += ', error="invalid_token"'
+                extra["www-authenticate"] = value
+            status = 400 if exc.http_status == 422 else exc.http_status
+            raise _Answer(status, _refusal(exc.type, exc.message), extra) from None
+
+    async def _post(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = metadata_of(scope)
+        identity = self._identify(scope, headers)
+        if "json" not in headers.get("content-type", "application/json"):
+            raise _Answer(415, _refusal("invalid_request", "the body is JSON-RPC (JSON)"), {})
+        raw = await _read(receive, self.limit)
+        message: wire.Message | None = None
+        modern = False
+        try:
+            message = wire.parse(raw)
+            if not message.is_request:  # a notification or a response: nothing to answer
+                await _send(send, 202, b"", {})
+                return
+            modern = message.modern
+            if modern:
+                version = wire.check_modern(message, headers)
+            else:
+                version = self._session(message, headers, identity)
+            reply = await self._dispatch(message, headers, identity, version, modern, send)
+        except wire.RpcError as exc:
+            key = message.id if message is not None else exc.key
+            await _send_json(send, exc.status(modern), wire.error(key, exc), {})
+            return
+        if reply is not None:
+            extra = reply.pop("_headers", {})
+            await _send_json(send, 200, wire.result(message.id, reply), extra)
+
+    def _session(self, message: wire.Message, headers: dict[str, str], identity: Identity) -> str:
+        """The handshake protocol's version: the session's, else the header's."""
+        if message.method == "initialize":
+            return wire.negotiate(message.params.get("protocolVersion"))
+        said = headers.get(wire.VERSION_HEADER)
+        if said is not None and said not in wire.HANDSHAKE:
+            raise wire.RpcError(
+                wire.INVALID_REQUEST,
+                f"unsupported MCP-Protocol-Version {said[:40]!r}",
+                {"supported": [*wire.MODERN, *wire.HANDSHAKE], "requested": said[:40]},
+            )
+        session = headers.get(wire.SESSION_HEADER)
+        if session is None:
+            return said or wire.LATEST_HANDSHAKE
+        version = wire.session_version(session, identity.caller)
+        if version is None:
+            raise wire.RpcError(
+                wire.SESSION_NOT_FOUND, "no such session: initialize again", http_status=404
+            )
+        return version
+
+    async def _dispatch(
+        self,
+        message: wire.Message,
+        headers: dict[str, str],
+        identity: Identity,
+        version: str,
+        modern: bool,
+        send: Send,
+    ) -> dict[str, Any] | None:
+        method = message.method
+        if method == "tools/call":
+            return await self._call(message, headers, identity.caller, modern, send)
+        out: dict[str, Any]
+        if method == "initialize" and not modern:
+            out = {
+                "protocolVersion": version,
+                "capabilities": {"tools": {"listChanged": False}},
+                "serverInfo": SERVER_INFO,
+                "instructions": INSTRUCTIONS,
+                "_headers": {"mcp-session-id": wire.new_session(version, identity.caller)},
+            }
+            return out
+        if method == "ping":
+            out = {}
+        elif method == "server/discover":
+            out = {
+                "supportedVersions": [*wire.MODERN, *wire.HANDSHAKE],
+                "capabilities": {"tools": {"listChanged": False}},
+                "serverInfo": SERVER_INFO,
+                "instructions": INSTRUCTIONS,
+                "cacheScope": "public",
+                "ttlMs": 0,
+            }
+        elif method == "tools/list":
+            try:
+                tools = await self.catalog().listed_for(identity.caller, self.gateway.guard)
+            except ReachError as exc:
+                raise rpc_error_of(exc, None) from None
+            out = {"tools": tools}
+            if modern:
+                out.update(cacheScope="private", ttlMs=0)
+        else:
+            raise wire.RpcError(wire.METHOD_NOT_FOUND, f"method {str(method)[:100]!r} not found")
+        if modern:
+            out["resultType"] = "complete"
+            out["_meta"] = {wire.SERVER_INFO_META: SERVER_INFO}
+        return out
+
+    # -- tools/call --------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        message: wire.Message,
+        headers: dict[str, str],
+        caller: str,
+        modern: bool,
+        send: Send,
+    ) -> dict[str, Any] | None:
+        params = message.params
+        name = params.get("name")
+        if not isinstance(name, str) or not name:
+            raise wire.RpcError(wire.INVALID_PARAMS, "params.name is the tool's name (a string)")
+        arguments = params.get("arguments")
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise wire.RpcError(wire.INVALID_PARAMS, "params.arguments is an object")
+        try:
+            capability, operation = await self.catalog().target(name, caller, self.gateway.guard)
+        except ReachError as exc:
+            raise rpc_error_of(exc, None) from None
+        body: dict[str, Any] = {"target": capability, "operation": operation, "payload": arguments}
+        meta = message.meta
+        for key, field in (
+            (wire.REQUEST_ID_META, "request_id"),
+            (wire.IDEMPOTENCY_META, "idempotency_key"),
+            (wire.TIMEOUT_META, "timeout_ms"),
+        ):
+            if key in meta:
+                body[field] = meta[key]
+        metadata = dict(headers)
+        if "traceparent" not in metadata and isinstance(meta.get("traceparent"), str):
+            metadata["traceparent"] = meta["traceparent"]
+        try:
+            raw = dumps(body)
+        except (UnicodeEncodeError, ValueError) as exc:
+            raise wire.RpcError(
+                wire.INVALID_PARAMS, f"arguments are not standard JSON: {exc}"
+            ) from None
+        front = _Call()
+        task = asyncio.ensure_future(self.gateway.door.invoke(metadata, Bytes(raw), front))
+        if wire.accepts(headers, "text/event-stream"):
+            done, _ = await asyncio.wait({task}, timeout=SSE_AFTER_S)
+            if not done and front.request_id is not None:
+                await self._stream(message, task, front.request_id, modern, send)
+                return None
+        return await _outcome(task, front, modern)
+
+    async def _stream(
+        self,
+        message: wire.Message,
+        task: asyncio.Future[InvokeResponse],
+        request_id: str,
+        modern: bool,
+        send: Send,
+    ) -> None:
+        """The rest of a long call as an SSE stream (see the module docstring)."""
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream"),
+                        (b"cache-control", b"no-cache, no-transform"),
+                        (b"x-accel-buffering", b"no"),
+                        (b"x-reach-request-id", request_id.encode()),
+                    ],
+                }
+            )
+            token = message.meta.get("progressToken")
+            if isinstance(token, str | int) and not isinstance(token, bool):
+                note = {
+                    "progressToken": token,
+                    "progress": 0,
+                    "message": f"Reach request {request_id} is running",
+                }
+                notice = {"jsonrpc": "2.0", "method": "notifications/progress", "params": note}
+                await _chunk(send, wire.sse_event(notice))
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=KEEPALIVE_S)
+                if not done:
+                    await _chunk(send, b": keep-alive\n\n")
+            try:
+                frame = wire.result(message.id, await _outcome(task, _named(request_id), modern))
+            except wire.RpcError as exc:
+                frame = wire.error(message.id, exc)
+            await _chunk(send, wire.sse_event(frame))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away: the request carries on durably
+            log.info("MCP stream of %s closed by the client; the request carries on", request_id)
+
+
+def _named(request_id: str) -> _Call:
+    call = _Call()
+    call.request_id = request_id
+    return call
+
+
+async def _outcome(
+    task: asyncio.Future[InvokeResponse], front: _Call, modern: bool
+) -> dict[str, Any]:
+    try:
+        response = await task
+    except ReachError as exc:
+        raise rpc_error_of(exc, front.request_id) from None
+    except RPCError as exc:
+        log.error("Temporal call failed on MCP tools/call: %s", exc)
+        raise rpc_error_of(reach_error_of_rpc(exc), front.request_id) from None
+    return call_result(response, modern)
+
+
+def _same_origin(origin: str, host: str | None) -> bool:
+    try:
+        parts = urlsplit(origin)
+    except ValueError:
+        return False
+    if parts.hostname in _LOOPBACK:
+        return True
+    return host is not None and parts.netloc.lower() == host.lower()
+
+
+def _refusal(kind: str, message: str) -> dict[str, Any]:
+    return wire.error(None, wire.RpcError(wire.REACH_REFUSED, message, {"type": kind}))
+
+
+async def _read(receive: Receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        event = await receive()
+        if event["type"] == "http.disconnect":
+            raise _Answer(400, None, {})  # nobody is left to read it
+        chunk = event.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            error = wire.RpcError(wire.INVALID_REQUEST, f"the message is larger than {limit} bytes")
+            raise _Answer(413, wire.error(None, error), {})
+        chunks.append(chunk)
+        if not event.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _chunk(send: Send, data: bytes) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+async def _send(send: Send, status: int, body: bytes, headers: dict[str, str]) -> None:
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    if body:
+        raw.append((b"content-type", b"application/json"))
+    raw.append((b"content-length", str(len(body)).encode()))
+    with contextlib.suppress(OSError):
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _send_json(
+    send: Send, status: int, body: dict[str, Any] | None, headers: dict[str, str]
+) -> None:
+    await _send(send, status, wire.encode(body) if body is not None else b"", headers)

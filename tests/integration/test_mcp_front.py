@@ -1,0 +1,267 @@
+"""The MCP front (`POST /mcp`) against a real gateway (tokens required, rules) and an SDK agent:
+the `mcp` package's own client lists and calls tools through Reach in both protocol
+generations; rules hide a denied operation; a call without a token is 401 with the RFC 9728
+metadata; malformed JSON-RPC, batches, huge or deep arguments, unknown tools and methods are
+each a clear JSON-RPC error."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import httpx2
+import pytest
+import yaml
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
+
+from agent_reach_sdk import AgentRuntime, OperationError
+from reach.security.tokens import FileTokenStore, issue
+from tests.conftest import new_stack
+from tests.helpers import ROOT, GatewayProcess
+
+pytestmark = [pytest.mark.integration]
+
+MODERN = "2026-07-28"
+
+
+class Sum(BaseModel):
+    a: int = Field(description="the first term")
+    b: int = 0
+
+
+class Echo(TypedDict):
+    text: str
+
+
+@dataclass
+class Mcp:
+    gateway: GatewayProcess
+    capability: str
+    caller: str  # a caller token, allowed all but `secret`
+    other: str  # another caller's token: no rule allows it anything
+
+    @property
+    def url(self) -> str:
+        return f"{self.gateway.url}/mcp"
+
+    @contextlib.asynccontextmanager
+    async def client(self, mode: str, token: str | None = None) -> AsyncIterator[Client]:
+        """The `mcp` package's client, with a bearer token (the caller's by default)."""
+        headers = {"Authorization": f"Bearer {token or self.caller}"}
+        async with httpx2.AsyncClient(headers=headers, trust_env=False) as http:
+            transport = streamable_http_client(self.url, http_client=http)
+            async with Client(transport, mode=mode) as client:  # type: ignore[arg-type]
+                yield client
+
+
+@pytest.fixture(scope="module")
+async def mcp(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mcp]:
+    tmp = tmp_path_factory.mktemp("mcp-front")
+    capability = f"mcp-{uuid.uuid4().hex[:8]}"
+    config = yaml.safe_load((ROOT / "reach.yaml").read_text())
+    config["reach"]["rules"] = [
+        {
+            "name": "mcp-client",
+            "caller": "mcp-client",
+            "target_capability": capability,
+            "allowed_operations": ["*"],
+            "denied_operations": ["secret"],
+        }
+    ]
+    (tmp / "reach.yaml").write_text(yaml.safe_dump(config))
+    store = FileTokenStore(tmp / "tokens.json")
+    tokens = {}
+    for name, kind, caps in [
+        ("mcp-client", "caller", []),
+        ("stranger", "caller", []),
+        ("mcp-agent", "agent", [capability]),
+    ]:
+        token, record = issue(name, kind, caps)  # type: ignore[arg-type]
+        store.write(record)
+        tokens[name] = token
+    stack = new_stack(temporal_server, tmp, extra={"REACH_CONFIG": str(tmp / "reach.yaml")})
+    runtime = AgentRuntime(
+        capability,
+        protocol="http",
+        service_address="127.0.0.1:0",
+        heartbeat_interval=0.5,
+        token=tokens["mcp-agent"],
+    )
+
+    @runtime.operation("add", idempotent=True)
+    async def add(payload: Sum) -> dict[str, Any]:
+        """Add two integers."""
+        return {"sum": payload.a + payload.b}
+
+    @runtime.operation("echo")
+    def echo(payload: Echo) -> dict[str, Any]:
+        return {"echo": payload["text"]}
+
+    @runtime.operation("secret")
+    def secret(payload: dict[str, Any]) -> dict[str, Any]:
+        return {"secret": 42}
+
+    @runtime.operation("fail")
+    def fail(payload: dict[str, Any]) -> dict[str, Any]:
+        raise OperationError("the index is not loaded", type="agent_error", status=503)
+
+    async with GatewayProcess(stack) as gateway:
+        runtime.reach_url = gateway.url
+        async with runtime:
+            yield Mcp(gateway, capability, tokens["mcp-client"], tokens["stranger"])
+
+
+def tool_names(tools: Any) -> set[str]:
+    return {t.name for t in tools.tools}
+
+
+@pytest.mark.parametrize("mode", ["legacy", MODERN])
+async def test_the_mcp_client_lists_and_calls_tools_through_reach(mcp: Mcp, mode: str) -> None:
+    cap = mcp.capability
+    async with mcp.client(mode) as client:
+        tools = await client.list_tools()
+        assert tool_names(tools) == {f"{cap}.add", f"{cap}.echo", f"{cap}.fail"}  # no secret
+        add = next(t for t in tools.tools if t.name == f"{cap}.add")
+        assert add.description == "Add two integers."
+        assert add.input_schema["properties"]["a"]["description"] == "the first term"
+        assert add.input_schema["required"] == ["a"]
+        assert add.annotations is not None
+        assert add.annotations.idempotent_hint is True
+
+        result = await client.call_tool(f"{cap}.add", {"a": 2, "b": 3})
+        assert not result.is_error
+        assert result.structured_content == {"sum": 5}
+        assert json.loads(result.content[0].text) == {"sum": 5}  # type: ignore[union-attr]
+        request_id = (result.meta or {})["reach/requestId"]
+
+        failed = await client.call_tool(f"{cap}.fail", {})
+        assert failed.is_error
+        assert "the index is not loaded" in failed.content[0].text  # type: ignore[union-attr]
+
+        refused = await client.call_tool(f"{cap}.add", {"a": "two"})  # the model refuses it
+        assert refused.is_error
+        assert "payload.a" in refused.content[0].text
+
+    # The RequestID is a Reach request like any other: readable over HTTP.
+    async with httpx.AsyncClient(trust_env=False) as http:
+        r = await http.get(
+            f"{mcp.gateway.url}/reach/requests/{request_id}",
+            headers={"Authorization": f"Bearer {mcp.caller}"},
+        )
+    assert r.status_code == 200
+    assert r.json()["result"] == {"sum": 5}
+
+
+async def test_rules_hide_what_they_deny(mcp: Mcp) -> None:
+    async with mcp.client("legacy", mcp.other) as client:
+        assert (await client.list_tools()).tools == []
+    reply = await rpc(mcp, "tools/call", {"name": f"{mcp.capability}.secret"})
+    assert reply.status_code == 200
+    error = reply.json()["error"]
+    assert error["code"] == -32000, error
+    assert error["data"]["type"] == "forbidden"
+
+
+# -- the wire, by hand -------------------------------------------------------------------------
+
+
+async def rpc(
+    mcp: Mcp,
+    method: str,
+    params: dict[str, Any] | None = None,
+    *,
+    token: str | None = "caller",
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> httpx.Response:
+    sent = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    if token is not None:
+        sent["Authorization"] = f"Bearer {mcp.caller if token == 'caller' else token}"
+    body = raw
+    if body is None:
+        body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": method, "params": params or {}})
+        body = body.encode()
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+        return await http.post(mcp.url, content=body, headers={**sent, **(headers or {})})
+
+
+async def test_no_token_is_401_with_the_protected_resource_metadata(mcp: Mcp) -> None:
+    r = await rpc(mcp, "tools/list", token=None)
+    assert r.status_code == 401
+    challenge = r.headers["www-authenticate"]
+    assert challenge.startswith("Bearer resource_metadata=")
+    where = challenge.split('"')[1]
+    assert where.endswith("/.well-known/oauth-protected-resource/mcp")
+    async with httpx.AsyncClient(trust_env=False) as http:
+        for url in (where, f"{mcp.gateway.url}/.well-known/oauth-protected-resource"):
+            doc = (await http.get(url)).json()
+            assert doc["resource"] == mcp.url
+            assert doc["bearer_methods_supported"] == ["header"]
+    bad = await rpc(mcp, "tools/list", token="not-a-token")
+    assert bad.status_code == 401
+    assert 'error="invalid_token"' in bad.headers["www-authenticate"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "code", "status", "says"),
+    [
+        (b'{"jsonrpc": "2.0", "id": 1, "method": ', -32700, 400, "not valid JSON"),
+        (b'[{"jsonrpc": "2.0", "id": 1, "method": "ping"}]', -32600, 400, "batches"),
+        (b'{"id": 1, "method": "ping"}', -32600, 400, "jsonrpc"),
+        (b'{"jsonrpc": "2.0", "id": {}, "method": "ping"}', -32600, 400, "request id"),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": []}', -32602, 200, "object"),
+        (b'"ping"', -32600, 400, "JSON object"),
+    ],
+)
+async def test_malformed_json_rpc_is_a_clear_error(
+    mcp: Mcp, raw: bytes, code: int, status: int, says: str
+) -> None:
+    r = await rpc(mcp, "", raw=raw)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+    assert says in r.json()["error"]["message"]
+
+
+async def test_bad_calls_are_clear_errors(mcp: Mcp) -> None:
+    cap = mcp.capability
+    unknown = (await rpc(mcp, "tools/call", {"name": f"{cap}.nothing"})).json()["error"]
+    assert unknown["code"] == -32602
+    assert "unknown tool" in unknown["message"]
+    # Of a capability no rule lets it call, the caller learns nothing (the door's 403).
+    elsewhere = (await rpc(mcp, "tools/call", {"name": "nowhere.nothing"})).json()["error"]
+    assert elsewhere["code"] == -32000
+    assert elsewhere["data"]["type"] == "forbidden"
+    nameless = (await rpc(mcp, "tools/call", {"name": "nodot"})).json()["error"]
+    assert nameless["code"] == -32602
+    not_object = (await rpc(mcp, "tools/call", {"name": f"{cap}.add", "arguments": [1]})).json()
+    assert not_object["error"]["code"] == -32602
+    deep: Any = {}
+    for _ in range(100):
+        deep = {"d": deep}
+    too_deep = (await rpc(mcp, "tools/call", {"name": f"{cap}.echo", "arguments": deep})).json()
+    assert too_deep["error"]["code"] == -32602
+    assert "nested" in too_deep["error"]["message"]
+    huge = await rpc(
+        mcp, "tools/call", {"name": f"{cap}.echo", "arguments": {"t": "x" * (8 << 20)}}
+    )
+    assert huge.status_code == 413
+    assert huge.json()["error"]["code"] == -32600
+    method = (await rpc(mcp, "resources/list")).json()["error"]
+    assert method["code"] == -32601
+    assert "resources/list" in method["message"]
+    modern = {"_meta": {"io.modelcontextprotocol/protocolVersion": "2099-01-01"}}
+    modern["_meta"]["io.modelcontextprotocol/clientCapabilities"] = {}  # type: ignore[assignment]
+    r = await rpc(mcp, "ping", modern, headers={"MCP-Protocol-Version": "2099-01-01"})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == -32022
+    assert MODERN in r.json()["error"]["data"]["supported"]
+    gone = await rpc(mcp, "ping", headers={"Mcp-Session-Id": "r1.2025-11-25.forged.00"})
+    assert gone.status_code == 404
