@@ -126,24 +126,33 @@ class McpServer:
     # -- negotiation -----------------------------------------------------------------------------
 
     async def _negotiate(self) -> Negotiated:
-        if self.hint != w.MODERN and self.hint in w.SESSION_VERSIONS:
-            return await self._initialize(self.hint)
-        if self.hint == w.MODERN:
-            self.hint = None  # trusted once; a refusal negotiates from scratch
+        # A hint (what discovery found, or the version of a forgotten session) is taken once;
+        # a server that no longer speaks it is probed from scratch.
+        hint, self.hint = self.hint, None
+        if hint == w.MODERN:
             return Negotiated(w.MODERN)
+        if hint in w.SESSION_VERSIONS:
+            with contextlib.suppress(w.Unsupported):
+                return await self._initialize(hint)
         meta = w.envelope_meta(w.MODERN)
         try:
             result, _ = await self._post(
                 None, "server/discover", {"_meta": meta}, rpc_id=next_id(), limit=w.MAX_LIST_BYTES
             )
         except (w.Unsupported, w.SessionGone, AgentError):
-            return await self._initialize(w.SESSION_VERSIONS[0])
+            return await self._initialize_or_refuse()
         versions = result.get("supportedVersions")
         if not isinstance(versions, list) or w.MODERN not in versions:
-            return await self._initialize(w.SESSION_VERSIONS[0])
+            return await self._initialize_or_refuse()
         result_meta = result.get("_meta")
         server = result_meta.get(w.META_SERVER_INFO) if isinstance(result_meta, dict) else None
         return Negotiated(w.MODERN, server=_server_info(server or result.get("serverInfo")))
+
+    async def _initialize_or_refuse(self) -> Negotiated:
+        try:
+            return await self._initialize(w.SESSION_VERSIONS[0])
+        except (w.Unsupported, w.SessionGone) as exc:
+            raise AgentError(f"{self.where} refused to initialize: {exc}", retryable=False) from exc
 
     async def _initialize(self, offer: str) -> Negotiated:
         params = {
@@ -151,12 +160,9 @@ class McpServer:
             "capabilities": {},
             "clientInfo": w.CLIENT_INFO,
         }
-        try:
-            result, headers = await self._post(
-                None, "initialize", params, rpc_id=next_id(), limit=w.MAX_LIST_BYTES
-            )
-        except (w.Unsupported, w.SessionGone) as exc:
-            raise AgentError(f"{self.where} refused to initialize: {exc}", retryable=False) from exc
+        result, headers = await self._post(
+            None, "initialize", params, rpc_id=next_id(), limit=w.MAX_LIST_BYTES
+        )
         version = result.get("protocolVersion")
         if version not in w.SESSION_VERSIONS:
             raise AgentError(

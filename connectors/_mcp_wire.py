@@ -269,6 +269,11 @@ async def http_refusal(response: httpx.Response, where: str, *, had_session: boo
             raw += chunk
     if code == 404 and had_session:
         return SessionGone(raw.decode("utf-8", "replace")[:200])
+    lowered = raw.decode("utf-8", "replace").lower()
+    if code == 400 and "protocol version" in lowered and "unsupported" in lowered:
+        # How a 2025 server refuses an MCP-Protocol-Version it does not speak (its body, when
+        # it has one, is a generic -32600): nothing ran.
+        return Unsupported(raw.decode("utf-8", "replace")[:200])
     message: Any = None
     with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
         message = json.loads(raw)
@@ -277,8 +282,6 @@ async def http_refusal(response: httpx.Response, where: str, *, had_session: boo
     text = raw.decode("utf-8", "replace").strip()[:1000]
     fault = AgentFault(type="http_error", message=text, status=code)
     said = f" HTTP {code}" + (f": {text}" if text else "")
-    if code == 400 and "protocol" in text.lower() and "version" in text.lower():
-        return Unsupported(text)
     if code == 404:
         return AgentError(f"{where}: no MCP endpoint here;{said}", retryable=False, fault=fault)
     return AgentError(f"{where} answered{said}", retryable=code >= 500 or code == 429, fault=fault)

@@ -150,9 +150,9 @@ async def test_a_slow_tool_past_its_deadline_is_cancelled(
 
 
 async def test_a_forgotten_session_is_renewed_and_the_call_made_once(
-    servers: dict[str, McpServerProcess], connector: McpConnector
+    connector: McpConnector, tmp_path: Path
 ) -> None:
-    server = servers["session"]
+    server = await McpServerProcess(tmp_path, "session").start().ready()  # its own: restarted
     ep = endpoint(server)
     await connector.invoke(ep, message("count", {"tag": "before"}), 5)
     before = server.count()
@@ -172,12 +172,25 @@ async def test_a_worker_without_the_cache_uses_what_discovery_found(
     servers: dict[str, McpServerProcess],
 ) -> None:
     server = servers["stateless"]
+
+    async def probes() -> int:
+        return [s["method"] for s in (await server.seen())["seen"]].count("server/discover")
+
+    before = await probes()
     async with McpConnector() as fresh:
         ep = endpoint(server, details={"protocol_version": "2026-07-28"})
         await fresh.invoke(ep, message("echo", {"text": "x"}), 5)
-    methods = [s["method"] for s in (await server.seen())["seen"]]
-    assert methods[-1] == "tools/call"
-    assert methods[-2] != "server/discover"  # no probe first: discovery said which version
+    assert await probes() == before  # no probe first: discovery said which version
+    # What it said no longer holds (the server went back to 2025): refused, negotiated, resent.
+    older = servers["session"]
+    async with McpConnector() as fresh:
+        ep = endpoint(older, details={"protocol_version": "2026-07-28"})
+        reply = await fresh.invoke(ep, message("echo", {"text": "y"}), 5)
+    assert reply.result is not None
+    assert reply.result["text"] == "y"
+    tail = [(s["method"], s["version"]) for s in (await older.seen())["seen"] if s["method"]][-5:]
+    assert tail[0] == ("tools/call", "2026-07-28")
+    assert tail[-1] == ("tools/call", "2025-11-25")
 
 
 # -- through a real gateway ------------------------------------------------------------------------
