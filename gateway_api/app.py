@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 from temporalio.client import Client
 
 import reach
-from gateway_api import grpc_front
+from gateway_api import a2a_front, grpc_front
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath, is_invoke
 from gateway_api.gateway import Gateway
@@ -186,6 +186,7 @@ def create_app(
     if settings.metrics.enabled:
         app.include_router(metrics.router)  # GET /metrics (Prometheus)
     app.include_router(ui.router)  # the dashboard at /ui (not in the OpenAPI)
+    a2a_front.install(app)  # the A2A front: cards and JSON-RPC per capability (not in the OpenAPI)
     if settings.security.encryption.enabled:
         app.include_router(codec.router(settings.security.encryption))
     return app

@@ -100,7 +100,7 @@ class Door:
         on_logs = current_request_id.set(request.request_id)
         ledger = Ledger(request, identity.caller, self.guard, self.metrics, self.capabilities)
         try:
-            response = await self._pass(request, payload_bytes, identity, ledger)
+            response = await self._pass(request, payload_bytes, identity, ledger, front)
         except asyncio.CancelledError:
             # The caller stopped waiting (a gRPC deadline, a shutdown): the request carries
             # on durably, and is accounted when its outcome is known.
@@ -152,7 +152,12 @@ class Door:
         await ledger.answered(response)
 
     async def _pass(
-        self, request: InvokeRequest, payload_bytes: int, identity: Identity, ledger: Ledger
+        self,
+        request: InvokeRequest,
+        payload_bytes: int,
+        identity: Identity,
+        ledger: Ledger,
+        front: Front,
     ) -> InvokeResponse:
         entered = time.perf_counter()
         settings, caller = self.live.settings, identity.caller
@@ -189,6 +194,9 @@ class Door:
                     if closed is not None:
                         return closed
                 return InvokeResponse(request_id=inp.request_id, status="accepted")
+            started = getattr(front, "started", None)  # a front that answers before the verdict
+            if started is not None:
+                await started(inp.request_id)
             return await self.verdicts.verdict(run, wait, now_ms)
         finally:
             self.verdicts.done(wait)

@@ -23,13 +23,19 @@ from temporalio.common import (
     WorkflowIDConflictPolicy,
     WorkflowIDReusePolicy,
 )
-from temporalio.exceptions import CancelledError, TerminatedError, WorkflowAlreadyStartedError
+from temporalio.exceptions import (
+    ApplicationError,
+    CancelledError,
+    TerminatedError,
+    WorkflowAlreadyStartedError,
+)
 from temporalio.exceptions import TimeoutError as TemporalTimeout
 from temporalio.service import RPCError, RPCStatusCode
 
 from gateway_api.temporal_adapter import started_here
 from reach.invocation import InvokeInput
 from reach.messages import ErrorInfo, InvokeResponse
+from reach.outcome import carried
 from workflows.invoke import (
     SA_CALLER,
     SA_CAPABILITY,
@@ -95,6 +101,12 @@ class Engine:
             raise
         return True
 
+    async def cancel(self, request_id: str, reason: str) -> None:
+        """Ask a request's workflow to stop (Temporal's workflow cancel, with `reason` in its
+        history); it then ends at its next step, and reads as cancelled (`was_cancelled`).
+        `RPCError` NOT_FOUND: no such request, or it had already closed."""
+        await self.handle(request_id).cancel(reason=reason, rpc_timeout=self.rpc_timeout)
+
     async def original(self, handle: WorkflowHandle[Any, Any]) -> InvokeInput | None:
         """The request as it was accepted: its workflow's input, from the first history event.
 
@@ -121,15 +133,23 @@ class Engine:
         try:
             return await handle.result(rpc_timeout=rpc_timeout)
         except WorkflowFailureError as exc:
-            return ended_without_result(handle.id, exc.cause)
+            # An error or timeout fails its workflow, the envelope in the failure (reach.outcome).
+            return failed_outcome(exc.cause) or ended_without_result(handle.id, exc.cause)
 
     async def ended_without_result(self, handle: InvokeHandle) -> InvokeResponse | None:
-        """The envelope of a run that closed without completing (terminated, cancelled,
-        timed out, failed); None while it runs or once it completed. Asked of repeats only."""
+        """The envelope of a run that closed without its verdict (terminated, cancelled,
+        timed out, failed in Reach); None while it runs or once it had one (completed, or
+        failed carrying its error or timeout). Asked of repeats only."""
         desc = await handle.describe(rpc_timeout=self.rpc_timeout)
         if desc.status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED):
             return None
-        return await self.outcome(handle, self.rpc_timeout)
+        try:
+            await handle.result(rpc_timeout=self.rpc_timeout)
+        except WorkflowFailureError as exc:
+            if failed_outcome(exc.cause) is not None:
+                return None
+            return ended_without_result(handle.id, exc.cause)
+        return None
 
     async def decode(self, payload: Payload) -> InvokeResponse:
         """The final envelope from the result payload its workflow completed with."""
@@ -137,6 +157,28 @@ class Engine:
         if not isinstance(response, InvokeResponse):
             raise TypeError(f"the invoke workflow's result is a {type(response).__name__}")
         return response
+
+
+CLOSED_BEFORE_RESULT = " before it had a result: "
+
+
+def was_cancelled(response: InvokeResponse) -> bool:
+    """Whether this envelope is that of a request whose workflow was cancelled (by an operator,
+    or an A2A client's CancelTask) before it had a result."""
+    error = response.error
+    return (
+        error is not None
+        and error.type == "request_closed"
+        and error.message.startswith(f"the request was cancelled{CLOSED_BEFORE_RESULT}")
+    )
+
+
+def failed_outcome(cause: BaseException | None) -> InvokeResponse | None:
+    """The envelope a workflow failed with for its error or timeout (`reach.outcome`); None for
+    any other failure."""
+    if isinstance(cause, ApplicationError):
+        return carried(cause.type, cause.details)
+    return None
 
 
 def ended_without_result(request_id: str, cause: BaseException | None) -> InvokeResponse:
@@ -153,13 +195,14 @@ def ended_without_result(request_id: str, cause: BaseException | None) -> Invoke
         )
     if isinstance(cause, TerminatedError | CancelledError):
         # Not Reach's failure (a 500): an operator closed the request before it had a result.
-        what = "terminated" if isinstance(cause, TerminatedError) else "cancelled"
+        # A cancel's reason names who asked (an operator, an A2A client's CancelTask).
+        what = "terminated by an operator" if isinstance(cause, TerminatedError) else "cancelled"
         return InvokeResponse(
             request_id=request_id,
             status="error",
             error=ErrorInfo(
                 type="request_closed",
-                message=f"the request was {what} by an operator before it had a result: "
+                message=f"the request was {what}{CLOSED_BEFORE_RESULT}"
                 f"{cause.message or 'no reason given'}; {show}",
             ),
         )

@@ -15,6 +15,11 @@ more:
    decides the HTTP status, `reach.errors`) or Temporal's `RPCError`
    (`gateway_api.errors.reach_error_of_rpc`).
 
+A front may also have `async def started(self, request_id)`: a synchronous request's workflow
+is durable now (started, or the earlier run a repeat attaches to) and the door goes on to wait
+for its verdict. The A2A front answers `returnImmediately` and opens its stream there, and
+leaves the door waiting in the background, so the request is accounted as any other.
+
 Adding a front is one module (and its wiring in `gateway_api/app.py`); nothing in the door or
 the steps changes. Identity, rules, limits, routing, the durable start, audit and metrics are
 the door's.

@@ -1,0 +1,476 @@
+"""The A2A front's methods over one capability (`gateway_api.a2a_front` parses the JSON-RPC and
+hands each call here). SendMessage and SendStreamingMessage go through the door, as
+`POST /reach/invoke` does; the reads are the request reads the HTTP API makes (status,
+timeline, listing); CancelTask is Temporal's workflow cancel (`Engine.cancel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from a2a.types import (
+    CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
+    GetTaskPushNotificationConfigRequest,
+    GetTaskRequest,
+    ListTaskPushNotificationConfigsRequest,
+    ListTaskPushNotificationConfigsResponse,
+    ListTasksRequest,
+    ListTasksResponse,
+    SendMessageRequest,
+    SendMessageResponse,
+    StreamResponse,
+    SubscribeToTaskRequest,
+    Task,
+    TaskArtifactUpdateEvent,
+    TaskPushNotificationConfig,
+    TaskState,
+    TaskStatusUpdateEvent,
+)
+from a2a.utils.errors import (
+    InvalidParamsError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+    UnsupportedOperationError,
+)
+from google.protobuf import json_format
+from google.protobuf.message import Message as Proto
+from temporalio.service import RPCError, RPCStatusCode
+
+from gateway_api import _a2a_cards as cards
+from gateway_api import listing, timeline
+from gateway_api._a2a_tasks import (
+    LIST_FILTERS,
+    TERMINAL,
+    RpcError,
+    a2a_error,
+    payload_of,
+    rpc_error_of,
+    state_of,
+    status_of,
+    task_of,
+    task_of_row,
+)
+from gateway_api.front import Bytes
+from gateway_api.gateway import Gateway
+from gateway_api.steps.identify import AUTHORIZATION, CALLER, TRACEPARENT, Metadata
+from gateway_api.steps.wait import SYNC_GRACE_S
+from reach import acceptance
+from reach.errors import ReachError, UnknownCapability
+from reach.listing import DEFAULT_LIMIT, MAX_LIMIT
+from reach.messages import REQUEST_ID_PATTERN, InvokeResponse, dumps
+from reach.security.tokens import Principal
+from reach.telemetry import tracing
+
+log = logging.getLogger("reach.gateway")
+
+# Message metadata an invoke takes (either spelling), beside `operation` / `skill`.
+INVOKE_FIELDS = {
+    "request_id": "request_id",
+    "requestId": "request_id",
+    "timeout_ms": "timeout_ms",
+    "timeoutMs": "timeout_ms",
+    "idempotency_key": "idempotency_key",
+    "idempotencyKey": "idempotency_key",
+    "routing_key": "routing_key",
+    "routingKey": "routing_key",
+}
+OPERATION_KEYS = ("operation", "skill")
+# How often a stream reads the request's timeline while it runs.
+POLL_S = 0.25
+# How long CancelTask waits for the cancelled request to end before it answers.
+CANCEL_WAIT_S = 10.0
+# The one push notification config a request can have: its callback.
+CONFIG_ID = "callback"
+# Timeline events a stream does not repeat: the task itself says accepted, the end is final.
+NOT_PROGRESS = frozenset({"accepted", "result", "timeout", "ended"})
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+
+
+def _json(message: Proto, **kw: Any) -> dict[str, Any]:
+    return json_format.MessageToDict(message, **kw)
+
+
+def sse(
+    rpc_id: str | int | None, event: StreamResponse | None, error: RpcError | None = None
+) -> str:
+    if error is not None:
+        return f"event: error\ndata: {json.dumps(error.body(rpc_id))}\n\n"
+    assert event is not None
+    body = {"jsonrpc": "2.0", "id": rpc_id, "result": _json(event)}
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+class _Front:
+    """The door's front for one A2A call: it learns the RequestID (`named`) and when the
+    request's workflow is durable (`started`), which returnImmediately and streams wait for."""
+
+    __slots__ = ("_started", "request_id")
+
+    def __init__(self) -> None:
+        self.request_id: str | None = None
+        self._started = asyncio.Event()
+
+    async def named(self, request_id: str, caller: str) -> None:
+        self.request_id = request_id
+
+    async def started(self, request_id: str) -> None:
+        self._started.set()
+
+    async def started_or_done(self, job: asyncio.Task[InvokeResponse]) -> None:
+        waiter = asyncio.ensure_future(self._started.wait())
+        try:
+            await asyncio.wait({job, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+
+
+class Call:
+    """One JSON-RPC call to `/a2a/{capability}`."""
+
+    def __init__(
+        self, gateway: Gateway, capability: str, metadata: Metadata, jobs: set[asyncio.Task[Any]]
+    ) -> None:
+        self.gateway = gateway
+        self.capability = capability
+        self.metadata = metadata
+        self.jobs = jobs
+        self.request_id: str | None = None
+
+    # -- who reads ----------------------------------------------------------------------------
+
+    def reader(self) -> Principal | None:
+        """Any valid token (None when tokens are not required), as the HTTP reads ask."""
+        guard = self.gateway.guard
+        return guard.auth.anyone(self.metadata.get(AUTHORIZATION)) if guard else None
+
+    def who(self, principal: Principal | None) -> str:
+        if principal is not None:
+            return principal.name
+        return acceptance.caller_header(self.metadata.get(CALLER)) or "anonymous"
+
+    # -- SendMessage --------------------------------------------------------------------------
+
+    async def send(self, params: SendMessageRequest) -> dict[str, Any]:
+        body = await self._invoke_body(params)
+        immediately = params.configuration.return_immediately
+        if immediately and "callback" not in body:
+            job, front = await self._started(body, "SendMessage")
+            if not job.done():
+                self.request_id = front.request_id
+                assert front.request_id is not None
+                task = Task(id=front.request_id, context_id=front.request_id)
+                task.status.CopyFrom(status_of(front.request_id, _SUBMITTED, None, {}))
+                return _json(SendMessageResponse(task=task))
+            response = job.result()
+        else:
+            response = await self._door(body, _Front(), "SendMessage")
+            if response.status == "accepted" and not immediately:
+                response = await self._outcome(response.request_id, body)  # blocking
+        return _json(SendMessageResponse(task=task_of(response)))
+
+    async def stream(
+        self, rpc_id: str | int | None, params: SendMessageRequest
+    ) -> AsyncIterator[str]:
+        """The events of SendStreamingMessage: refusals are raised before the first."""
+        body = await self._invoke_body(params)
+        job, front = await self._started(body, "SendStreamingMessage")
+        if job.done():
+            job.result()  # a refusal: raised here, answered as a JSON-RPC error
+        rid = front.request_id or job.result().request_id
+        self.request_id = rid
+        first = Task(id=rid, context_id=rid, status=status_of(rid, _SUBMITTED, None, {}))
+        return self._events(rpc_id, rid, first, job, owned=False, body=body)
+
+    async def subscribe(
+        self, rpc_id: str | int | None, params: SubscribeToTaskRequest
+    ) -> AsyncIterator[str]:
+        rid = self._task_id(params.id)
+        current = await self.gateway.requests.status(rid, self.reader())
+        if state_of(current) in TERMINAL:
+            raise a2a_error(
+                UnsupportedOperationError, f"task {rid} already ended ({current.status})"
+            )
+        handle = self.gateway.engine.handle(rid)
+        final = asyncio.ensure_future(self.gateway.engine.outcome(handle))
+        return self._events(rpc_id, rid, task_of(current), final, owned=True, body=None)
+
+    async def _events(
+        self,
+        rpc_id: str | int | None,
+        rid: str,
+        first: Task,
+        final: asyncio.Future[InvokeResponse],
+        *,
+        owned: bool,
+        body: dict[str, Any] | None,
+    ) -> AsyncIterator[str]:
+        """The task, a working status per step of its timeline as it happens (routed, sent,
+        attempts, backoffs), then its result as an artifact and its final status."""
+        yield sse(rpc_id, StreamResponse(task=first))
+        seen = 0
+        try:
+            while not final.done():
+                await asyncio.wait({final}, timeout=POLL_S)
+                events, seen = await self._progress(rid, seen)
+                for event in events:
+                    yield sse(rpc_id, event)
+            try:
+                response = final.result()
+                if response.status == "accepted":  # a callback request: wait for its end
+                    response = await self._outcome(rid, body or {})
+            except ReachError as exc:
+                yield sse(rpc_id, None, rpc_error_of(exc, rid))
+                return
+            events, seen = await self._progress(rid, seen)
+            for event in events:
+                yield sse(rpc_id, event)
+            task = task_of(response)
+            for artifact in task.artifacts:
+                update = TaskArtifactUpdateEvent(
+                    task_id=rid, context_id=rid, artifact=artifact, last_chunk=True
+                )
+                yield sse(rpc_id, StreamResponse(artifact_update=update))
+            status = TaskStatusUpdateEvent(task_id=rid, context_id=rid, status=task.status)
+            status.metadata.CopyFrom(task.metadata)
+            yield sse(rpc_id, StreamResponse(status_update=status))
+        finally:
+            if owned and not final.done():
+                final.cancel()
+
+    async def _progress(self, rid: str, seen: int) -> tuple[list[StreamResponse], int]:
+        """The timeline's steps after the first `seen`, as working status updates."""
+        gateway = self.gateway
+        try:
+            story = await timeline.read_timeline(gateway.client, rid, None, gateway.rpc_timeout)
+        except (RPCError, ReachError) as exc:  # progress is best effort; the end is not
+            log.info("A2A stream of %s: no timeline now (%s)", rid, exc)
+            return [], seen
+        out = []
+        for event in story.events[seen:]:
+            if event.kind in NOT_PROGRESS or event.kind.startswith("callback"):
+                continue
+            detail = {"kind": event.kind, "atMs": event.at_ms, **event.detail}
+            status = status_of(rid, _WORKING, event.summary, detail)
+            update = TaskStatusUpdateEvent(task_id=rid, context_id=rid, status=status)
+            out.append(StreamResponse(status_update=update))
+        return out, max(seen, len(story.events))
+
+    async def _started(
+        self, body: dict[str, Any], method: str
+    ) -> tuple[asyncio.Task[InvokeResponse], _Front]:
+        """The door's invoke in the background, once its workflow is durable (or it ended):
+        the door still waits for its verdict and accounts it, as for any invoke."""
+        front = _Front()
+        job = asyncio.create_task(self._door(body, front, method))
+        self.jobs.add(job)
+        job.add_done_callback(_finished(self.jobs))
+        await front.started_or_done(job)
+        return job, front
+
+    async def _door(self, body: dict[str, Any], front: _Front, method: str) -> InvokeResponse:
+        door, raw = self.gateway.door, Bytes(dumps(body))
+        active = tracing.tracer
+        try:
+            if active is None:
+                return await door.invoke(self.metadata, raw, front)
+            attributes = {"rpc.system": "jsonrpc", "rpc.method": method, "reach.front": "a2a"}
+            traceparent = self.metadata.get(TRACEPARENT)
+            with tracing.server_span(active, f"A2A {method}", traceparent, attributes) as span:
+                response = await door.invoke(self.metadata, raw, front)
+                span.set_attribute("reach.request_id", response.request_id)
+                return response
+        finally:
+            self.request_id = front.request_id
+
+    async def _outcome(self, rid: str, body: dict[str, Any]) -> InvokeResponse:
+        """A started request's end, waited for until its deadline (then its state now)."""
+        engine = self.gateway.engine
+        policy = self.gateway.settings.policy
+        timeout_ms = body.get("timeout_ms") or policy.default_timeout_ms
+        try:
+            async with asyncio.timeout(float(timeout_ms) / 1000 + SYNC_GRACE_S):
+                return await engine.outcome(engine.handle(rid))
+        except TimeoutError:
+            return await self.gateway.requests.status(rid)
+
+    async def _invoke_body(self, params: SendMessageRequest) -> dict[str, Any]:
+        """The `POST /reach/invoke` body a message stands for (docs/a2a-front.md)."""
+        message = params.message
+        if message.task_id:
+            raise a2a_error(
+                UnsupportedOperationError,
+                f"message.taskId {message.task_id!r}: Reach does not continue a task; every "
+                "message is a new request (send it without taskId)",
+            )
+        meta = {**_json(params.metadata), **_json(message.metadata)}
+        operation = next((meta[k] for k in OPERATION_KEYS if k in meta), None)
+        if operation is None:
+            operation = await self._only_operation()
+        if not isinstance(operation, str):
+            raise a2a_error(InvalidParamsError, "message.metadata.operation: a string")
+        body: dict[str, Any] = {
+            "target": self.capability,
+            "operation": operation,
+            "payload": payload_of(message),
+        }
+        for key, field in INVOKE_FIELDS.items():
+            if key in meta:
+                body[field] = meta[key]
+        push = params.configuration.task_push_notification_config
+        if push.url:
+            body["callback"] = push.url
+        return body
+
+    async def _only_operation(self) -> str:
+        self.reader()  # what a capability serves is for token holders only, as its card is
+        registry = self.gateway.registry
+        instances = await registry.instances(self.capability)
+        if not instances and not await registry.known(self.capability):
+            raise UnknownCapability(f"no agent has registered capability {self.capability!r}")
+        operations = sorted(cards.operations_of(instances))
+        if len(operations) == 1:
+            return operations[0]
+        raise a2a_error(
+            InvalidParamsError,
+            f"capability {self.capability!r} serves {len(operations)} operations "
+            f"({', '.join(operations) or 'none yet'}): name the skill in the message's "
+            "metadata, as `operation` (or `skill`)",
+        )
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def _task_id(self, value: str) -> str:
+        if not _valid_id(value):
+            raise a2a_error(InvalidParamsError, f"id {value[:140]!r}: not a task id (a RequestID)")
+        self.request_id = value
+        return value
+
+    async def get(self, params: GetTaskRequest) -> dict[str, Any]:
+        rid = self._task_id(params.id)
+        return _json(task_of(await self.gateway.requests.status(rid, self.reader())))
+
+    async def list(self, params: ListTasksRequest) -> dict[str, Any]:
+        principal = self.reader()
+        status = None
+        if params.status:
+            status = LIST_FILTERS.get(params.status)
+            if status is None:
+                raise a2a_error(
+                    InvalidParamsError,
+                    f"status {TaskState.Name(params.status)}: a filter is one of "
+                    + ", ".join(TaskState.Name(s) for s in LIST_FILTERS),
+                )
+        if params.page_token:
+            raise a2a_error(InvalidParamsError, "pageToken: the list is one page (pageSize)")
+        since = None
+        if params.HasField("status_timestamp_after"):
+            since = datetime.now(UTC) - params.status_timestamp_after.ToDatetime(UTC)
+        limit = min(params.page_size or DEFAULT_LIMIT, MAX_LIMIT)
+        rows = await listing.list_requests(
+            self.gateway.client,
+            principal,
+            capability=self.capability,
+            caller=self.who(principal),
+            status=status,  # type: ignore[arg-type]
+            since=since,
+            limit=limit,
+            rpc_timeout=self.gateway.rpc_timeout,
+        )
+        if params.context_id:
+            rows = [r for r in rows if r.request_id == params.context_id]
+        tasks = [task_of_row(row) for row in rows]
+        answer = ListTasksResponse(
+            tasks=tasks, next_page_token="", page_size=len(tasks), total_size=len(tasks)
+        )
+        return _json(answer, always_print_fields_with_no_presence=True)
+
+    async def cancel(self, params: CancelTaskRequest) -> dict[str, Any]:
+        rid = self._task_id(params.id)
+        principal = self.reader()
+        current = await self.gateway.requests.status(rid, principal)
+        if state_of(current) in TERMINAL:
+            raise a2a_error(TaskNotCancelableError, f"task {rid} already ended ({current.status})")
+        who = self.who(principal)
+        engine, guard = self.gateway.engine, self.gateway.guard
+        if guard is not None:
+            guard.audit.record("cancel_requested", request_id=rid, principal=who, front="a2a")
+        try:
+            await engine.cancel(rid, f"CancelTask from {who} through the A2A front")
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                response = await engine.outcome(engine.handle(rid))
+        except TimeoutError:  # no worker took the cancel yet: it stays requested
+            response = await self.gateway.requests.status(rid, principal)
+        log.info("A2A CancelTask %s: %s in %.2fs", rid, response.status, time.monotonic() - started)
+        return _json(task_of(response))
+
+    # -- push notification configs: a request's callback ----------------------------------------
+
+    async def _callback(self, task_id: str) -> TaskPushNotificationConfig | None:
+        rid = self._task_id(task_id)
+        delivery = (await self.gateway.requests.status(rid, self.reader())).delivery
+        if delivery is None:
+            return None
+        return TaskPushNotificationConfig(id=CONFIG_ID, task_id=rid, url=delivery.url)
+
+    async def set_push(self, params: TaskPushNotificationConfig) -> dict[str, Any]:
+        config = await self._callback(params.task_id)
+        if config is not None and config.url == params.url:
+            return _json(config)
+        raise a2a_error(
+            UnsupportedOperationError,
+            "a request's callback is fixed when it starts: set "
+            "configuration.taskPushNotificationConfig in SendMessage",
+        )
+
+    async def get_push(self, params: GetTaskPushNotificationConfigRequest) -> dict[str, Any]:
+        config = await self._callback(params.task_id)
+        if config is None or params.id not in ("", CONFIG_ID):
+            raise a2a_error(
+                TaskNotFoundError, f"task {params.task_id} has no push config {params.id!r}"
+            )
+        return _json(config)
+
+    async def list_push(self, params: ListTaskPushNotificationConfigsRequest) -> dict[str, Any]:
+        config = await self._callback(params.task_id)
+        answer = ListTaskPushNotificationConfigsResponse(configs=[config] if config else [])
+        return _json(answer, always_print_fields_with_no_presence=True)
+
+    async def delete_push(self, params: DeleteTaskPushNotificationConfigRequest) -> dict[str, Any]:
+        config = await self._callback(params.task_id)
+        if config is not None and params.id in ("", CONFIG_ID):
+            raise a2a_error(
+                UnsupportedOperationError, "a request's callback cannot be removed once it started"
+            )
+        return {}
+
+
+_SUBMITTED = TaskState.TASK_STATE_SUBMITTED
+_WORKING = TaskState.TASK_STATE_WORKING
+
+
+def _valid_id(value: str) -> bool:
+    return _REQUEST_ID.fullmatch(value) is not None
+
+
+def _finished(jobs: set[asyncio.Task[Any]]) -> Any:
+    def done(job: asyncio.Task[Any]) -> None:
+        jobs.discard(job)
+        if not job.cancelled() and job.exception() is not None:
+            exc = job.exception()
+            level = logging.INFO if isinstance(exc, ReachError | RpcError) else logging.ERROR
+            log.log(level, "A2A background invoke ended without a verdict: %r", exc)
+
+    return done

@@ -1,0 +1,290 @@
+"""The A2A front: every capability Reach routes is an A2A agent (A2A 1.0, JSON-RPC binding),
+beside `POST /reach/invoke` in the same app (docs/a2a-front.md).
+
+    GET  /.well-known/agent-card.json                  the gateway's card: a skill per capability
+    GET  /a2a/{capability}/.well-known/agent-card.json the capability's card: a skill per operation
+    POST /a2a/{capability}                             JSON-RPC: SendMessage, SendStreamingMessage,
+                                                       GetTask, ListTasks, CancelTask,
+                                                       SubscribeToTask, push notification configs
+
+**Thin.** A message is turned into the body `POST /reach/invoke` takes and handed to the door
+(`Door.invoke`), with the HTTP headers for its metadata: the same tokens, rules, limits,
+audit, traces and metrics, and no policy here. The task id is the RequestID, so a task is read
+or cancelled through any gateway of the deployment, after restarts too: it is all in Temporal.
+
+**Parsing.** The JSON-RPC envelope is checked here (-32700, -32600, -32601), the params are
+parsed into the a2a-sdk's own request types, strictly (an unknown field is -32602 naming it),
+and their required fields checked by the SDK. A request whose `A2A-Version` header names
+another major version than 1 is refused (VersionNotSupported); no header is read as 1.0.
+Reach's errors become the JSON-RPC errors the A2A spec names (`_a2a_tasks.rpc_error_of`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from a2a.types import (
+    CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
+    GetExtendedAgentCardRequest,
+    GetTaskPushNotificationConfigRequest,
+    GetTaskRequest,
+    ListTaskPushNotificationConfigsRequest,
+    ListTasksRequest,
+    SendMessageRequest,
+    SubscribeToTaskRequest,
+    TaskPushNotificationConfig,
+)
+from a2a.utils.constants import AGENT_CARD_WELL_KNOWN_PATH
+from a2a.utils.errors import (
+    InvalidParamsError,
+    InvalidRequestError,
+    MethodNotFoundError,
+    UnsupportedOperationError,
+    VersionNotSupportedError,
+)
+from a2a.utils.proto_utils import validate_proto_required_fields
+from fastapi import FastAPI
+from google.protobuf import json_format
+from google.protobuf.message import Message as Proto
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from temporalio.service import RPCError
+
+from gateway_api import _a2a_cards as cards
+from gateway_api._a2a_calls import Call
+from gateway_api._a2a_tasks import BEARER_CHALLENGE, RpcError, a2a_error, parse_error, rpc_error_of
+from gateway_api.errors import error_response, reach_error_of_rpc
+from gateway_api.gateway import Gateway
+from gateway_api.steps.identify import AUTHORIZATION, CALLER, IDEMPOTENCY_KEY, TRACEPARENT
+from reach.errors import InvalidRequest, ReachError, UnknownCapability
+
+log = logging.getLogger("reach.gateway")
+
+VERSION_HEADER = "a2a-version"
+_CAPABILITY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")  # reach.messages.CapabilityName's
+_HEADERS = (AUTHORIZATION, CALLER, TRACEPARENT, IDEMPOTENCY_KEY)
+
+Handler = Callable[[Call, Any], Awaitable[dict[str, Any]]]
+Streamer = Callable[[Call, str | int | None, Any], Awaitable[AsyncIterator[str]]]
+
+# Method -> its params' type (the SDK's; both spellings where the spec's and SDK's differ).
+PARAMS: dict[str, type[Proto]] = {
+    "SendMessage": SendMessageRequest,
+    "SendStreamingMessage": SendMessageRequest,
+    "GetTask": GetTaskRequest,
+    "ListTasks": ListTasksRequest,
+    "CancelTask": CancelTaskRequest,
+    "SubscribeToTask": SubscribeToTaskRequest,
+    "CreateTaskPushNotificationConfig": TaskPushNotificationConfig,
+    "SetTaskPushNotificationConfig": TaskPushNotificationConfig,
+    "GetTaskPushNotificationConfig": GetTaskPushNotificationConfigRequest,
+    "ListTaskPushNotificationConfigs": ListTaskPushNotificationConfigsRequest,
+    "ListTaskPushNotificationConfig": ListTaskPushNotificationConfigsRequest,
+    "DeleteTaskPushNotificationConfig": DeleteTaskPushNotificationConfigRequest,
+    "GetExtendedAgentCard": GetExtendedAgentCardRequest,
+}
+
+
+async def _no_extended_card(call: Call, params: Any) -> dict[str, Any]:
+    raise a2a_error(UnsupportedOperationError, "there is no extended card: the card is all")
+
+
+HANDLERS: dict[str, Handler] = {
+    "SendMessage": Call.send,
+    "GetTask": Call.get,
+    "ListTasks": Call.list,
+    "CancelTask": Call.cancel,
+    "CreateTaskPushNotificationConfig": Call.set_push,
+    "SetTaskPushNotificationConfig": Call.set_push,
+    "GetTaskPushNotificationConfig": Call.get_push,
+    "ListTaskPushNotificationConfigs": Call.list_push,
+    "ListTaskPushNotificationConfig": Call.list_push,
+    "DeleteTaskPushNotificationConfig": Call.delete_push,
+    "GetExtendedAgentCard": _no_extended_card,
+}
+STREAMERS: dict[str, Streamer] = {
+    "SendStreamingMessage": Call.stream,
+    "SubscribeToTask": Call.subscribe,
+}
+assert set(PARAMS) == set(HANDLERS) | set(STREAMERS)
+
+
+def parse_call(raw: bytes) -> tuple[str | int | None, str, Proto]:
+    """The id, method and params of one JSON-RPC request; `RpcError` (with `rpc_id` when the
+    id could be read) names what is wrong."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise parse_error(str(exc)) from None
+    if isinstance(body, list):
+        raise a2a_error(InvalidRequestError, "batch requests are not supported: send one object")
+    if not isinstance(body, dict):
+        raise a2a_error(InvalidRequestError, "a JSON-RPC request is an object")
+    rpc_id = body.get("id")
+    if isinstance(rpc_id, bool) or not isinstance(rpc_id, str | int | None):
+        raise a2a_error(InvalidRequestError, "id: a string, an integer or null")
+    try:
+        return rpc_id, *_method_and_params(body)
+    except RpcError as exc:
+        exc.rpc_id = rpc_id  # type: ignore[attr-defined]
+        raise
+
+
+def _method_and_params(body: dict[str, Any]) -> tuple[str, Proto]:
+    if body.get("jsonrpc") != "2.0":
+        raise a2a_error(InvalidRequestError, 'jsonrpc: must be exactly "2.0"')
+    method = body.get("method")
+    if not isinstance(method, str) or not method:
+        raise a2a_error(InvalidRequestError, "method: a non-empty string")
+    kind = PARAMS.get(method)
+    if kind is None:
+        known = ", ".join(sorted(PARAMS))
+        raise a2a_error(MethodNotFoundError, f"method {method[:80]!r} is not one of {known}")
+    params = body.get("params", {})
+    if not isinstance(params, dict):
+        raise a2a_error(InvalidParamsError, f"params of {method}: an object")
+    try:
+        message = json_format.ParseDict(params, kind())
+    except json_format.ParseError as exc:
+        raise a2a_error(InvalidParamsError, f"params of {method}: {exc}") from None
+    try:
+        validate_proto_required_fields(message)
+    except InvalidParamsError as exc:
+        errors = (exc.data or {}).get("errors", [])
+        missing = "; ".join(f"{e.get('field')}: {e.get('message')}" for e in errors)
+        raise a2a_error(InvalidParamsError, f"params of {method}: {missing}") from None
+    return method, message
+
+
+def _error(exc: RpcError, rpc_id: str | int | None) -> Response:
+    return JSONResponse(exc.body(rpc_id), status_code=exc.http_status, headers=exc.headers)
+
+
+class A2AFront:
+    """The front's endpoints; the gateway is the app's (`app.state.gateway`)."""
+
+    def __init__(self) -> None:
+        # Invokes the door still waits on after their caller had its answer (returnImmediately,
+        # streams): held here so that they run to their verdict and are accounted.
+        self.jobs: set[asyncio.Task[Any]] = set()
+
+    def routes(self) -> list[Route]:
+        return [
+            Route(AGENT_CARD_WELL_KNOWN_PATH, self.gateway_card, methods=["GET"]),
+            Route(
+                f"{cards.PREFIX}/{{capability}}{AGENT_CARD_WELL_KNOWN_PATH}",
+                self.capability_card,
+                methods=["GET"],
+            ),
+            Route(f"{cards.PREFIX}/{{capability}}", self.rpc, methods=["POST"]),
+        ]
+
+    # -- cards --------------------------------------------------------------------------------
+
+    async def gateway_card(self, request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        try:
+            _reader(gateway, request)
+            names = []
+            for name in await gateway.registry.capabilities():
+                if any(i.routable for i in await gateway.registry.instances(name)):
+                    names.append(name)
+        except ReachError as exc:
+            return _refused(exc)
+        card = cards.gateway_card(gateway.settings.gateway_url, names, _tokens(gateway))
+        return JSONResponse(json_format.MessageToDict(card))
+
+    async def capability_card(self, request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        capability = request.path_params["capability"]
+        try:
+            _reader(gateway, request)
+            instances = await gateway.registry.instances(_capability(capability))
+            if not instances and not await gateway.registry.known(capability):
+                raise UnknownCapability(f"no agent has registered capability {capability!r}")
+        except ReachError as exc:
+            return _refused(exc)
+        base = gateway.settings.gateway_url
+        card = cards.capability_card(base, capability, instances, _tokens(gateway))
+        return JSONResponse(json_format.MessageToDict(card))
+
+    # -- JSON-RPC -----------------------------------------------------------------------------
+
+    async def rpc(self, request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        headers = request.headers
+        metadata = {name: headers[name] for name in _HEADERS if name in headers}
+        call = Call(gateway, request.path_params["capability"], metadata, self.jobs)
+        rpc_id: str | int | None = None
+        try:
+            raw = await request.body()
+            rpc_id, method, params = parse_call(raw)
+            _check_version(headers.get(VERSION_HEADER))
+            _capability(call.capability)
+            streamer = STREAMERS.get(method)
+            if streamer is not None:
+                events = await streamer(call, rpc_id, params)
+                return StreamingResponse(
+                    events,
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+                )
+            result = await HANDLERS[method](call, params)
+            return JSONResponse({"jsonrpc": "2.0", "id": rpc_id, "result": result})
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except RpcError as exc:
+            return _error(exc, getattr(exc, "rpc_id", rpc_id))
+        except ReachError as exc:
+            log.info("A2A %s -> %s: %s", request.url.path, exc.type, exc.message)
+            return _error(rpc_error_of(exc, call.request_id), rpc_id)
+        except RPCError as exc:
+            log.error("Temporal call failed on A2A %s: %s", request.url.path, exc)
+            return _error(rpc_error_of(reach_error_of_rpc(exc), call.request_id), rpc_id)
+
+
+def _check_version(version: str | None) -> None:
+    if version is None or not version.strip():
+        return
+    major = version.strip().split(".", 1)[0]
+    if major != "1":
+        raise a2a_error(
+            VersionNotSupportedError,
+            f"A2A-Version {version[:20]!r}: this gateway speaks A2A 1.x (JSON-RPC binding)",
+        )
+
+
+def _capability(name: str) -> str:
+    if not _CAPABILITY.match(name):
+        raise InvalidRequest(f"{name[:80]!r} is not a capability name ({_CAPABILITY.pattern})")
+    return name
+
+
+def _reader(gateway: Gateway, request: Request) -> None:
+    if gateway.guard is not None:
+        gateway.guard.auth.anyone(request.headers.get(AUTHORIZATION))
+
+
+def _tokens(gateway: Gateway) -> bool:
+    return gateway.guard is not None and gateway.guard.auth.required
+
+
+def _refused(exc: ReachError) -> Response:
+    response = error_response(None, exc)
+    if exc.type == "unauthorized":
+        response.headers["WWW-Authenticate"] = BEARER_CHALLENGE
+    return response
+
+
+def install(app: FastAPI) -> A2AFront:
+    """The front's routes on the app (outside its OpenAPI document: they speak A2A)."""
+    front = A2AFront()
+    app.router.routes.extend(front.routes())
+    return front

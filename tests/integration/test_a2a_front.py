@@ -1,0 +1,326 @@
+"""The A2A front (`gateway_api/a2a_front.py`) through the a2a-sdk's own client (JSON-RPC
+binding), against real gateway, SDK agent and Temporal processes, with tokens required: the
+card, a blocking and a returnImmediately send, a stream, GetTask from a second gateway,
+ListTasks (the caller's own), CancelTask, and every refusal as the JSON-RPC error it is."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from a2a.client import ClientConfig, ClientFactory
+from a2a.client.client import Client
+from a2a.client.errors import A2AClientError
+from a2a.types import (
+    CancelTaskRequest,
+    GetTaskRequest,
+    ListTasksRequest,
+    Message,
+    Part,
+    Role,
+    SendMessageRequest,
+    StreamResponse,
+    Task,
+    TaskState,
+)
+from a2a.utils.errors import TaskNotCancelableError, TaskNotFoundError
+from google.protobuf import json_format
+from google.protobuf.struct_pb2 import Struct, Value
+
+from reach.security.tokens import FileTokenStore, issue, mirror_path
+from tests.conftest import new_stack
+from tests.helpers import Agent, GatewayProcess, wait_until
+
+pytestmark = pytest.mark.integration
+
+FAST, SLOW = "a2a-fast", "a2a-slow"
+COMPLETED = TaskState.TASK_STATE_COMPLETED
+
+
+@dataclass
+class Front:
+    a: GatewayProcess
+    b: GatewayProcess  # no worker: it only reads, from Temporal
+    tokens: dict[str, str]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture(scope="module")
+async def front(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory, module_redis_prefix: str
+) -> AsyncIterator[Front]:
+    """Two gateways of one deployment (one Redis registry, one Temporal): B runs no worker."""
+    tmp = tmp_path_factory.mktemp("a2a-front")
+    stack = new_stack(temporal_server, tmp, registry="redis", key_prefix=module_redis_prefix)
+    # With a shared registry, each host also reads the tokens in its mirror file.
+    store = FileTokenStore(mirror_path(tmp / "tokens.json", module_redis_prefix))
+    tokens: dict[str, str] = {}
+    people: list[tuple[str, str, list[str]]] = [
+        ("orchestrator", "caller", []),
+        ("other", "caller", []),
+        ("kr", "agent", ["*"]),
+    ]
+    for name, kind, caps in people:
+        token, record = issue(name, kind, caps)  # type: ignore[arg-type]
+        store.write(record)
+        tokens[name] = token
+    a = GatewayProcess(stack, "a")
+    b = GatewayProcess(stack, "b", worker=False)
+    try:
+        await a.ready()
+        await b.ready()
+        env = {"REACH_AGENT_TOKEN": tokens["kr"]}
+        agents = [
+            Agent(a, "a2a-fast-1", FAST, env=env),
+            Agent(a, "a2a-slow-1", SLOW, "--delay-ms", "2500", env=env),
+        ]
+        for agent in agents:
+            await agent.ready()
+        yield Front(a, b, tokens)
+    finally:
+        a.proc.stop()
+        b.proc.stop()
+
+
+def message(payload: dict[str, Any] | None = None, **metadata: Any) -> SendMessageRequest:
+    data = Struct()
+    data.update(payload or {"text": "Temporal workflow history", "top_k": 1})
+    msg = Message(
+        message_id=uuid.uuid4().hex,
+        role=Role.ROLE_USER,
+        parts=[Part(data=Value(struct_value=data))],
+    )
+    msg.metadata.update({"operation": "query", **metadata})
+    return SendMessageRequest(message=msg)
+
+
+async def client_of(
+    gateway: GatewayProcess, capability: str, token: str, **config: Any
+) -> tuple[Client, httpx.AsyncClient]:
+    http = httpx.AsyncClient(headers=bearer(token), timeout=30, trust_env=False)
+    factory = ClientFactory(ClientConfig(httpx_client=http, **config))
+    return await factory.create_from_url(f"{gateway.url}/a2a/{capability}"), http
+
+
+async def events_of(client: Client, request: SendMessageRequest) -> list[StreamResponse]:
+    return [event async for event in client.send_message(request)]
+
+
+def result_of(task: Task) -> dict[str, Any]:
+    [artifact] = task.artifacts
+    return json_format.MessageToDict(artifact.parts[0].data)  # type: ignore[no-any-return]
+
+
+async def rpc(
+    gateway: GatewayProcess,
+    body: Any,
+    capability: str = FAST,
+    token: str | None = None,
+    raw: bytes | None = None,
+) -> httpx.Response:
+    headers = {"A2A-Version": "1.0", **(bearer(token) if token else {})}
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+        if raw is not None:
+            return await http.post(
+                f"{gateway.url}/a2a/{capability}",
+                content=raw,
+                headers={**headers, "Content-Type": "application/json"},
+            )
+        return await http.post(f"{gateway.url}/a2a/{capability}", json=body, headers=headers)
+
+
+async def test_cards_name_the_operations_the_binding_and_the_bearer_scheme(front: Front) -> None:
+    token = front.tokens["orchestrator"]
+    async with httpx.AsyncClient(trust_env=False, headers=bearer(token)) as http:
+        card = (await http.get(f"{front.a.url}/a2a/{FAST}/.well-known/agent-card.json")).json()
+        whole = (await http.get(f"{front.a.url}/.well-known/agent-card.json")).json()
+        unknown = await http.get(f"{front.a.url}/a2a/nobody-here/.well-known/agent-card.json")
+    skills = {s["id"]: s for s in card["skills"]}
+    assert {"query", "create", "generate"} <= set(skills)
+    [interface] = card["supportedInterfaces"]
+    assert interface["url"] == f"{front.a.url}/a2a/{FAST}"
+    assert interface["protocolBinding"] == "JSONRPC"
+    assert card["securitySchemes"]["bearer"]["httpAuthSecurityScheme"]["scheme"] == "Bearer"
+    assert card["securityRequirements"] == [{"schemes": {"bearer": {}}}]
+    assert card["capabilities"]["streaming"] is True
+    assert {FAST, SLOW} <= {s["id"] for s in whole["skills"]}
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["type"] == "unknown_capability"
+
+
+async def test_blocking_send_answers_the_completed_task(front: Front) -> None:
+    client, http = await client_of(front.a, FAST, front.tokens["orchestrator"], streaming=False)
+    async with aclosing(http):
+        [event] = await events_of(client, message())
+    task = event.task
+    assert task.status.state == COMPLETED, task
+    assert result_of(task)["passages"][0]["score"] >= 1, result_of(task)
+    reach = json_format.MessageToDict(task.metadata)["reach"]
+    assert reach["status"] == "success"
+    assert reach["request_id"] == task.id
+    assert task.context_id == task.id
+
+
+async def test_return_immediately_then_get_task_from_another_gateway(front: Front) -> None:
+    token = front.tokens["orchestrator"]
+    client, http = await client_of(front.a, SLOW, token, streaming=False, polling=True)
+    reader, http_b = await client_of(front.b, SLOW, token, streaming=False)
+    async with aclosing(http), aclosing(http_b):
+        [event] = await events_of(client, message())
+        assert event.task.status.state == TaskState.TASK_STATE_SUBMITTED
+        task_id = event.task.id
+        working = await reader.get_task(GetTaskRequest(id=task_id))
+        assert working.status.state == TaskState.TASK_STATE_WORKING
+
+        async def done() -> bool:
+            task = await reader.get_task(GetTaskRequest(id=task_id))
+            return task.status.state == COMPLETED
+
+        await wait_until(done, 20, every_s=0.3)
+        task = await reader.get_task(GetTaskRequest(id=task_id))
+        assert result_of(task)["instance_id"] == "a2a-slow-1"
+        # Another caller is told the task does not exist.
+        other, http_o = await client_of(front.b, SLOW, front.tokens["other"], streaming=False)
+        async with aclosing(http_o):
+            with pytest.raises(TaskNotFoundError):
+                await other.get_task(GetTaskRequest(id=task_id))
+
+
+async def test_stream_tells_routed_running_and_done(front: Front) -> None:
+    client, http = await client_of(front.a, SLOW, front.tokens["orchestrator"], streaming=True)
+    async with aclosing(http):
+        events = await events_of(client, message())
+    first, *updates, last = events
+    assert first.task.status.state == TaskState.TASK_STATE_SUBMITTED
+    working = [u.status_update for u in updates if u.HasField("status_update")]
+    kinds = [json_format.MessageToDict(w.status.message.parts[1].data)["kind"] for w in working]
+    assert "instance_chosen" in kinds, kinds
+    assert "sent" in kinds, kinds
+    assert all(w.status.state == TaskState.TASK_STATE_WORKING for w in working)
+    [artifact] = [u.artifact_update for u in updates if u.HasField("artifact_update")]
+    assert json_format.MessageToDict(artifact.artifact.parts[0].data)["passages"]
+    assert last.status_update.status.state == COMPLETED
+    assert last.status_update.task_id == first.task.id
+
+
+async def test_list_tasks_is_the_callers_own(front: Front) -> None:
+    mine, http = await client_of(front.a, FAST, front.tokens["orchestrator"], streaming=False)
+    theirs, http_o = await client_of(front.a, FAST, front.tokens["other"], streaming=False)
+    async with aclosing(http), aclosing(http_o):
+        [event] = await events_of(theirs, message())
+        other_id = event.task.id
+        [event] = await events_of(mine, message())
+        my_id = event.task.id
+
+        async def listed() -> bool:
+            answer = await mine.list_tasks(ListTasksRequest(page_size=100))
+            return my_id in {t.id for t in answer.tasks}
+
+        await wait_until(listed, 15, every_s=0.3)
+        answer = await mine.list_tasks(ListTasksRequest(page_size=100))
+    ids = {t.id for t in answer.tasks}
+    assert other_id not in ids
+    assert all(t.status.state != TaskState.TASK_STATE_UNSPECIFIED for t in answer.tasks)
+
+
+async def test_cancel_task_ends_the_request_cancelled(front: Front) -> None:
+    token = front.tokens["orchestrator"]
+    client, http = await client_of(front.a, SLOW, token, streaming=False, polling=True)
+    reader, http_b = await client_of(front.b, SLOW, token, streaming=False)
+    async with aclosing(http), aclosing(http_b):
+        [event] = await events_of(client, message(timeout_ms=20000))
+        task_id = event.task.id
+        cancelled = await reader.cancel_task(CancelTaskRequest(id=task_id))
+        assert cancelled.status.state == TaskState.TASK_STATE_CANCELED, cancelled
+        again = await reader.get_task(GetTaskRequest(id=task_id))
+        assert again.status.state == TaskState.TASK_STATE_CANCELED
+        with pytest.raises(TaskNotCancelableError, match="already ended"):
+            await reader.cancel_task(CancelTaskRequest(id=task_id))
+        async with httpx.AsyncClient(trust_env=False, headers=bearer(token)) as plain:
+            status = (await plain.get(f"{front.a.url}/reach/requests/{task_id}")).json()
+    assert status["error"]["type"] == "request_closed"
+    assert status["error"]["message"].startswith("the request was cancelled"), status
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert "result" not in body, body
+    return body["error"]  # type: ignore[no-any-return]
+
+
+async def test_tokens_missing_or_bad_are_401_with_the_bearer_challenge(front: Front) -> None:
+    send = {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": "req-x"}}
+    for token in (None, "not-a-token"):
+        answer = await rpc(front.a, send, token=token)
+        assert answer.status_code == 401
+        assert answer.headers["WWW-Authenticate"].startswith("Bearer")
+        error = error_of(answer)
+        assert error["code"] == -32000
+        assert error["data"][0]["reason"] == "REACH_UNAUTHORIZED"
+    client, http = await client_of(front.a, FAST, front.tokens["orchestrator"], streaming=False)
+    http.headers["Authorization"] = "Bearer wrong"
+    async with aclosing(http):
+        with pytest.raises(A2AClientError, match="401"):
+            await events_of(client, message())
+
+
+async def test_malformed_json_rpc_is_each_a_clear_error(front: Front) -> None:
+    token = front.tokens["orchestrator"]
+    get = {"jsonrpc": "2.0", "id": 7, "method": "GetTask", "params": {"id": "req-none"}}
+    cases: list[tuple[Any, bytes | None, str, int, str]] = [
+        (None, b"{not json", FAST, -32700, "Invalid JSON"),
+        ([get], None, FAST, -32600, "batch"),
+        ({**get, "jsonrpc": "1.0"}, None, FAST, -32600, "jsonrpc"),
+        ({**get, "method": "tasks/get"}, None, FAST, -32601, "tasks/get"),
+        ({**get, "params": {"id": "req-x", "bogus": 1}}, None, FAST, -32602, "bogus"),
+        ({**get, "params": {"id": 5}}, None, FAST, -32602, "id field"),
+        ({**get, "method": "SendMessage", "params": {}}, None, FAST, -32602, "message"),
+        ({**get, "params": {"id": "not a request id!"}}, None, FAST, -32602, "not a task id"),
+        (get, None, FAST, -32001, "req-none"),
+        (
+            {**get, "method": "SendMessage", "params": {"message": message_json(None)}},
+            None,
+            FAST,
+            -32602,
+            "serves",  # several operations, none named: they are listed
+        ),
+        (
+            {**get, "method": "SendMessage", "params": {"message": message_json("query")}},
+            None,
+            "nobody-here",
+            -32000,
+            "nobody-here",
+        ),
+    ]
+    for body, raw, capability, code, words in cases:
+        answer = await rpc(front.a, body, capability, token, raw=raw)
+        assert answer.status_code == 200, (body, answer.text)
+        error = error_of(answer)
+        assert error["code"] == code, (body, error)
+        assert words in error["message"], (body, error)
+    answer = await rpc(front.a, get, token=token)
+    assert error_of(answer)["data"][0]["reason"] == "TASK_NOT_FOUND"
+    # An operation the agent does not serve is the agent's answer: a failed task, its words.
+    send = {**get, "method": "SendMessage", "params": {"message": message_json("nope")}}
+    task = (await rpc(front.a, send, token=token)).json()["result"]["task"]
+    assert task["status"]["state"] == "TASK_STATE_FAILED"
+    assert "not served" in task["status"]["message"]["parts"][0]["text"]
+
+
+def message_json(operation: str | None) -> dict[str, Any]:
+    msg: dict[str, Any] = {
+        "messageId": uuid.uuid4().hex,
+        "role": "ROLE_USER",
+        "parts": [{"text": "hello"}],
+    }
+    if operation is not None:
+        msg["metadata"] = {"operation": operation}
+    return msg
