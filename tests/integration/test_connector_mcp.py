@@ -197,44 +197,21 @@ async def test_a_worker_without_the_cache_uses_what_discovery_found(
 
 
 @contextlib.asynccontextmanager
-async def joined(
+async def registered(
     http: httpx.AsyncClient, gateway: GatewayProcess, server: McpServerProcess, capability: str
 ) -> AsyncIterator[str]:
-    """The server joined as an instance of `capability` with its discovered tools, kept alive
-    by heartbeats until the block ends (until registration by URL does that itself)."""
-    async with McpConnector() as conn:
-        found = await conn.discover(server.url)
-    iid = f"{capability}-mcp"
+    """The server registered by its URL as an instance of `capability` (the gateway discovers
+    its tools and probes it), removed when the block ends."""
     r = await http.post(
         f"{gateway.url}/reach/agents",
-        json={
-            "capability": capability,
-            "instance_id": iid,
-            "protocol": "mcp",
-            "service_address": server.url,
-            "operations": [op.model_dump(exclude_none=True) for op in found.operations],
-        },
+        json={"protocol": "mcp", "service_address": server.url, "capability": capability},
     )
     assert r.status_code == 200, r.text
-    session = r.json().get("session")
-    headers = {wire.HTTP_SESSION: session} if session else {}
-
-    async def beat() -> None:
-        while True:
-            await http.put(
-                f"{gateway.url}/reach/agents/{iid}/heartbeat",
-                json={"status": "ok", "checks": {}},
-                headers=headers,
-            )
-            await asyncio.sleep(0.3)
-
-    task = asyncio.create_task(beat())
+    iid = r.json()["instance_id"]
     try:
         yield iid
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await http.delete(f"{gateway.url}/reach/agents/{iid}")
 
 
 async def test_invoked_through_a_gateway(
@@ -243,7 +220,9 @@ async def test_invoked_through_a_gateway(
     servers: dict[str, McpServerProcess],
     capability: str,
 ) -> None:
-    async with joined(http, gateway, servers["stateless"], capability) as iid:
+    async with registered(http, gateway, servers["stateless"], capability) as iid:
+        shown = (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).json()
+        assert shown["instances"][0]["details"]["protocol_version"] == "2026-07-28"
         url = f"{gateway.url}/reach/invoke"
         r = await http.post(
             url, json={"target": capability, "operation": "lookup", "payload": {"key": "q"}}
@@ -269,7 +248,7 @@ async def test_a_server_killed_mid_call_is_an_unknown_outcome_never_run_twice(
 ) -> None:
     server = await McpServerProcess(tmp_path, "stateless").start().ready()
     try:
-        async with joined(http, gateway, server, capability):
+        async with registered(http, gateway, server, capability):
             call = asyncio.create_task(
                 http.post(
                     f"{gateway.url}/reach/invoke",
