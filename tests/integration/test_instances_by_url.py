@@ -1,7 +1,8 @@
 """Instances registered by URL through a real gateway: a real A2A agent (a2a-sdk, its own
 process) registered by `POST /reach/agents`, by `reach.yaml` `agents:` and by the CLI, shown,
-invoked, probed out of routing while it is stopped and back when it answers again, removed;
-refusals that name the problem (docs/instances-by-url.md)."""
+invoked, probed out of routing while it is stopped and back when it answers again, removed; a
+real MCP server (the mcp package) killed and restarted; refusals that name the problem
+(docs/instances-by-url.md)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from gateway_api.devserver import free_port
 from tests.a2a_agents import SKILLS, A2AAgentProcess
 from tests.conftest import new_stack
 from tests.helpers import ROOT, GatewayProcess, Stack, invoke, path_server, wait_until
+from tests.mcp_servers import McpServerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -239,3 +241,38 @@ async def test_the_cli_adds_and_removes(
     assert routable(await capability(http, gateway, cap)) == ["witness-1"]
     unknown = await asyncio.to_thread(reach_cli, "agents", "remove", "cli-1", *gw)
     assert unknown.returncode == 1
+
+
+@pytest.fixture(scope="module")
+async def mcp_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[McpServerProcess]:
+    server = McpServerProcess(tmp_path_factory.mktemp("mcp"), "stateless")
+    try:
+        yield await server.start().ready()
+    finally:
+        server.stop()
+
+
+async def test_an_mcp_server_killed_and_restarted_leaves_and_comes_back(
+    gateway: GatewayProcess, mcp_server: McpServerProcess, http: httpx.AsyncClient
+) -> None:
+    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    body = {"protocol": "mcp", "service_address": mcp_server.url, "capability": cap}
+    r = await http.post(f"{gateway.url}/reach/agents", json=body)
+    assert r.status_code == 200, r.text
+    instance_id = r.json()["instance_id"]
+    assert instance_id.startswith("mcp-127.0.0.1-")
+    (record,) = (await capability(http, gateway, cap))["instances"]
+    assert record["details"].get("protocol_version")
+    lookup = record["declared"]["lookup"]
+    assert lookup["description"] == "Look a key up."
+    assert lookup["idempotent"] is True  # readOnlyHint
+    assert lookup["input_schema"]["properties"]["key"]
+    r = await invoke(http, gateway, cap, "lookup", payload={"key": "q"})
+    assert r.json()["result"] == {"key": "q", "value": "Q"}, r.text
+
+    mcp_server.kill()
+    await wait_until(lambda: _none_routable(http, gateway, cap), 15)
+    await mcp_server.start().ready()
+    await wait_until(lambda: _routable(http, gateway, cap, instance_id), 15)
+    r = await invoke(http, gateway, cap, "lookup", payload={"key": "z"})
+    assert r.json()["result"] == {"key": "z", "value": "Z"}, r.text

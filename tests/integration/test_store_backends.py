@@ -117,6 +117,15 @@ async def test_counters_expire(store: Store) -> None:
     assert await store.incr("k", ttl_s=0.2) == 1
 
 
+async def test_a_long_lived_hash_field_is_removed_with_its_value(store: Store) -> None:
+    await store.hash_set("url-instances", "a", '{"x": 1}')
+    await store.hash_set("url-instances", "b", "2")
+    assert await store.hash_delete("url-instances", "a") == '{"x": 1}'
+    assert await store.hash_delete("url-instances", "a") is None
+    assert await store.hash_delete("nothing-here", "a") is None
+    assert await store.hash_all("url-instances") == {"b": "2"}
+
+
 async def test_nothing_piles_up_after_a_sweep(store: Store, request: pytest.FixtureRequest) -> None:
     reg = Registry(store, RETAINED)
     for i in range(50):

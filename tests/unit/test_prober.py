@@ -371,3 +371,37 @@ async def test_configured_agents_are_kept_until_they_answer() -> None:
     record = await registry.get("later-1")
     assert record is not None
     assert record.declared["a"].idempotent is True
+
+
+async def test_two_gateways_probe_an_instance_once_per_interval_between_them() -> None:
+    agents, registry, _ = gateway_parts()
+    FakeUrlConnector.ANSWERS["fake://one"] = served("v1", "a")
+    ack = await agents.remote.register(body(), None)
+    other = Agents(agents.live, registry)  # a second gateway over the same store
+    first = Prober(agents.remote, agents.live.settings, clock=lambda: later(0.2))
+    second = Prober(other.remote, agents.live.settings, clock=lambda: later(0.05))
+    assert await first.round() == {ack.instance_id: "ok"}
+    assert await second.round() == {ack.instance_id: "skipped"}  # heartbeaten 0.05 s ago
+    assert len(FakeUrlConnector.asked) == 2  # the registration's discovery, one probe
+
+
+def test_records_with_and_without_the_by_url_fields_read_everywhere() -> None:
+    from reach.registry import InstanceRecord
+
+    older = {
+        "instance_id": "i",
+        "capability": "c",
+        "protocol": "http",
+        "address": "127.0.0.1:1",
+        "max_message_bytes": 1,
+        "async_callback": False,
+        "heartbeat_interval": 1,
+        "joined_at": 0,
+        "last_seen": 0,
+    }
+    record = InstanceRecord.model_validate(older)
+    assert not record.registered_by_url
+    assert record.details == {}
+    newer = InstanceRecord.model_validate({**older, "registered_by_url": True, "later": 1})
+    assert newer.registered_by_url
+    assert "details" not in record.model_dump(mode="json")  # a joined record stays as it was
