@@ -14,6 +14,10 @@ last discovery as `known`, so a protocol with ETags asks conditionally):
 - it does not answer, or answers what cannot be joined: nothing is written, so the record goes
   stale and leaves routing after heartbeat_timeout, as a silent agent's does.
 
+Rounds start every interval whatever the last one is doing: an instance whose probe is still
+running (one that accepts connections and never answers, up to `probe_timeout`) is left out
+of the rounds that start meanwhile, and the others are probed on time.
+
 The first failure after a success (and the first success after a failure) is logged and
 audited (`probe_failed`, `probe_recovered`), once per transition in each gateway; every
 outcome is counted (`reach_probes_total`). An instance whose id another process joined
@@ -78,6 +82,10 @@ class Prober:
         self.failing: dict[str, str] = {}
         self._slots = asyncio.Semaphore(MAX_PROBES_IN_FLIGHT)
         self._task: asyncio.Task[None] | None = None
+        # Probes still running: a slow instance's probe overlaps the next rounds, which start
+        # on time for the others and leave it out until it ends.
+        self.inflight: set[str] = set()
+        self._rounds: set[asyncio.Task[dict[str, str]]] = set()
 
     @property
     def registry(self) -> Registry:
@@ -89,11 +97,14 @@ class Prober:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="reach-prober")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [t for t in (self._task, *self._rounds) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._task = None
+        self._rounds.clear()
 
     async def _run(self) -> None:
         if self.settings.agents:
@@ -105,16 +116,23 @@ class Prober:
             )
         while True:
             await asyncio.sleep(self.interval_s)
-            try:
-                await self.round()
-            except ReachError as exc:  # the store's trouble: the next round tries again
-                log.warning("probe round skipped: %s", exc.message)
-            except Exception:
-                log.exception("probe round failed")
+            task = asyncio.get_running_loop().create_task(self._guarded_round())
+            self._rounds.add(task)
+            task.add_done_callback(self._rounds.discard)
+
+    async def _guarded_round(self) -> dict[str, str]:
+        try:
+            return await self.round()
+        except ReachError as exc:  # the store's trouble: the next round tries again
+            log.warning("probe round skipped: %s", exc.message)
+        except Exception:
+            log.exception("probe round failed")
+        return {}
 
     async def round(self) -> dict[str, str]:
         """Probe every registered instance that is due; instance_id -> outcome (`skipped`
-        for one another gateway probed in the last half interval)."""
+        for one another gateway probed in the last half interval, `in_flight` for one whose
+        last probe here has not ended, `taken` for an id another process joined under)."""
         registrations = await self.remote.registrations()
         for gone in set(self.failing) - set(registrations):
             del self.failing[gone]
@@ -126,7 +144,9 @@ class Prober:
         outcomes: dict[str, str] = {}
         due: list[tuple[Registration, InstanceRecord | None]] = []
         for instance_id, record in zip(ids, records, strict=True):
-            if record is not None and not record.registered_by_url:
+            if instance_id in self.inflight:
+                outcomes[instance_id] = "in_flight"
+            elif record is not None and not record.registered_by_url:
                 outcomes[instance_id] = "taken"  # another process joined under this id
             elif not probe_due(record, now, self.interval_s):
                 outcomes[instance_id] = "skipped"
@@ -137,13 +157,16 @@ class Prober:
         return outcomes
 
     async def _bounded(self, registration: Registration, record: InstanceRecord | None) -> str:
-        async with self._slots:
-            try:
+        self.inflight.add(registration.instance_id)
+        try:
+            async with self._slots:
                 return await self.probe(registration, record)
-            except Exception:  # a connector's bug: this instance's probe, not the round
-                log.exception("probe of %s failed unexpectedly", registration.instance_id)
-                self._failed(registration, "internal", "the probe raised (see the log)")
-                return "internal"
+        except Exception:  # a connector's bug: this instance's probe, not the round
+            log.exception("probe of %s failed unexpectedly", registration.instance_id)
+            self._failed(registration, "internal", "the probe raised (see the log)")
+            return "internal"
+        finally:
+            self.inflight.discard(registration.instance_id)
 
     async def probe(self, registration: Registration, record: InstanceRecord | None) -> str:
         """One probe of one instance: its outcome (ok, changed, joined, or an error type)."""

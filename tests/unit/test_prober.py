@@ -3,6 +3,7 @@ connector (pure logic: what is joined, heartbeaten, left alone, when)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import ClassVar
 
@@ -43,6 +44,7 @@ class FakeUrlConnector(Connector):
     registered_by_url = True
     ANSWERS: ClassVar[dict[str, Discovery | ReachError]] = {}
     asked: ClassVar[list[tuple[str, Discovery | None]]] = []
+    HELD: ClassVar[dict[str, asyncio.Event]] = {}  # address -> what its answer waits for
 
     @classmethod
     def check_address(cls, address: str) -> str:
@@ -52,6 +54,8 @@ class FakeUrlConnector(Connector):
 
     async def discover(self, address: str, known: Discovery | None = None) -> Discovery:
         self.asked.append((address, known))
+        if address in self.HELD:
+            await self.HELD[address].wait()
         answer = self.ANSWERS.get(address, TransportError(f"nobody at {address}"))
         if isinstance(answer, ReachError):
             raise answer
@@ -79,6 +83,7 @@ def _fake_connector(monkeypatch: pytest.MonkeyPatch) -> None:
     assert connectors.load(PROTOCOL) is FakeUrlConnector
     FakeUrlConnector.ANSWERS = {}
     FakeUrlConnector.asked = []
+    FakeUrlConnector.HELD = {}
 
 
 def gateway_parts(**registry: float) -> tuple[Agents, Registry, ReachMetrics]:
@@ -405,3 +410,21 @@ def test_records_with_and_without_the_by_url_fields_read_everywhere() -> None:
     newer = InstanceRecord.model_validate({**older, "registered_by_url": True, "later": 1})
     assert newer.registered_by_url
     assert "details" not in record.model_dump(mode="json")  # a joined record stays as it was
+
+
+async def test_a_probe_that_hangs_does_not_hold_the_others() -> None:
+    agents, _, _ = gateway_parts()
+    FakeUrlConnector.ANSWERS["fake://slow"] = served("v1", "a")
+    FakeUrlConnector.ANSWERS["fake://quick"] = served("v1", "a")
+    slow = await agents.remote.register(body("fake://slow"), None)
+    quick = await agents.remote.register(body("fake://quick"), None)
+    FakeUrlConnector.HELD["fake://slow"] = held = asyncio.Event()
+    prober = Prober(agents.remote, agents.live.settings, clock=lambda: later(1))
+    first = asyncio.create_task(prober.round())
+    await asyncio.sleep(0)  # the first round's probes are under way
+    while slow.instance_id not in prober.inflight:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    assert await prober.round() == {slow.instance_id: "in_flight", quick.instance_id: "ok"}
+    held.set()
+    assert (await first)[slow.instance_id] == "ok"
+    await prober.aclose()
