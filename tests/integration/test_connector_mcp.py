@@ -223,6 +223,8 @@ async def test_invoked_through_a_gateway(
     async with registered(http, gateway, servers["stateless"], capability) as iid:
         shown = (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).json()
         assert shown["instances"][0]["details"]["protocol_version"] == "2026-07-28"
+        declared = shown["instances"][0]["declared"]
+        assert {op for op, d in declared.items() if d["idempotent"]} == {"lookup", "put"}
         url = f"{gateway.url}/reach/invoke"
         r = await http.post(
             url, json={"target": capability, "operation": "lookup", "payload": {"key": "q"}}
