@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: up test lint docs docs-build fmt test-only test-slow fuzz-quick fuzz bench bench-routing bench-cli install clean proto
+.PHONY: up test lint docs docs-build fmt test-only test-slow fuzz-quick fuzz bench bench-routing bench-cli conformance install clean proto
 
 # The fuzz runs happen in a network namespace of their own with only loopback up, so no URL the
 # fuzzer makes up (callbacks, agent addresses) can send a packet off this machine.
@@ -82,6 +82,12 @@ bench-routing: $(STAMP)
 # ARGS='--before /tmp/cli-before' compares with a worktree of earlier code.
 bench-cli: $(STAMP)
 	$(BIN)/python bench/cli_start.py $(ARGS)
+
+# The MCP conformance suite (npm, Node 22+ from the dev extra) against the MCP front of a real
+# stack, both spec versions; failures must be the listed ones (tests/conformance/). Not in
+# `make test`: it downloads the suite and takes about a minute.
+conformance: $(STAMP)
+	$(BIN)/python tests/conformance/run_mcp.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .reach .mypy_cache .ruff_cache .pytest_cache .hypothesis

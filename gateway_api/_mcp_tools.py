@@ -2,7 +2,8 @@
 
 **Names.** A tool is `capability.operation` (both names are valid MCP tool-name characters).
 Capability and operation names may hold dots themselves, so a tool name is read back against
-the catalog (the registry's routable operations), and a name it does not hold is split at its
+the catalog (the registry's routable operations); an operation's name alone calls it too while
+exactly one tool the caller may call has it. A name the catalog does not hold is split at its
 first dot and handed to the door, which says what it is (its rules first: a denied caller
 learns nothing of what exists).
 
@@ -16,11 +17,14 @@ operation a rule denies is not listed (calling it anyway is the door's 403, audi
 
 **Results.** (The rule docs/mcp-front.md documents.) An envelope with status `success` is a
 result: `structuredContent` is the agent's result object, and one text block holds it as JSON
-(for clients that read text only). An envelope that says the call failed after Reach took it
-(`error`, `timeout`, still `running` at its deadline) is a result with `isError: true`, the
-error's message as text and the envelope's error as `structuredContent`, so a model reads
-what went wrong. A refusal before any agent was involved is a JSON-RPC error (`errors_of`).
-Every result's `_meta` names the RequestID (`reach/requestId`), the status and the instance.
+(for clients that read text only); a result that is only MCP content blocks
+(`{"content": [...]}`, with at most their `text` beside: what an MCP server behind Reach
+answered without structured content) is passed on as those blocks. An envelope that says the
+call failed after Reach took it (`error`, `timeout`, still `running` at its deadline) is a
+result with `isError: true`, the error's message as text and the envelope's error as
+`structuredContent`, so a model reads what went wrong. A refusal before any agent was
+involved is a JSON-RPC error (`rpc_error_of`). Every result's `_meta` names the RequestID
+(`reach/requestId`), the status and the instance.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ OPEN_OBJECT: dict[str, Any] = {"type": "object"}
 
 # Reach error types that say the call's params were wrong (the tool, its arguments).
 _BAD_PARAMS = frozenset({"invalid_request", "payload_too_large", "unknown_capability"})
+_BLOCK_TYPES = frozenset({"text", "image", "audio", "resource", "resource_link"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +142,8 @@ class Catalog:
         if tool is None:
             self._read_at = float("-inf")
             tool = (await self.tools()).get(name)
+        if tool is None:
+            tool = self._by_operation(name, caller, guard)
         if tool is not None:
             return tool.capability, tool.operation
         capability, dot, operation = name.partition(".")
@@ -152,6 +159,32 @@ class Catalog:
             raise unknown
         return capability, operation
 
+    def _by_operation(self, name: str, caller: str, guard: Guard | None) -> Tool | None:
+        """The one tool the caller may call whose operation is `name` (None: none, or more
+        than one): a client that knows only the operation's name (the conformance suite's
+        fixed tool names) still reaches it while it is unambiguous."""
+        rules = guard.rules if guard is not None else None
+        found = [
+            tool
+            for tool in self._tools.values()
+            if tool.operation == name
+            and (rules is None or rules.decide(caller, tool.capability, name).allowed)
+        ]
+        return found[0] if len(found) == 1 else None
+
+
+def content_blocks(result: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The MCP content blocks a result carries as its whole answer (`{"content": [...]}`,
+    beside at most their `text`: what Reach's MCP connector makes of a server's answer
+    without structured content), else None."""
+    blocks = result.get("content")
+    if not isinstance(blocks, list) or not blocks or set(result) - {"content", "text"}:
+        return None
+    for block in blocks:
+        if not isinstance(block, dict) or block.get("type") not in _BLOCK_TYPES:
+            return None
+    return blocks
+
 
 def call_result(response: InvokeResponse, modern: bool) -> dict[str, Any]:
     """The tool result of an envelope (see the module docstring)."""
@@ -162,11 +195,15 @@ def call_result(response: InvokeResponse, modern: bool) -> dict[str, Any]:
     out: dict[str, Any]
     if response.status == "success":
         value = response.result if response.result is not None else {}
-        out = {
-            "content": [{"type": "text", "text": dumps(value).decode()}],
-            "structuredContent": value,
-            "isError": False,
-        }
+        blocks = content_blocks(value)
+        if blocks is not None:
+            out = {"content": blocks, "isError": False}
+        else:
+            out = {
+                "content": [{"type": "text", "text": dumps(value).decode()}],
+                "structuredContent": value,
+                "isError": False,
+            }
     else:
         envelope = response.model_dump(mode="json", exclude_none=True)
         error = envelope.get("error") or {

@@ -74,6 +74,9 @@ INSTRUCTIONS = (
 SSE_AFTER_S = 5.0
 KEEPALIVE_S = 15.0
 _LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+# Logging and completions are declared so that clients may use them: Reach sends no log
+# messages (agents have no way to) and completes nothing (it has no prompts or resources).
+CAPABILITIES: dict[str, Any] = {"tools": {"listChanged": False}, "logging": {}, "completions": {}}
 
 
 def is_mcp(scope: Scope) -> bool:
@@ -159,12 +162,26 @@ class McpFront:
 
     # -- POST /mcp ---------------------------------------------------------------------------
 
+    def _host_allowed(self, host: str | None) -> bool:
+        """DNS rebinding: a gateway that listens on loopback answers only to loopback names
+        (and to its `public_url`'s); one listening on every address to any name (its tokens
+        are required then)."""
+        settings = self.gateway.settings
+        if settings.listen_host in ("0.0.0.0", "::"):
+            return True
+        names = _LOOPBACK | {settings.listen_host.strip("[]").lower()}
+        public = _hostname(settings.public_url, url=True) if settings.public_url else None
+        return host is not None and (host in names or host == public)
+
     def _identify(self, scope: Scope, headers: dict[str, str]) -> Identity:
+        host = _hostname(headers.get("host", ""))
+        if not self._host_allowed(host):
+            said = f"Host {headers.get('host', '')[:100]!r} is not this gateway's name"
+            raise _Answer(403, _refusal("forbidden", said), {})
         origin = headers.get("origin")
-        if origin is not None and not _same_origin(origin, headers.get("host")):
-            raise _Answer(
-                403, _refusal("forbidden", f"Origin {origin[:100]!r} may not call this gateway"), {}
-            )
+        if origin is not None and _hostname(origin, url=True) not in (_LOOPBACK | {host}):
+            said = f"Origin {origin[:100]!r} may not call this gateway"
+            raise _Answer(403, _refusal("forbidden", said), {})
         guard = self.gateway.guard
         try:
             return identify(headers, guard.auth if guard is not None else None)
@@ -246,18 +263,20 @@ class McpFront:
         if method == "initialize" and not modern:
             out = {
                 "protocolVersion": version,
-                "capabilities": {"tools": {"listChanged": False}},
+                "capabilities": CAPABILITIES,
                 "serverInfo": SERVER_INFO,
                 "instructions": INSTRUCTIONS,
                 "_headers": {"mcp-session-id": wire.new_session(version, identity.caller)},
             }
             return out
-        if method == "ping":
+        if method == "ping" or method == "logging/setLevel":  # Reach sends no log messages
             out = {}
+        elif method == "completion/complete":  # nothing to complete: no prompts, no resources
+            out = {"completion": {"values": [], "hasMore": False}}
         elif method == "server/discover":
             out = {
                 "supportedVersions": [*wire.MODERN, *wire.HANDSHAKE],
-                "capabilities": {"tools": {"listChanged": False}},
+                "capabilities": CAPABILITIES,
                 "serverInfo": SERVER_INFO,
                 "instructions": INSTRUCTIONS,
                 "cacheScope": "public",
@@ -394,14 +413,12 @@ async def _outcome(
     return call_result(response, modern)
 
 
-def _same_origin(origin: str, host: str | None) -> bool:
+def _hostname(value: str, *, url: bool = False) -> str | None:
+    """The host name of a Host header (or of an Origin's URL), lower case, without a port."""
     try:
-        parts = urlsplit(origin)
+        return urlsplit(value if url else f"//{value}").hostname
     except ValueError:
-        return False
-    if parts.hostname in _LOOPBACK:
-        return True
-    return host is not None and parts.netloc.lower() == host.lower()
+        return None
 
 
 def _refusal(kind: str, message: str) -> dict[str, Any]:

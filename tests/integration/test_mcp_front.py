@@ -105,6 +105,10 @@ async def mcp(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     def echo(payload: Echo) -> dict[str, Any]:
         return {"echo": payload["text"]}
 
+    @runtime.operation("picture")
+    def picture(payload: dict[str, Any]) -> dict[str, Any]:
+        return {"content": [{"type": "image", "data": "iVBORw0KGgo=", "mimeType": "image/png"}]}
+
     @runtime.operation("secret")
     def secret(payload: dict[str, Any]) -> dict[str, Any]:
         return {"secret": 42}
@@ -128,7 +132,8 @@ async def test_the_mcp_client_lists_and_calls_tools_through_reach(mcp: Mcp, mode
     cap = mcp.capability
     async with mcp.client(mode) as client:
         tools = await client.list_tools()
-        assert tool_names(tools) == {f"{cap}.add", f"{cap}.echo", f"{cap}.fail"}  # no secret
+        listed = {f"{cap}.add", f"{cap}.echo", f"{cap}.fail", f"{cap}.picture"}
+        assert tool_names(tools) == listed  # not secret: a rule denies it
         add = next(t for t in tools.tools if t.name == f"{cap}.add")
         assert add.description == "Add two integers."
         assert add.input_schema["properties"]["a"]["description"] == "the first term"
@@ -141,6 +146,14 @@ async def test_the_mcp_client_lists_and_calls_tools_through_reach(mcp: Mcp, mode
         assert result.structured_content == {"sum": 5}
         assert json.loads(result.content[0].text) == {"sum": 5}  # type: ignore[union-attr]
         request_id = (result.meta or {})["reach/requestId"]
+
+        # An operation's name alone reaches it while no other tool has it.
+        echoed = await client.call_tool("echo", {"text": "hi"})
+        assert echoed.structured_content == {"echo": "hi"}
+        # A result that is MCP content blocks is passed on as those blocks.
+        image = await client.call_tool(f"{cap}.picture", {})
+        assert image.content[0].type == "image"
+        assert image.structured_content is None
 
         failed = await client.call_tool(f"{cap}.fail", {})
         assert failed.is_error
