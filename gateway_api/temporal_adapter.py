@@ -24,7 +24,9 @@ This module learns it where it is already known. It watches the invoke worker's 
 completions at the SDK's bridge to its core:
 
 - a completion that carries `complete_workflow_execution` holds the result payload, exactly as
-  it is written to history (already through the payload codec);
+  it is written to history (already through the payload codec); one that carries
+  `fail_workflow_execution` for an error or timeout holds it as the failure's one detail
+  (`reach.outcome`);
 - core then evicts the run from its cache with reason `WORKFLOW_EXECUTION_ENDING` only once the
   server accepted that workflow task completion ("we sent the WFT completion to server
   successfully", in core's protocol): the workflow is closed, the result durable.
@@ -32,8 +34,9 @@ completions at the SDK's bridge to its core:
 Only then is the waiting request answered from here. Anything else sends it back to the long
 poll at once: another eviction reason (the server refused the completion because a signal or an
 update came in, a workflow task timed out, the cache was full, the worker is stopping), a run
-that ends failed or cancelled, a start that was not eager (the task may run in another gateway),
-a second request with the same RequestID waiting at the same time.
+that ends failed (other than with its error or timeout) or cancelled, a start that was not
+eager (the task may run in another gateway), a second request with the same RequestID waiting
+at the same time.
 
 A run still going after the worker's sticky schedule-to-start timeout (10 s by default) is
 long-polled too. Until then its workflow tasks can only run here: a task scheduled for this
@@ -58,6 +61,8 @@ from temporalio.bridge.proto.workflow_activation import RemoveFromCache, Workflo
 from temporalio.bridge.proto.workflow_completion import WorkflowActivationCompletion
 from temporalio.client import WorkflowHandle
 from temporalio.worker import Worker
+
+from reach.outcome import FAILED_OUTCOME
 
 log = logging.getLogger("reach.gateway")
 
@@ -163,6 +168,12 @@ class Finishes:
         for command in completion.successful.commands:
             if command.HasField("complete_workflow_execution"):
                 self._results[completion.run_id] = command.complete_workflow_execution.result
+            elif command.HasField("fail_workflow_execution"):
+                # An error or timeout: the envelope is the failure's one detail (reach.outcome).
+                failure = command.fail_workflow_execution.failure
+                details = failure.application_failure_info.details.payloads
+                if failure.application_failure_info.type == FAILED_OUTCOME and len(details) == 1:
+                    self._results[completion.run_id] = details[0]
 
     # -- the gateway's side ---------------------------------------------------------------------
 

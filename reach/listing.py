@@ -77,14 +77,16 @@ def visibility_query(
     elif status == "success":
         terms.append("ExecutionStatus = 'Completed' AND ReachStatus = 'success'")
     elif status == "error":
-        # A workflow that ended without its own verdict (terminated, failed) reads as an error.
+        # An error fails its workflow (reach.outcome; before that rule it completed); one that
+        # ended without its own verdict (terminated, a bug) reads as an error too.
         terms.append(
             "((ExecutionStatus = 'Completed' AND ReachStatus = 'error') OR "
-            "ExecutionStatus IN ('Failed', 'Terminated', 'Canceled'))"
+            "(ExecutionStatus = 'Failed' AND ReachStatus != 'timeout') OR "
+            "ExecutionStatus IN ('Terminated', 'Canceled'))"
         )
     elif status == "timeout":
         terms.append(
-            "((ExecutionStatus = 'Completed' AND ReachStatus = 'timeout') OR "
+            "((ExecutionStatus IN ('Completed', 'Failed') AND ReachStatus = 'timeout') OR "
             "ExecutionStatus = 'TimedOut')"
         )
     if started_after is not None:
@@ -100,6 +102,8 @@ def status_of(execution: str, reach_status: str | None) -> str:
         return "running"
     if execution == "COMPLETED":
         return reach_status if reach_status in ("success", "error", "timeout") else "error"
+    if execution == "FAILED":  # an error or a timeout (reach.outcome), or a bug: an error
+        return "timeout" if reach_status == "timeout" else "error"
     if execution == "TIMED_OUT":
         return "timeout"
     return "error"

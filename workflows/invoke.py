@@ -6,7 +6,8 @@ deadline (`deadline_ms`, fixed at acceptance) bounds every step. After a failure
 asks `reach.policy.retry` what to do — try again (after a durable timer, on the same or another
 instance), wait for the store, or report — and does it (`workflows._attempts`, its base class).
 
-The result is final as soon as it is known: the workflow completes with it, and a callback is
+The result is final as soon as it is known: the workflow completes with it (an error or a
+timeout fails it, the envelope its failure's one detail: `reach.outcome`), and a callback is
 delivered by a workflow of its own (`DeliverCallbackWorkflow`, id `<request_id>/callback`), so a
 receiver that is down for an hour never holds the request open. A payload this workflow cannot
 decode fails it at once (a pydantic `ValidationError` is a workflow failure, not a task retried
@@ -52,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
         payload_fingerprint,
     )
     from reach.messages import AttemptInfo, ErrorInfo, InvokeResponse, RequestStatus
+    from reach.outcome import FAILED_OUTCOME, PATCH_FAILED_OUTCOME, fails, failure_message
     from reach.policy import GiveUp, after_no_token
     from workflows._attempts import (
         ONE_ATTEMPT,
@@ -201,6 +203,11 @@ class InvokeWorkflow(AttemptLoop):
                     workflow.logger.exception("callback delivery could not be started")
             else:
                 await self._deliver(inp, inp.callback, response)
+        if fails(response) and workflow.patched(PATCH_FAILED_OUTCOME):
+            # Failed in the Temporal UI too, the envelope its one detail (reach.outcome).
+            raise ApplicationError(
+                failure_message(response), response, type=FAILED_OUTCOME, non_retryable=True
+            )
         return response
 
     async def _release_door_route(self, inp: InvokeInput) -> None:

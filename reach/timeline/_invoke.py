@@ -11,6 +11,7 @@ from reach.invocation import (
     UPDATE_LATE_ANSWER,
     WORKFLOW_DELIVER_CALLBACK,
 )
+from reach.outcome import FAILED_OUTCOME
 from reach.timeline._attempts import AttemptStory, local_activity_ends
 from reach.timeline._model import (
     HistoryEvent,
@@ -196,8 +197,10 @@ class InvokeStory(AttemptStory):
             )
 
     def _on_workflow_execution_completed(self, event: HistoryEvent, _: Any) -> None:
+        self._result(event, as_dict(event.attrs.get("result")))
+
+    def _result(self, event: HistoryEvent, response: dict[str, Any]) -> None:
         self.ended = True
-        response = as_dict(event.attrs.get("result"))
         status = str(response.get("status") or "success")
         self.status = status
         error = as_dict(response.get("error"))
@@ -230,6 +233,10 @@ class InvokeStory(AttemptStory):
 
     def _on_workflow_execution_failed(self, event: HistoryEvent, _: Any) -> None:
         failure = as_dict(event.attrs.get("failure"))
+        details = failure.get("details") or []
+        if failure.get("type") == FAILED_OUTCOME and len(details) == 1:
+            self._result(event, as_dict(details[0]))  # its error or timeout (reach.outcome)
+            return
         self._ended(event, "error", f"the request failed inside Reach: {failure.get('message')}")
 
     def _on_workflow_execution_terminated(self, event: HistoryEvent, _: Any) -> None:

@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
 from gateway_api.devserver import DevServer, free_port
+from gateway_api.engine import failed_outcome
 from reach.invocation import (
     BucketPlan,
     CallbackInput,
@@ -103,6 +104,13 @@ async def call(inp: CallInput) -> Reply:
             type="transport_error",
             non_retryable=True,
         )
+    if op == "refuse":
+        raise ApplicationError(
+            "agent knowledge-retriever-1 refused: index_missing",
+            {"retryable": False},
+            type="agent_error",
+            non_retryable=True,
+        )
     if op == "defer":
         return Reply(status="accepted")
     if op == "slow":
@@ -159,6 +167,10 @@ CASES = {
     "door-stale": ("stale", DOOR),
     "door-retry": ("flaky", DOOR),
     "door-deadline": ("query", {**DOOR, "timeout_ms": 1}),
+    # An error or a timeout fails the workflow, its envelope the failure's detail (its
+    # callback handed to delivery first).
+    "failed-error": ("refuse", {**DOOR, "callback": "http://127.0.0.1:1/cb"}),
+    "failed-timeout": ("slow", {"timeout_ms": 300}),
 }
 
 
@@ -194,7 +206,13 @@ async def main(names: list[str]) -> None:
                         InvokeWorkflow.submit_late_answer,
                         LateAnswer(status="success", result={"late": True}),
                     )
-                result = await handle.result()
+                try:
+                    result = await handle.result()
+                except WorkflowFailureError as exc:
+                    carries = failed_outcome(exc.cause)
+                    if carries is None:
+                        raise
+                    result = carries
                 history = await handle.fetch_history()
                 (HERE / f"{name}.json").write_text(history.to_json())
                 print(f"{name}: {result.status}")

@@ -124,7 +124,10 @@ def is_search_attribute(path: str) -> bool:
 
 def is_sdk_bookkeeping(path: str, payload: Payload) -> bool:
     """The SDK core's own record of a local activity (sequence number, type, attempt, times)
-    beside its result; the result itself is a payload of ours, and sealed."""
+    beside its result, or of a patch (`workflow.patched`: its id); the result itself is a
+    payload of ours, and sealed."""
+    if ".marker_recorded_event_attributes.details[patch-data]." in path:
+        return set(json.loads(payload.data)) <= {"id", "deprecated"}
     if ".marker_recorded_event_attributes.details[data]." not in path:
         return False
     return set(json.loads(payload.data)) <= {

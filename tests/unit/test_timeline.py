@@ -504,8 +504,9 @@ def test_visibility_query_combines_the_filters() -> None:
     assert query == (
         "WorkflowType = 'InvokeWorkflow' AND ReachCapability = 'knowledge-retriever' AND "
         "ReachOperation = 'query' AND ReachCaller = 'orchestrator' AND ReachCaller = 'alice' "
-        "AND ((ExecutionStatus = 'Completed' AND ReachStatus = 'error') OR ExecutionStatus IN "
-        "('Failed', 'Terminated', 'Canceled')) AND StartTime >= '2026-12-01T10:00:00.000000Z'"
+        "AND ((ExecutionStatus = 'Completed' AND ReachStatus = 'error') OR (ExecutionStatus = "
+        "'Failed' AND ReachStatus != 'timeout') OR ExecutionStatus IN ('Terminated', 'Canceled'))"
+        " AND StartTime >= '2026-12-01T10:00:00.000000Z'"
     )
     assert visibility_query("InvokeWorkflow", status="running").endswith(
         "ExecutionStatus = 'Running'"
@@ -545,5 +546,8 @@ def test_since_and_status() -> None:
         since_delta("ten minutes")
     assert status_of("RUNNING", "success") == "running"  # a door-routed start says success
     assert status_of("COMPLETED", "timeout") == "timeout"
+    assert status_of("FAILED", "timeout") == "timeout"  # a timeout fails its workflow
+    assert status_of("FAILED", "error") == "error"
+    assert status_of("FAILED", "success") == "error"  # a bug after a door-routed start
     assert status_of("TERMINATED", "running") == "error"
     assert status_of("TIMED_OUT", None) == "timeout"
