@@ -16,14 +16,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
+from agent_reach_proto import gateway_pb2 as pb
 from agent_reach_sdk.wire import Answer, Inbound
 from gateway_api.devserver import free_port
 from tests.a2a_agents import SKILLS, A2AAgentProcess
 from tests.conftest import new_stack
 from tests.helpers import ROOT, GatewayProcess, Stack, invoke, path_server, wait_until
+from tests.integration.test_grpc_front import front_address
 from tests.mcp_servers import McpServerProcess
 
 pytestmark = pytest.mark.integration
@@ -276,3 +279,23 @@ async def test_an_mcp_server_killed_and_restarted_leaves_and_comes_back(
     await wait_until(lambda: _routable(http, gateway, cap, instance_id), 15)
     r = await invoke(http, gateway, cap, "lookup", payload={"key": "z"})
     assert r.json()["result"] == {"key": "z", "value": "Z"}, r.text
+
+
+async def test_a_grpc_join_naming_a2a_is_a_registration_by_url(
+    gateway: GatewayProcess, agent: A2AAgentProcess, http: httpx.AsyncClient
+) -> None:
+    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    async with grpc.aio.insecure_channel(front_address(gateway)) as channel:
+        join = channel.unary_unary(
+            "/reach.v1.Reach/Join",
+            request_serializer=pb.JoinRequest.SerializeToString,
+            response_deserializer=pb.JoinAck.FromString,
+        )
+        request = pb.JoinRequest(
+            capability=cap, instance_id="grpc-1", protocol="a2a", service_address=agent.url
+        )
+        ack = await join(request, timeout=30)
+    assert ack.instance_id == "grpc-1"
+    (record,) = (await capability(http, gateway, cap))["instances"]
+    assert record["registered_by_url"] is True
+    assert set(record["operations"]) == set(SKILLS)
