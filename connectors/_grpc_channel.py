@@ -60,8 +60,16 @@ def client_idle_ms(idle_timeout_s: float) -> int:
     return min(max(MIN_CLIENT_IDLE_MS, int(idle_timeout_s * 2000)), INT32_MAX)
 
 
+def dial_target(ip: str, port: int) -> str:
+    """gRPC's target for one address (`ipv4:` / `ipv6:`): a channel to it never resolves a
+    name, so it reconnects to this very address (no DNS rebinding)."""
+    return f"ipv6:[{ip}]:{port}" if ":" in ip else f"ipv4:{ip}:{port}"
+
+
 class ChannelMaker:
-    """Opens the channel for a pool target `"<reply limit> <address>[ <mTLS name>]"`."""
+    """Opens the channel for a pool target `"<reply limit> <dial> <address>[ <mTLS name>]"`:
+    `dial` is where it connects (a vetted address, `dial_target`, or the address itself when
+    no guard pins it), `address` the agent's own `host:port`, sent as the `:authority`."""
 
     def __init__(self, idle_timeout_s: float, tls: Callable[[], ReachTls]) -> None:
         self.idle_ms = client_idle_ms(idle_timeout_s)
@@ -71,9 +79,11 @@ class ChannelMaker:
         self._credentials: tuple[tuple[bytes, bytes, bytes], grpc.ChannelCredentials] | None = None
 
     def __call__(self, target: str) -> Channel:
-        limit, address, *tls_name = target.split(" ", 2)
+        limit, dial, address, *tls_name = target.split(" ", 3)
         receive_limit = int(limit) + REPLY_OVERHEAD_BYTES
         options: list[tuple[str, str | int]] = [
+            # The agent's host:port as the :authority (mTLS: the name it proves, below).
+            *([] if tls_name else [("grpc.default_authority", address)]),
             ("grpc.max_receive_message_length", receive_limit),
             ("grpc.max_metadata_size", MAX_METADATA_BYTES),
             # Reach checked the payload against the smallest limit before sending.
@@ -94,9 +104,9 @@ class ChannelMaker:
             # mTLS: Reach's certificate; the agent's must be from the CA and carry this
             # instance's name (checked in place of the address's host).
             options.append(("grpc.ssl_target_name_override", tls_name[0]))
-            channel = grpc.aio.secure_channel(address, self.credentials(), options=options)
+            channel = grpc.aio.secure_channel(dial, self.credentials(), options=options)
         else:
-            channel = grpc.aio.insecure_channel(address, options=options)
+            channel = grpc.aio.insecure_channel(dial, options=options)
         # Bytes in and out: the connector encodes and decodes, so a reply that is not an
         # InvokeReply is this request's typed error, not grpcio's logged exception.
         invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(

@@ -10,6 +10,9 @@ TLS still verifies the name: httpcore calls `start_tls(server_hostname=<the URL'
 stream `connect_tcp` returns (httpcore/_async/connection.py, `_connect`), whatever address the
 stream was opened to, so SNI and certificate checks use the original hostname.
 
+`vetted_addresses` is the same check for the connectors that open their own connections
+(gRPC, WebSocket): they dial one of the addresses it returns, never the name.
+
 `GuardedTransport` is httpx's own transport around an httpcore pool with that backend: the
 request conversion and exception mapping stay httpx's. A refusal raises `AddressRefused`, an
 `httpcore.ConnectError`, which httpx turns into `httpx.ConnectError` caused by it; `refusal_in`
@@ -26,6 +29,7 @@ import typing
 import httpcore
 import httpx
 
+from reach.errors import TransportError
 from reach.security.netguard import AddressGuard, refused_message, resolve
 
 SocketOption = (
@@ -55,6 +59,33 @@ def refusal_in(exc: BaseException) -> str | None:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None
+
+
+async def vetted_addresses(
+    guard: AddressGuard, host: str, port: int, address: str, timeout_s: float | None = None
+) -> list[str]:
+    """Every address `host` resolves to now, each allowed, for a connection about to be opened
+    to one of them (DNS rebinding: the name is not resolved again by whoever dials). A refusal
+    is a final `TransportError` naming the address (the same one is refused every time); a
+    resolver that fails or is slow, a retryable one. `address` is the agent's, for messages."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            ips = await resolve(host, port)
+    except TimeoutError as exc:
+        raise TransportError(
+            f"cannot reach agent at {address}: resolving {host!r} timed out"
+        ) from exc
+    except (OSError, UnicodeError) as exc:
+        raise TransportError(
+            f"cannot reach agent at {address}: cannot resolve {host!r}: {exc}"
+        ) from exc
+    for ip in ips:
+        reason = guard.refusal(ip)
+        if reason is not None:
+            raise TransportError(
+                f"agent at {address}: {refused_message(host, ip, reason)}", retryable=False
+            )
+    return ips
 
 
 class GuardedBackend(httpcore.AsyncNetworkBackend):

@@ -24,14 +24,15 @@ from agent_reach_proto import wire
 from agent_reach_proto.agent_pb2 import InvokeRequest
 from connectors._address import check_characters, check_host, check_port, refuse
 from connectors._grpc_answers import STATUS_TABLE, error_for_status, map_grpc_exceptions, reply_of
-from connectors._grpc_channel import Channel, ChannelMaker, close_channel
+from connectors._grpc_channel import Channel, ChannelMaker, close_channel, dial_target
+from connectors._guard import vetted_addresses
 from connectors._pools import ConnectionStats, Entry, Pools
 from connectors.base import PooledConnector
 from reach.config import SecuritySettings, TransportSettings
 from reach.errors import InvalidRequest, TransportError
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
-from reach.security.netguard import host_port
+from reach.security.netguard import AddressGuard, host_port
 
 # This module's names and those that moved to the role modules (importable from here as before).
 # The older names of the contract's constants below stay importable, unlisted: their home is wire.
@@ -111,6 +112,10 @@ class GrpcConnector(PooledConnector):
         super().__init__(transport, stats=stats, security=security)
         make_channel = ChannelMaker(self.transport.idle_timeout_s, lambda: self.tls)
         self._pools: Pools[Channel] = self._new_pools(make_channel, close_channel)
+        # Connections only where the address guard allows (reach.security.netguard), as over
+        # HTTP; a connector built without security settings (tests, embedding code) has none.
+        self._guard = AddressGuard(self.security.allow_networks) if security is not None else None
+        self._dialed: dict[str, str] = {}  # pool key -> the vetted address its channel dials
 
     @classmethod
     def check_address(cls, address: str) -> str:
@@ -154,17 +159,39 @@ class GrpcConnector(PooledConnector):
         ).SerializeToString()
         # mTLS: the name the agent's certificate must carry, passed on to the channel.
         tls_name = f" {self.tls.server_name(endpoint.instance_id)}" if self.tls.enabled else ""
-        # Per instance, address and reply limit: a re-join with either changed gets a fresh one.
+        # Per instance, address and reply limit: a re-join with either changed gets a fresh one;
+        # and per vetted address, where the guard pins one.
+        key = f"{endpoint.instance_id} {address} {limit}"
+        dial = await self._dial(key, address)
         entry = self._pools.acquire(
-            f"{endpoint.instance_id} {address} {limit}",
+            f"{key} {dial}",
             endpoint.capability,
-            f"{limit} {address}{tls_name}",
+            f"{limit} {dial} {address}{tls_name}",
             instance_id=endpoint.instance_id,
         )
         try:
             return await self._call(entry, endpoint, request, metadata, timeout_s, limit)
         finally:
             self._pools.release(entry)
+
+    async def _dial(self, key: str, address: str) -> str:
+        """Where the channel for `key` connects. With the address guard: an address the host
+        resolves to and the guard allows, vetted again whenever the channel is not READY (a
+        new one, or one about to reconnect), so gRPC's own resolver never picks the address
+        (DNS rebinding); a READY channel is used as it is, like a kept-alive HTTP connection."""
+        if self._guard is None:
+            return address
+        dial = self._dialed.get(key)
+        if dial is not None:
+            held = self._pools.get(f"{key} {dial}")
+            if held is not None and held.value.state() is grpc.ChannelConnectivity.READY:
+                return dial
+        host, port = host_port(address, {}) or (address, 0)
+        ips = await vetted_addresses(self._guard, host, port, address)
+        if len(self._dialed) > 4 * max(self.transport.max_pools, 1):
+            self._dialed = {k: v for k, v in self._dialed.items() if f"{k} {v}" in self._pools}
+        self._dialed[key] = dial = dial_target(ips[0], port)
+        return dial
 
     async def _call(
         self,

@@ -24,6 +24,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidMessage
 
 from agent_reach_proto import wire
+from connectors._guard import vetted_addresses
 from connectors._pools import ConnectionStats, Pools
 from connectors._tls import ReachTls, http_poke
 from connectors._websocket_call import (
@@ -43,7 +44,7 @@ from reach.config import SecuritySettings, TransportSettings
 from reach.errors import DeadlineExceeded, InvalidRequest, ReachError, TransportError
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply
-from reach.security.netguard import host_port
+from reach.security.netguard import AddressGuard, host_port
 
 # This module's names and those that moved to the role modules (importable from here as before).
 # The older names of the contract's constants below stay importable, unlisted: their home is wire.
@@ -121,9 +122,12 @@ class _Link:
         *,
         instance_id: str = "",
         tls: ReachTls | None = None,
+        guard: AddressGuard | None = None,
     ) -> None:
         self.address = address
         self.url = ws_url(address)
+        # The address guard, vetting the host's addresses at every connect (DNS rebinding).
+        self.guard = guard
         self.instance_id = instance_id
         # mTLS: wss:// with Reach's certificate; the agent must prove `server_hostname`.
         self.tls = tls
@@ -177,18 +181,7 @@ class _Link:
                 tls: dict[str, Any] = {}
                 if self.tls is not None:  # the context anew: renewed files are picked up
                     tls = {"ssl": self.tls.context(), "server_hostname": self.server_hostname}
-                with map_websocket_exceptions(self.address):
-                    ws = await _connect(
-                        self.url,
-                        compression=None,
-                        proxy=None,
-                        open_timeout=OPEN_TIMEOUT_S,
-                        ping_interval=PING_INTERVAL_S,
-                        ping_timeout=PING_TIMEOUT_S,
-                        close_timeout=CLOSE_TIMEOUT_S,
-                        max_size=max_size,
-                        **tls,
-                    )
+                ws = await self._connect_vetted(max_size, tls)
             except DeadlineExceeded as exc:  # open_timeout, not the request's deadline
                 raise TransportError(
                     f"agent at {self.address} did not accept a WebSocket in {OPEN_TIMEOUT_S}s"
@@ -225,6 +218,36 @@ class _Link:
         self.socket = Socket(self, ws, capability, max_size)
         return self.socket
 
+    async def _connect_vetted(self, max_size: int, tls: dict[str, Any]) -> Any:
+        """The WebSocket, opened to an address the guard allowed when the host was resolved
+        just now (the URL's host stays the Host header and TLS name); each vetted address in
+        turn while they refuse the connection. Without a guard, to the URL's host."""
+        dials: list[dict[str, Any]] = [{}]
+        if self.guard is not None:
+            host, port = host_port(self.url, {"ws": 80, "wss": 443}) or ("", 0)
+            ips = await vetted_addresses(self.guard, host, port, self.address, OPEN_TIMEOUT_S)
+            dials = [{"host": ip, "port": port} for ip in ips]
+        for index, dial in enumerate(dials):
+            try:
+                with map_websocket_exceptions(self.address):
+                    return await _connect(
+                        self.url,
+                        compression=None,
+                        proxy=None,
+                        open_timeout=OPEN_TIMEOUT_S,
+                        ping_interval=PING_INTERVAL_S,
+                        ping_timeout=PING_TIMEOUT_S,
+                        close_timeout=CLOSE_TIMEOUT_S,
+                        max_size=max_size,
+                        **tls,
+                        **dial,
+                    )
+            except TransportError as exc:
+                refused = isinstance(exc.__cause__, ConnectionRefusedError)
+                if not refused or index == len(dials) - 1:
+                    raise
+        raise AssertionError("unreachable: the last dial raises")
+
     def ended(self, socket: Socket, *, clean: bool) -> None:
         """`socket` is gone: the next request connects again."""
         if self.socket is socket:
@@ -252,10 +275,16 @@ class WebSocketConnector(PooledConnector):
     ) -> None:
         super().__init__(transport, stats=stats, security=security)
 
+        # Connections only where the address guard allows (reach.security.netguard), as over
+        # HTTP; a connector built without security settings (tests, embedding code) has none.
+        guard = AddressGuard(self.security.allow_networks) if security is not None else None
+
         def make_link(target: str) -> _Link:
             instance_id, _, address = target.partition(" ")
             tls = self.tls if self.tls.enabled else None
-            return _Link(address, self.protocol, self.stats, instance_id=instance_id, tls=tls)
+            return _Link(
+                address, self.protocol, self.stats, instance_id=instance_id, tls=tls, guard=guard
+            )
 
         self._pools: Pools[_Link] = self._new_pools(make_link, _close_link)
 
