@@ -59,11 +59,39 @@ from temporalio.service import RPCError
 
 from gateway_api import _a2a_cards as cards
 from gateway_api._a2a_calls import Call
-from gateway_api._a2a_tasks import BEARER_CHALLENGE, RpcError, a2a_error, parse_error, rpc_error_of
+from gateway_api._a2a_cards import capability_card, gateway_card, operations_of
+from gateway_api._a2a_tasks import (
+    BEARER_CHALLENGE,
+    SERVER_ERROR,
+    STATES,
+    RpcError,
+    a2a_error,
+    parse_error,
+    payload_of,
+    rpc_error_of,
+    state_of,
+    task_of,
+)
 from gateway_api.errors import error_response, reach_error_of_rpc
 from gateway_api.gateway import Gateway
 from gateway_api.steps.identify import AUTHORIZATION, CALLER, IDEMPOTENCY_KEY, TRACEPARENT
 from reach.errors import InvalidRequest, ReachError, UnknownCapability
+
+__all__ = [
+    "SERVER_ERROR",
+    "STATES",
+    "A2AFront",
+    "RpcError",
+    "capability_card",
+    "gateway_card",
+    "install",
+    "operations_of",
+    "parse_call",
+    "payload_of",
+    "rpc_error_of",
+    "state_of",
+    "task_of",
+]
 
 log = logging.getLogger("reach.gateway")
 
@@ -198,7 +226,7 @@ class A2AFront:
                     names.append(name)
         except ReachError as exc:
             return _refused(exc)
-        card = cards.gateway_card(gateway.settings.gateway_url, names, _tokens(gateway))
+        card = gateway_card(gateway.settings.gateway_url, names, _tokens(gateway))
         return JSONResponse(json_format.MessageToDict(card))
 
     async def capability_card(self, request: Request) -> Response:
@@ -212,7 +240,7 @@ class A2AFront:
         except ReachError as exc:
             return _refused(exc)
         base = gateway.settings.gateway_url
-        card = cards.capability_card(base, capability, instances, _tokens(gateway))
+        card = capability_card(base, capability, instances, _tokens(gateway))
         return JSONResponse(json_format.MessageToDict(card))
 
     # -- JSON-RPC -----------------------------------------------------------------------------

@@ -18,28 +18,38 @@ from a2a.client.client import Client
 from a2a.client.errors import A2AClientError
 from a2a.types import (
     CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
+    GetTaskPushNotificationConfigRequest,
     GetTaskRequest,
+    ListTaskPushNotificationConfigsRequest,
     ListTasksRequest,
     Message,
     Part,
     Role,
     SendMessageRequest,
     StreamResponse,
+    SubscribeToTaskRequest,
     Task,
+    TaskPushNotificationConfig,
     TaskState,
 )
-from a2a.utils.errors import TaskNotCancelableError, TaskNotFoundError
+from a2a.utils.errors import (
+    TaskNotCancelableError,
+    TaskNotFoundError,
+    UnsupportedOperationError,
+)
 from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct, Value
 
 from reach.security.tokens import FileTokenStore, issue, mirror_path
 from tests.conftest import new_stack
-from tests.helpers import Agent, GatewayProcess, wait_until
+from tests.helpers import Agent, CallbackReceiver, GatewayProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
 FAST, SLOW = "a2a-fast", "a2a-slow"
 COMPLETED = TaskState.TASK_STATE_COMPLETED
+WEBHOOK_KEY = f"test-master-{uuid.uuid4().hex}"
 
 
 @dataclass
@@ -59,7 +69,13 @@ async def front(
 ) -> AsyncIterator[Front]:
     """Two gateways of one deployment (one Redis registry, one Temporal): B runs no worker."""
     tmp = tmp_path_factory.mktemp("a2a-front")
-    stack = new_stack(temporal_server, tmp, registry="redis", key_prefix=module_redis_prefix)
+    stack = new_stack(
+        temporal_server,
+        tmp,
+        registry="redis",
+        key_prefix=module_redis_prefix,
+        extra={"REACH_SECURITY__WEBHOOK_KEY": WEBHOOK_KEY},
+    )
     # With a shared registry, each host also reads the tokens in its mirror file.
     store = FileTokenStore(mirror_path(tmp / "tokens.json", module_redis_prefix))
     tokens: dict[str, str] = {}
@@ -324,3 +340,46 @@ def message_json(operation: str | None) -> dict[str, Any]:
     if operation is not None:
         msg["metadata"] = {"operation": operation}
     return msg
+
+
+async def test_subscribe_from_another_gateway_follows_the_task_to_its_end(front: Front) -> None:
+    token = front.tokens["orchestrator"]
+    client, http = await client_of(front.a, SLOW, token, streaming=False, polling=True)
+    reader, http_b = await client_of(front.b, SLOW, token, streaming=True)
+    async with aclosing(http), aclosing(http_b):
+        [event] = await events_of(client, message())
+        events = [e async for e in reader.subscribe(SubscribeToTaskRequest(id=event.task.id))]
+    first, *_, last = events
+    assert first.task.status.state == TaskState.TASK_STATE_WORKING
+    assert last.status_update.status.state == COMPLETED
+
+
+async def test_a_push_config_is_the_requests_callback(front: Front) -> None:
+    client, http = await client_of(front.a, FAST, front.tokens["orchestrator"], streaming=False)
+    async with CallbackReceiver() as receiver, aclosing(http):
+        request = message()
+        request.configuration.task_push_notification_config.url = receiver.url
+        [event] = await events_of(client, request)
+        task_id = event.task.id
+        assert event.task.status.state == COMPLETED  # blocking: it waited for the end
+        await receiver.wait(1)
+        [(headers, envelope)] = receiver.received
+        assert envelope["request_id"] == task_id
+        assert headers["webhook-id"] == f"msg_{task_id}"  # signed, as Reach's callbacks are
+        assert headers["webhook-signature"].startswith("v1,")
+        config = await client.get_task_push_notification_config(
+            GetTaskPushNotificationConfigRequest(task_id=task_id, id="callback")
+        )
+        assert config.url == receiver.url
+        listed = await client.list_task_push_notification_configs(
+            ListTaskPushNotificationConfigsRequest(task_id=task_id)
+        )
+        assert [c.url for c in listed.configs] == [receiver.url]
+        with pytest.raises(UnsupportedOperationError, match="cannot be removed"):
+            await client.delete_task_push_notification_config(
+                DeleteTaskPushNotificationConfigRequest(task_id=task_id, id="callback")
+            )
+        with pytest.raises(UnsupportedOperationError, match="fixed when it starts"):
+            await client.create_task_push_notification_config(
+                TaskPushNotificationConfig(task_id=task_id, url=f"{receiver.url}/other")
+            )
