@@ -152,7 +152,8 @@ class Api:
         if status == 403:
             raise Failed(f"forbidden: {error_text(data)}")
         if status not in ok:
-            raise Failed(error_text(data) + _hint(status, path))
+            said = error_text(data)
+            raise Failed(said + _hint(status, path, said))
         return status, data
 
     def _unauthorized(self, data: dict[str, Any]) -> str:
@@ -273,11 +274,14 @@ def error_text(data: dict[str, Any]) -> str:
     return clean(str(detail if detail is not None else data))
 
 
-def _hint(status: int, path: str) -> str:
+def _hint(status: int, path: str, said: str = "") -> str:
     if status == 404 and path.startswith("/reach/capabilities/"):
         return " — `reach capabilities` lists the known ones"
-    if status == 404 and path.endswith("/timeline"):
-        return " — `reach requests` lists recent ones"
+    if status == 404 and path.endswith("/timeline") and "refused at the door" not in said:
+        return (
+            " — `reach requests` lists recent ones; a request the door refused never started "
+            "and has no timeline (the gateway's audit trail has its refusal)"
+        )
     return ""
 
 

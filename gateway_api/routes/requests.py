@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 
 from gateway_api import listing, timeline
 from gateway_api.deps import GatewayDep, ReaderDep, RequestIdPath
+from reach.errors import UnknownRequest
 from reach.listing import (
     CALLER_FILTER,
     CAPABILITY_FILTER,
@@ -97,4 +98,11 @@ async def list_requests(
 async def get_timeline(
     request_id: RequestIdPath, gateway: GatewayDep, reader: ReaderDep
 ) -> Timeline:
-    return await timeline.read_timeline(gateway.client, request_id, reader, gateway.rpc_timeout)
+    try:
+        return await timeline.read_timeline(gateway.client, request_id, reader, gateway.rpc_timeout)
+    except UnknownRequest:
+        # Refused at this gateway's door: it never started, and the 404 says so and why.
+        refused = gateway.guard.refusals.get(request_id, reader) if gateway.guard else None
+        if refused is None:
+            raise
+        raise UnknownRequest(refused.story(request_id)) from None

@@ -76,6 +76,11 @@ class Ledger:
         err = reach_error_of_rpc(exc) if isinstance(exc, RPCError) else exc
         if not isinstance(err, ReachError):
             return  # a bug: the front's last resort answers and logs it
+        if self.guard is not None and self.request.request_id is not None:
+            # Read only if no request of this id exists (`reach trace` of a refused one).
+            self.guard.refusals.note(
+                self.request.request_id, self.caller, err.http_status, err.type, err.message
+            )
         if self.guard is not None and self.decision is not None:
             # Another caller's RequestID: not an outcome of that request (which has its own
             # `invoke` record), a try at it.

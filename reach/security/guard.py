@@ -26,6 +26,7 @@ from reach.config import ConfigError, ReachSettings, RuleSettings
 from reach.errors import Forbidden, ReachError
 from reach.security.audit import AuditLog
 from reach.security.auth import Auth, exposure_problem
+from reach.security.refusals import DoorRefusals
 from reach.security.rules import Decision, RuleBook
 from reach.security.tokens import (
     FileTokenStore,
@@ -69,6 +70,7 @@ class Guard:
         self.cache = TokenCache(self.tokens, resync_s=settings.auth.resync_s)
         self.auth = Auth(settings.auth, self.cache)
         self.audit = AuditLog(settings.audit)
+        self.refusals = DoorRefusals()  # what `reach trace` says of a refused RequestID
         self.file_rules: list[RuleSettings] = list(settings.rules)
         self.override: list[RuleSettings] | None = None
         self.rules = RuleBook(self.file_rules)

@@ -6,6 +6,7 @@ joins and a caller invokes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -207,3 +208,28 @@ def test_config_check_refuses_a_ports_http_that_is_not_listen_port(tmp_path: Pat
         "config", "check", "--config", str(config), cwd=tmp_path, **{"REACH_LISTEN_PORT": "7700"}
     )  # the environment moves the port: the file's two keys are both overridden
     assert done.returncode == 0, done.stderr
+
+
+async def test_trace_of_a_request_refused_at_the_door_says_so(
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+) -> None:
+    # Refused once it had its RequestID (nobody serves the capability): no workflow, no
+    # history; the trace says it was refused and why, not that there is no such request.
+    request_id = f"req-refused-{capability}"
+    r = await invoke(http, gateway, capability, request_id=request_id)
+    assert r.status_code == 404, r.text
+    done = await asyncio.to_thread(
+        _reach_cli, "trace", request_id, "--gateway", gateway.url, cwd=ROOT
+    )
+    assert done.returncode == 1
+    assert f"request {request_id!r} was refused at the door at " in done.stderr
+    assert "never started, so it has no timeline: 404 unknown_capability: no agent has " in (
+        done.stderr
+    )
+    assert "lists recent ones" not in done.stderr
+    # An id the door never saw (or refused before it had one): the hint says that can be why.
+    done = await asyncio.to_thread(
+        _reach_cli, "trace", f"req-never-{capability}", "--gateway", gateway.url, cwd=ROOT
+    )
+    assert done.returncode == 1
+    assert "a request the door refused never started and has no timeline" in done.stderr
