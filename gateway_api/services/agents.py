@@ -163,11 +163,14 @@ class Agents:
         again), also once its record has expired."""
         if principal is not None and principal.kind == "agent":
             await self._owned(instance_id, principal, "leave_refused")
-        try:
-            forgotten = await self.remote.forget(instance_id, principal)
-        except Forbidden as exc:
-            self._refused("leave_refused", exc, principal, instance_id)
-            raise
+        forgotten = False
+        record = await self.registry.get(instance_id)
+        if record is None or record.registered_by_url:  # an agent's own Leave reads no more
+            try:
+                forgotten = await self.remote.forget(instance_id, principal)
+            except Forbidden as exc:
+                self._refused("leave_refused", exc, principal, instance_id)
+                raise
         left = await self.registry.leave(instance_id) or forgotten
         if left and self.guard is not None:
             self.guard.audit.record(
