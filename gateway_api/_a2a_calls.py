@@ -48,12 +48,11 @@ from gateway_api import _a2a_cards as cards
 from gateway_api import listing, timeline
 from gateway_api._a2a_tasks import (
     LIST_FILTERS,
-    TERMINAL,
+    UNDER_WAY,
     RpcError,
     a2a_error,
     payload_of,
     rpc_error_of,
-    state_of,
     status_of,
     task_of,
     task_of_row,
@@ -194,7 +193,7 @@ class Call:
     ) -> AsyncIterator[str]:
         rid = self._task_id(params.id)
         current = await self.gateway.requests.status(rid, self.reader())
-        if state_of(current) in TERMINAL:
+        if current.status not in UNDER_WAY:
             raise a2a_error(
                 UnsupportedOperationError, f"task {rid} already ended ({current.status})"
             )
@@ -396,7 +395,7 @@ class Call:
         rid = self._task_id(params.id)
         principal = self.reader()
         current = await self.gateway.requests.status(rid, principal)
-        if state_of(current) in TERMINAL:
+        if current.status not in UNDER_WAY:
             raise a2a_error(TaskNotCancelableError, f"task {rid} already ended ({current.status})")
         who = self.who(principal)
         engine, guard = self.gateway.engine, self.gateway.guard

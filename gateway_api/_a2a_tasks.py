@@ -41,18 +41,14 @@ STATES: dict[str, TaskState] = {
     "success": TaskState.TASK_STATE_COMPLETED,
     "error": TaskState.TASK_STATE_FAILED,
     "timeout": TaskState.TASK_STATE_FAILED,
-    # What a request whose A2A agent asks for more reads as, once the A2A connector says so.
+    # An A2A agent's task behind the capability asked for input (or auth), or canceled itself:
+    # final for Reach, `result` names the agent's task (docs/protocols/a2a.md).
     "input_required": TaskState.TASK_STATE_INPUT_REQUIRED,
-    "auth_required": TaskState.TASK_STATE_AUTH_REQUIRED,
+    "canceled": TaskState.TASK_STATE_CANCELED,
 }
-TERMINAL = frozenset(
-    {
-        TaskState.TASK_STATE_COMPLETED,
-        TaskState.TASK_STATE_FAILED,
-        TaskState.TASK_STATE_CANCELED,
-        TaskState.TASK_STATE_REJECTED,
-    }
-)
+# The statuses of a request still under way: the others are final, whatever A2A calls them.
+UNDER_WAY = frozenset({"accepted", "running"})
+AUTH_REQUIRED = "auth-required"  # the agent's state, in an input_required result
 # A ListTasks status filter -> the listing's status.
 LIST_FILTERS: dict[int, str] = {
     TaskState.TASK_STATE_WORKING: "running",
@@ -60,11 +56,16 @@ LIST_FILTERS: dict[int, str] = {
     TaskState.TASK_STATE_FAILED: "error",
 }
 RESULT_ARTIFACT = "result"
+_COMPLETED = TaskState.TASK_STATE_COMPLETED
 
 
 def state_of(response: InvokeResponse) -> TaskState:
     if was_cancelled(response):
         return TaskState.TASK_STATE_CANCELED
+    if response.status == "input_required" and (response.result or {}).get("state") == (
+        AUTH_REQUIRED
+    ):
+        return TaskState.TASK_STATE_AUTH_REQUIRED
     return STATES.get(response.status, TaskState.TASK_STATE_WORKING)
 
 
@@ -116,6 +117,10 @@ def task_of(response: InvokeResponse, *, artifacts: bool = True) -> Task:
     error = response.error
     words = error.message if error is not None else None
     detail = error.model_dump(mode="json", exclude_none=True) if error is not None else {}
+    if response.status not in UNDER_WAY and error is None and state != _COMPLETED:
+        # input_required / canceled: the agent's words, and its task's ids to follow up with.
+        detail = response.result or {}
+        words = str(detail.get("message") or response.status)
     task = Task(id=rid, context_id=rid, status=status_of(rid, state, words, detail))
     if artifacts and response.result is not None and state == TaskState.TASK_STATE_COMPLETED:
         task.artifacts.append(result_artifact(response.result))

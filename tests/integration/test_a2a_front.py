@@ -42,12 +42,14 @@ from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct, Value
 
 from reach.security.tokens import FileTokenStore, issue, mirror_path
+from tests.a2a_agents import A2AAgentProcess
 from tests.conftest import new_stack
 from tests.helpers import Agent, CallbackReceiver, GatewayProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
 FAST, SLOW = "a2a-fast", "a2a-slow"
+BEHIND = "a2a-behind"  # an A2A agent (tests/a2a_agents.py) registered by URL
 COMPLETED = TaskState.TASK_STATE_COMPLETED
 WEBHOOK_KEY = f"test-master-{uuid.uuid4().hex}"
 
@@ -98,8 +100,16 @@ async def front(
             Agent(a, "a2a-fast-1", FAST, env=env),
             Agent(a, "a2a-slow-1", SLOW, "--delay-ms", "2500", env=env),
         ]
+        behind = A2AAgentProcess(tmp, "behind")
         for agent in agents:
             await agent.ready()
+        await behind.ready()
+        async with httpx.AsyncClient(trust_env=False, headers=bearer(tokens["kr"])) as http:
+            joined = await http.post(
+                f"{a.url}/reach/agents",
+                json={"capability": BEHIND, "protocol": "a2a", "service_address": behind.url},
+            )
+            assert joined.status_code == 200, joined.text
         yield Front(a, b, tokens)
     finally:
         a.proc.stop()
@@ -383,3 +393,22 @@ async def test_a_push_config_is_the_requests_callback(front: Front) -> None:
             await client.create_task_push_notification_config(
                 TaskPushNotificationConfig(task_id=task_id, url=f"{receiver.url}/other")
             )
+
+
+async def test_the_front_in_front_of_an_a2a_agent_asks_for_input_and_takes_the_follow_up(
+    front: Front,
+) -> None:
+    client, http = await client_of(front.a, BEHIND, front.tokens["orchestrator"], streaming=False)
+    async with aclosing(http):
+        [echoed] = await events_of(client, message({"x": 1}, operation="echo"))
+        assert echoed.task.status.state == COMPLETED
+        assert result_of(echoed.task) == {"echo": {"x": 1}}
+        [asked] = await events_of(client, message({"x": 1}, operation="ask"))
+        status = asked.task.status
+        assert status.state == TaskState.TASK_STATE_INPUT_REQUIRED, asked
+        assert status.message.parts[0].text == "What is your name?"
+        ids = json_format.MessageToDict(status.message.parts[1].data)
+        follow_up = {"name": "Ada", "_a2a": {k: ids[k] for k in ("task_id", "context_id")}}
+        [greeted] = await events_of(client, message(follow_up, operation="ask"))
+    assert greeted.task.status.state == COMPLETED, greeted
+    assert result_of(greeted.task) == {"hello": "Ada"}

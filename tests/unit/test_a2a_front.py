@@ -128,7 +128,17 @@ def test_a_response_reads_as_its_task() -> None:
     assert state_of(cancelled) == TaskState.TASK_STATE_CANCELED
     for status in ("accepted", "running", "success", "error", "timeout"):
         assert status in STATES
-        assert f"`{status}`" in DOC
+    for status in STATES:
+        assert f"`{status}`" in DOC, status
+    asked = InvokeResponse(
+        request_id="req-4",
+        status="input_required",
+        result={"task_id": "t", "context_id": "c", "state": "auth-required", "message": "who?"},
+    )
+    needs = task_of(asked)
+    assert needs.status.state == TaskState.TASK_STATE_AUTH_REQUIRED
+    assert needs.status.message.parts[0].text == "who?"
+    assert json_format.MessageToDict(needs.status.message.parts[1].data)["task_id"] == "t"
     validate_proto_required_fields(SendMessageRequest(message=_message(Part(text="x"))))
 
 
