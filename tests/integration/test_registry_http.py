@@ -83,7 +83,7 @@ async def test_join_declares_operations_by_name_or_object(
     assert instance["operations"] == ["stats", "query", "index", "warm"]
     assert instance["declared"] == {
         "query": {"name": "query", "idempotent": True, "timeout_ms": 3000},
-        "index": {"name": "index", "idempotent": False, "timeout_ms": None},
+        "index": {"name": "index", "idempotent": False},  # what it left unsaid is not stored
     }
     for operations, message in [
         (
