@@ -70,6 +70,9 @@ from reach.telemetry.metrics import ReachMetrics
 log = logging.getLogger("reach.activities")
 
 HEARTBEAT_EVERY_S = 2.0
+# Inside one look at an agent's task (reach.follow_task): the pauses between its questions.
+FOLLOW_FIRST_PAUSE_S = 0.01
+FOLLOW_MAX_PAUSE_S = 1.0
 
 
 def to_application_error(err: ReachError) -> ApplicationError:
@@ -266,10 +269,24 @@ class ReachActivities:
     @activity.defn(name=ACTIVITY_FOLLOW_TASK)
     async def follow_task(self, inp: FollowTaskInput) -> Reply:
         """One look at an agent's long work (an A2A task) a call answered with a handle for:
-        a read, safe to repeat, never a resend of the request."""
+        questions (reads, safe to repeat, never a resend of the request) until the work ends
+        or `window_ms` passes; the last answer."""
         try:
             connector = self.connectors.get(inp.endpoint.protocol)
-            return await connector.follow(inp.endpoint, inp.handle, inp.timeout_ms / 1000)
+            loop = asyncio.get_running_loop()
+            until = loop.time() + inp.window_ms / 1000
+            handle, pause = inp.handle, FOLLOW_FIRST_PAUSE_S
+            while True:
+                left = until - loop.time()
+                timeout_s = min(inp.timeout_ms / 1000, left) if left > 0 else inp.timeout_ms / 1000
+                reply = await connector.follow(inp.endpoint, handle, timeout_s)
+                if reply.status != "accepted" or until - loop.time() <= pause:
+                    return reply
+                handle = {**handle, **(reply.follow or {})}
+                if not _runs_local():
+                    activity.heartbeat()
+                await asyncio.sleep(pause)
+                pause = min(pause * 1.5, FOLLOW_MAX_PAUSE_S)
         except ReachError as err:
             raise to_application_error(err) from err
         except Exception as exc:

@@ -216,7 +216,10 @@ class FollowTaskInput(BaseModel):
 
     endpoint: Endpoint
     handle: dict[str, Any]
-    timeout_ms: int
+    timeout_ms: int = Field(description="What one question to the agent may take.")
+    window_ms: int = Field(
+        default=0, description="How long to keep asking while the work goes on (0: once)."
+    )
     request_id: str = ""
 
 

@@ -2,14 +2,18 @@
 
 The call's `Reply.follow` is in the request's history (the activity's result), so from there on
 nothing sends the message again: a worker or gateway that restarts replays to the same handle
-and goes on following it. Following is a loop of durable timers, each followed by one look
-(`reach.follow_task`, a read such as A2A's `GetTask`):
+and goes on following it. Following is a loop of looks (`reach.follow_task`), each a regular
+activity that asks about the task (A2A: `GetTask`) for up to `LOOK_WINDOW_MS`, polling in its
+process from 10 ms apart growing to a second, and returns as soon as the task has ended:
 
-- the waits grow from `FIRST_WAIT_S` by `GROWTH` to at most `MAX_WAIT_S` (a task of a few
-  seconds is seen ending within a few tenths of a second; a day-long one costs about a
-  thousand looks in its history), and never run past the deadline;
-- a late answer (an agent's push, as `POST /reach/requests/{id}/result`) ends the wait at once;
-- a look that gets no answer (the agent unreachable, or slow) is tried again on the next timer;
+- the first look is scheduled at once: scheduling a regular activity completes the workflow
+  task, which records the handle before anything else happens (a durable timer would do the
+  same, but Temporal fires timers shorter than a second only after about one);
+- a task still going after a look's window waits on a durable timer, from `FIRST_WAIT_S`
+  growing by `GROWTH` to `MAX_WAIT_S`, never past the deadline, before the next look (a day-long
+  task costs about a thousand looks in its history);
+- a late answer (`POST /reach/requests/{id}/result`) ends a wait at once;
+- a look that gets no answer (the agent unreachable or slow, the worker lost) is tried again;
   after `UNREACHABLE_S` without one the request ends `transport_error`, its outcome unknown;
 - a final look ends the request: success, `input_required`, `canceled`, or the agent's error;
 - when the deadline passes first, the agent is asked to stop (`reach.cancel_task`) and the
@@ -42,12 +46,14 @@ with workflow.unsafe.imports_passed_through():
         LateAnswer,
     )
     from reach.messages import ErrorInfo, InvokeResponse, Reply, RequestStatus
-    from workflows._failures import Failed
+    from workflows._failures import error_of
 
-FIRST_WAIT_S = 0.05
+FIRST_WAIT_S = 1.0
 GROWTH = 1.5
 MAX_WAIT_S = 60.0
-LOOK_TIMEOUT_MS = 10_000
+LOOK_WINDOW_MS = 10_000
+LOOK_TIMEOUT_MS = 5_000
+LOOK_HEARTBEAT = timedelta(seconds=10)
 UNREACHABLE_S = 10.0
 CANCEL_TIMEOUT = timedelta(seconds=5)
 _ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
@@ -86,16 +92,6 @@ class TaskFollowing:
     def _answered_late(self, inp: InvokeInput, instance_id: str | None) -> InvokeResponse:
         raise NotImplementedError
 
-    async def _run(
-        self,
-        inp: InvokeInput,
-        name: str,
-        arg: Any,
-        result_type: type[Any],
-        instance_id: str | None,
-    ) -> Any:
-        raise NotImplementedError
-
     def _final_reply(self, inp: InvokeInput, reply: Reply, instance_id: str) -> InvokeResponse:
         """The envelope of a final reply (ok, input_required, canceled)."""
         if reply.status == "ok":
@@ -111,11 +107,11 @@ class TaskFollowing:
         unanswered_since: int | None = None
         while True:
             remaining = self._deadline_ms - self._now_ms()
-            if self._late is None and remaining > 0:
+            if look > 0 and self._late is None and remaining > 0:
                 with contextlib.suppress(builtins.TimeoutError):
                     await workflow.wait_condition(
                         lambda: self._late is not None,
-                        timeout=timedelta(seconds=min(wait_before(look), remaining / 1000)),
+                        timeout=timedelta(seconds=min(wait_before(look - 1), remaining / 1000)),
                     )
             if self._late is not None:
                 return self._answered_late(inp, instance_id)
@@ -124,20 +120,9 @@ class TaskFollowing:
                 return await self._task_past_deadline(inp, endpoint, handle)
             look += 1
             try:
-                reply: Reply = await self._run(
-                    inp,
-                    ACTIVITY_FOLLOW_TASK,
-                    FollowTaskInput(
-                        endpoint=endpoint,
-                        handle=handle,
-                        timeout_ms=max(1, min(remaining, LOOK_TIMEOUT_MS)),
-                        request_id=inp.request_id,
-                    ),
-                    Reply,
-                    instance_id,
-                )
-            except Failed as failed:
-                error = failed.error
+                reply = await self._look(inp, endpoint, handle, remaining)
+            except (ActivityError, ApplicationError, TimeoutError) as exc:
+                error = error_of(exc, instance_id).error
                 if error.type not in ("transport_error", "timeout"):
                     return self._envelope(inp, "error", error=error, instance_id=instance_id)
                 now = self._now_ms()
@@ -161,6 +146,31 @@ class TaskFollowing:
                 handle = {**handle, **(reply.follow or {})}
                 continue
             return self._final_reply(inp, reply, instance_id)
+
+    async def _look(
+        self, inp: InvokeInput, endpoint: Endpoint, handle: dict[str, Any], remaining_ms: int
+    ) -> Reply:
+        """One look: a regular activity (scheduling it records the handle before anything
+        else happens) that asks about the task for up to a window, polling in process."""
+        window = max(1, min(remaining_ms, LOOK_WINDOW_MS))
+        arg = FollowTaskInput(
+            endpoint=endpoint,
+            handle=handle,
+            timeout_ms=min(window, LOOK_TIMEOUT_MS),
+            window_ms=window,
+            request_id=inp.request_id,
+        )
+        queue = capability_queue(inp.target) if inp.plan.mode == "queue" else None
+        reply: Reply = await workflow.execute_activity(
+            ACTIVITY_FOLLOW_TASK,
+            arg,
+            result_type=Reply,
+            task_queue=queue,
+            schedule_to_close_timeout=timedelta(milliseconds=window + LOOK_TIMEOUT_MS),
+            heartbeat_timeout=LOOK_HEARTBEAT,
+            retry_policy=_ONE_ATTEMPT,
+        )
+        return reply
 
     async def _task_past_deadline(
         self, inp: InvokeInput, endpoint: Endpoint, handle: dict[str, Any]
