@@ -161,9 +161,10 @@ class Prober:
         try:
             async with self._slots:
                 return await self.probe(registration, record)
-        except Exception:  # a connector's bug: this instance's probe, not the round
-            log.exception("probe of %s failed unexpectedly", registration.instance_id)
-            self._failed(registration, "internal", "the probe raised (see the log)")
+        except Exception as exc:  # a connector's bug: this instance's probe, not the round
+            if registration.instance_id not in self.failing:  # its traceback once, not a round
+                log.exception("probe of %s failed unexpectedly", registration.instance_id)
+            self._failed(registration, "internal", f"the probe raised {exc!r}"[:300])
             return "internal"
         finally:
             self.inflight.discard(registration.instance_id)

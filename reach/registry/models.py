@@ -261,9 +261,23 @@ class InstanceRecord(BaseModel):
     # An instance registered by URL (`registered_by_url`): what its discovery found, and its
     # version and ETag, for the probe. Left out of a joined instance's record: joined records
     # are stored as before, and an older gateway reads either (it ignores what it lacks).
-    registered_by_url: bool = Field(default=False, exclude_if=lambda v: not v)
-    details: dict[str, Any] = Field(default_factory=dict, exclude_if=lambda v: not v)
-    discovery_version: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    registered_by_url: bool = Field(
+        default=False,
+        exclude_if=lambda v: not v,
+        description="Registered by its URL (an A2A agent, an MCP server) and kept alive by "
+        "probes; absent for an instance that joined (docs/instances-by-url.md).",
+    )
+    details: dict[str, Any] = Field(
+        default_factory=dict,
+        exclude_if=lambda v: not v,
+        description="What discovery found, the protocol's own: an A2A card's name and "
+        "JSON-RPC URL, an MCP server's protocol version.",
+    )
+    discovery_version: str | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="Changes whenever what the instance serves changes.",
+    )
     discovery_etag: str | None = Field(default=None, exclude_if=lambda v: v is None)
     status: HealthStatus = "ok"
     checks: dict[str, Any] = Field(default_factory=dict)
