@@ -214,13 +214,16 @@ class McpServer:
         meta: dict[str, Any] | None = None,
         on_notification: Callable[[dict[str, Any]], None] | None = None,
         sent: list[Sent] | None = None,
+        tasks: bool = False,
     ) -> dict[str, Any]:
         """The result of `method`, resent once (in a new session, or after negotiating again)
-        when the server said it did not run it. `sent` collects what went on the wire."""
+        when the server said it did not run it. `sent` collects what went on the wire; `tasks`
+        declares the tasks extension (2026-07-28)."""
         negotiated = await self.ready()
         for again in (False, True):
             rpc_id = next_id()
-            full = {**params, "_meta": {**w.envelope_meta(negotiated.version), **(meta or {})}}
+            envelope = w.envelope_meta(negotiated.version, tasks=tasks)
+            full = {**params, "_meta": {**envelope, **(meta or {})}}
 
             def on_send(rpc_id: int = rpc_id, negotiated: Negotiated = negotiated) -> None:
                 if sent is not None:

@@ -52,6 +52,8 @@ META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
 CLIENT_INFO = {"name": "agent-reach", "version": "1"}
+TASKS = "io.modelcontextprotocol/tasks"
+MAX_TASK_ID_CHARS = 256
 
 # JSON-RPC and MCP error codes this connector tells apart.
 PARSE_ERROR = -32700
@@ -112,12 +114,14 @@ def header_value(value: str) -> str:
     return f"=?base64?{base64.b64encode(value.encode()).decode('ascii')}?="
 
 
-def envelope_meta(version: str) -> dict[str, Any]:
+def envelope_meta(version: str, *, tasks: bool = False) -> dict[str, Any]:
     """What a 2026-07-28 request's `params._meta` must carry (empty for the session-based
-    generations, which said it once at `initialize`)."""
+    generations, which said it once at `initialize`); `tasks`: declare the tasks extension
+    (a tool call may then be answered with a task, which Reach follows)."""
     if version != MODERN:
         return {}
-    return {META_VERSION: MODERN, META_CAPABILITIES: {}, META_CLIENT_INFO: CLIENT_INFO}
+    capabilities: dict[str, Any] = {"extensions": {TASKS: {}}} if tasks else {}
+    return {META_VERSION: MODERN, META_CAPABILITIES: capabilities, META_CLIENT_INFO: CLIENT_INFO}
 
 
 def request_headers(
@@ -296,7 +300,7 @@ def _text_of(blocks: list[Any]) -> str | None:
     return "\n".join(texts) if texts else None
 
 
-def tool_reply(result: dict[str, Any], where: str, limit: int) -> Reply:
+def tool_reply(result: dict[str, Any], where: str, limit: int, *, tasks: bool = False) -> Reply:
     """A `tools/call` result as Reach's Reply (the mapping rule of docs/protocols/mcp.md):
 
     - `isError: true`: an `agent_error` (not retryable: the tool ran and said no), with the
@@ -304,9 +308,13 @@ def tool_reply(result: dict[str, Any], where: str, limit: int) -> Reply:
     - `structuredContent` when present: the result (an object as it is, another JSON value
       as `{"value": ...}`);
     - else the content blocks, lossless: `{"content": [...]}`, plus `"text"`, the text blocks
-      joined by newlines, when there is any.
+      joined by newlines, when there is any;
+    - a task (`resultType: "task"`, only when the call declared the tasks extension): accepted,
+      with the task to follow.
     """
     kind = result.get("resultType", "complete")
+    if kind == "task" and tasks:
+        return Reply(status="accepted", follow=task_handle(result, where))
     if kind != "complete":
         raise AgentError(
             f"{where} answered a {kind!r} result, which Reach cannot continue "
@@ -392,3 +400,52 @@ def discovery(tools: list[Any], details: dict[str, Any]) -> Discovery:
             "skipped_count": len(skipped),
         }
     return Discovery(operations=operations, version=version, details=details)
+
+
+# -- the tasks extension (io.modelcontextprotocol/tasks, 2026-07-28) -------------------------------
+
+
+def task_handle(task: dict[str, Any], where: str) -> dict[str, Any]:
+    """What the request's history keeps to follow a task: its id (and the poll interval the
+    server asked for)."""
+    task_id = task.get("taskId")
+    if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_TASK_ID_CHARS:
+        raise AgentError(f"{where} answered a task without a usable taskId", retryable=False)
+    handle: dict[str, Any] = {"task_id": task_id}
+    poll = task.get("pollIntervalMs")
+    if isinstance(poll, int) and not isinstance(poll, bool) and poll >= 0:
+        handle["poll_ms"] = poll
+    return handle
+
+
+def task_reply(task: dict[str, Any], where: str, limit: int) -> Reply:
+    """A `tasks/get` result as where the call stands: still working (accepted, to be followed),
+    its tool's answer (the result rule), its JSON-RPC error, or a task that ended otherwise
+    (`input_required`: Reach cannot give the input; `canceled`)."""
+    handle = task_handle(task, where)
+    status = task.get("status")
+    said = task.get("statusMessage")
+    words = {"message": str(said)[:1000]} if said else {}
+    if status == "working":
+        return Reply(status="accepted", follow=handle)
+    if status == "completed":
+        result = task.get("result")
+        if not isinstance(result, dict):
+            raise AgentError(f"{where} completed task {handle['task_id']} without a result")
+        return tool_reply(result, where, limit)
+    if status == "failed":
+        error = error_for(task.get("error"), f"{where} (task {handle['task_id']})")
+        if isinstance(error, ReachError):
+            raise error
+        raise AgentError(f"{where}: task {handle['task_id']} failed: {error}", retryable=False)
+    if status == "input_required":
+        asked = task.get("inputRequests")
+        keys = sorted(asked)[:20] if isinstance(asked, dict) else []
+        result = {"task_id": handle["task_id"], "state": "input_required", **words}
+        return Reply(status="input_required", result={**result, "input_requests": keys})
+    if status == "cancelled":
+        return Reply(
+            status="canceled",
+            result={"task_id": handle["task_id"], "state": "cancelled", **words},
+        )
+    raise AgentError(f"{where}: task {handle['task_id']} is {str(status)[:40]!r}", retryable=False)

@@ -43,6 +43,9 @@ from reach.security.netguard import AddressGuard, host_port
 
 log = logging.getLogger("connectors.mcp")
 
+# The wire's rules (what each answer means), public for the tests that check them.
+wire_rules = w
+
 DISCOVER_TIMEOUT_S = 10.0
 # Calls sent whose answer never came, remembered so that a re-delivery is not sent again.
 MAX_REMEMBERED_UNKNOWN = 10_000
@@ -192,6 +195,7 @@ class McpConnector(PooledConnector):
                         meta=reach_meta(header),
                         on_notification=self._progress,
                         sent=sent,
+                        tasks=True,
                     )
         except DeadlineExceeded:
             if sent:
@@ -211,7 +215,57 @@ class McpConnector(PooledConnector):
             raise
         finally:
             self._pools.release(entry)
-        return w.tool_reply(result, where, limit)
+        # A task is followed only where the call declared the extension (2026-07-28).
+        return w.tool_reply(result, where, limit, tasks=bool(sent) and sent[-1].negotiated.modern)
+
+    # -- tasks (io.modelcontextprotocol/tasks) ---------------------------------------------------
+
+    async def _task_request(
+        self, endpoint: Endpoint, method: str, handle: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        task_id = str(handle.get("task_id") or "")
+        limit = endpoint.max_message_bytes or self.transport.max_message_bytes
+        entry = self._pools.acquire(
+            endpoint.address, endpoint.capability, instance_id=endpoint.instance_id
+        )
+        server = entry.value
+        if server.negotiated is None and server.hint is None:
+            server.hint = w.MODERN  # only a 2026-07-28 server hands out tasks
+        try:
+            with map_httpx_exceptions(endpoint.address):
+                async with asyncio.timeout(max(timeout_s, 0.001)):
+                    # Mcp-Name carries the task id, for whatever routes by it to its holder.
+                    return await server.request(
+                        method,
+                        {"taskId": task_id},
+                        limit=w.read_limit(limit),
+                        name=task_id,
+                        tasks=True,
+                    )
+        finally:
+            self._pools.release(entry)
+
+    async def follow(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> Reply:
+        """Where the task `handle` names stands (`tasks/get`). A task the server no longer
+        knows (-32602) is an agent_error whose outcome is unknown: it may have run."""
+        where = f"MCP server {endpoint.instance_id}"
+        try:
+            task = await self._task_request(endpoint, "tasks/get", handle, timeout_s)
+        except AgentError as exc:
+            if exc.fault is not None and exc.fault.status == w.INVALID_PARAMS:
+                exc.message = (
+                    f"{where} no longer knows task {handle.get('task_id')} (it was working when "
+                    f"last seen): it may have run; it said: {exc.fault.message}"
+                )
+                exc.outcome_unknown = True
+            raise
+        return w.task_reply(
+            task, where, endpoint.max_message_bytes or self.transport.max_message_bytes
+        )
+
+    async def cancel(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> None:
+        """Ask the server to stop the task (`tasks/cancel`; cooperative: it may finish anyway)."""
+        await self._task_request(endpoint, "tasks/cancel", handle, timeout_s)
 
     def _progress(self, notification: dict[str, Any]) -> None:
         if notification.get("method") == "notifications/progress":

@@ -12,7 +12,10 @@ Modes (one endpoint, `/mcp`):
 Tools: `echo` (text content), `lookup` (read-only, structured), `put` (idempotent), `count`
 (neither: each call appends a line to the --calls file first, so a test counts calls across
 restarts; `sleep_s` holds it after), `slow` (reports progress, sleeps; a cancellation is
-recorded), `fail` (answers isError). `GET /_seen` tells what the server received: each
+recorded), `fail` (answers isError), `long_task` (2026-07-28 with the tasks extension
+declared: answered with a task that completes after `seconds`, followed by tasks/get and
+stopped by tasks/cancel — the SDK has no tasks receiver, so this server's own code serves the
+extension; otherwise it just runs). `GET /_seen` tells what the server received: each
 JSON-RPC method with its `_meta` and session header, and the tool calls that were cancelled.
 
 `McpServerProcess` starts one and restarts, kills and asks it.
@@ -86,6 +89,11 @@ def build(mode: str, calls: Path) -> Any:
     def fail(reason: str) -> str:
         raise ToolError(f"refused: {reason}")
 
+    @server.tool(description="A long job (a task where the client takes tasks).")
+    async def long_task(seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "finished"
+
     app = server.streamable_http_app(stateless_http=mode == "stateless")
 
     async def seen(request: Request) -> JSONResponse:
@@ -133,6 +141,8 @@ def build(mode: str, calls: Path) -> Any:
             )
             await send({"type": "http.response.body", "body": body})
             return
+        if mode != "session" and await serve_task(decoded, headers, send):
+            return
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -145,6 +155,69 @@ def build(mode: str, calls: Path) -> Any:
         await app(scope, replay, send)
 
     return wrapped
+
+
+TASK_EXTENSION = "io.modelcontextprotocol/tasks"
+TASKS: dict[str, dict[str, Any]] = {}
+RUNNING: dict[str, asyncio.Task[None]] = {}
+
+
+async def answer(send: Any, status: int, message: dict[str, Any]) -> None:
+    body = json.dumps({"jsonrpc": "2.0", **message}).encode()
+    start = {"type": "http.response.start", "status": status}
+    await send({**start, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def serve_task(decoded: Any, headers: dict[str, str], send: Any) -> bool:
+    """The tasks extension for `long_task`, tasks/get and tasks/cancel; False: not for it."""
+    if not isinstance(decoded, dict) or headers.get("mcp-protocol-version") != "2026-07-28":
+        return False
+    method, params, rpc_id = decoded.get("method"), decoded.get("params") or {}, decoded.get("id")
+    meta = params.get("_meta") or {}
+    declared = TASK_EXTENSION in (
+        (meta.get("io.modelcontextprotocol/clientCapabilities") or {}).get("extensions") or {}
+    )
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if method == "tools/call" and params.get("name") == "long_task" and declared:
+        task_id = f"task-{len(TASKS) + 1}-{time.monotonic_ns()}"
+        task = TASKS[task_id] = {
+            "taskId": task_id,
+            "status": "working",
+            "createdAt": now,
+            "lastUpdatedAt": now,
+            "ttlMs": 600_000,
+            "pollIntervalMs": 50,
+        }
+
+        async def run(seconds: float) -> None:
+            try:
+                await asyncio.sleep(seconds)
+            except asyncio.CancelledError:
+                task["status"] = "cancelled"
+                CANCELLED.append(f"task {task_id}")
+                return
+            result = {"content": [{"type": "text", "text": "finished"}], "isError": False}
+            task.update(status="completed", result=result)
+
+        RUNNING[task_id] = asyncio.get_running_loop().create_task(
+            run(float((params.get("arguments") or {}).get("seconds", 0)))
+        )
+        await answer(send, 200, {"id": rpc_id, "result": {"resultType": "task", **task}})
+        return True
+    if method in ("tasks/get", "tasks/cancel"):
+        task = TASKS.get(str(params.get("taskId")))
+        if task is None or not declared:
+            error = {"code": -32602, "message": "Failed to retrieve task: Task not found"}
+            await answer(send, 400, {"id": rpc_id, "error": error})
+            return True
+        if method == "tasks/cancel":
+            RUNNING[task["taskId"]].cancel()
+            await answer(send, 200, {"id": rpc_id, "result": {"resultType": "complete"}})
+            return True
+        await answer(send, 200, {"id": rpc_id, "result": {"resultType": "complete", **task}})
+        return True
+    return False
 
 
 def main() -> None:

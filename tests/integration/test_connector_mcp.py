@@ -72,7 +72,7 @@ async def test_tools_are_discovered_as_operations(
 ) -> None:
     found = await connector.discover(servers[mode].url)
     ops = {op.name: op for op in found.operations}
-    assert set(ops) == {"echo", "lookup", "put", "count", "slow", "fail"}
+    assert set(ops) == {"echo", "lookup", "put", "count", "slow", "fail", "long_task"}
     # Annotations decide: readOnlyHint or idempotentHint is idempotent, nothing else is.
     assert {name for name, op in ops.items() if op.idempotent} == {"lookup", "put"}
     assert ops["echo"].description == "Say the text back."
@@ -240,6 +240,35 @@ async def test_invoked_through_a_gateway(
         assert error["type"] == "agent_error"
         assert error["agent"]["type"] == "tool_error"
         assert "refused: x" in error["agent"]["message"]
+
+
+async def test_a_long_call_answered_with_a_task_is_followed(
+    gateway: GatewayProcess,
+    http: httpx.AsyncClient,
+    servers: dict[str, McpServerProcess],
+    capability: str,
+) -> None:
+    server = servers["stateless"]
+    async with registered(http, gateway, server, capability):
+        url = f"{gateway.url}/reach/invoke"
+        body = {"target": capability, "operation": "long_task", "payload": {"seconds": 0.5}}
+        r = await http.post(url, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["result"] == {
+            "content": [{"type": "text", "text": "finished"}],
+            "text": "finished",
+        }
+        methods = [s["method"] for s in (await server.seen())["seen"]]
+        assert "tasks/get" in methods
+        # Past its deadline the task is cancelled (tasks/cancel), and the request is a timeout.
+        r = await http.post(url, json={**body, "payload": {"seconds": 60}, "timeout_ms": 1500})
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["outcome_unknown"] is True
+
+        async def cancelled() -> bool:
+            return any(c.startswith("task ") for c in (await server.seen())["cancelled"])
+
+        await wait_until(cancelled, 10)
 
 
 async def test_a_server_killed_mid_call_is_an_unknown_outcome_never_run_twice(

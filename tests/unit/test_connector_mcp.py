@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from connectors import _mcp_wire as w
+from connectors.mcp import wire_rules as w
 from reach.errors import AgentError, DeadlineExceeded, TransportError
 from reach.registry.models import MAX_DESCRIPTION_CHARS
 
@@ -186,3 +186,35 @@ def test_headers_of_each_generation() -> None:
     assert older["Mcp-Session-Id"] == "s-1"
     assert "Mcp-Method" not in older
     assert w.header_value("echo") == "echo"
+
+
+def test_a_task_is_followed_until_it_ends() -> None:
+    created = {"resultType": "task", "taskId": "t-1", "status": "working", "pollIntervalMs": 50}
+    accepted = w.tool_reply(created, WHERE, 1000, tasks=True)
+    assert (accepted.status, accepted.follow) == ("accepted", {"task_id": "t-1", "poll_ms": 50})
+    with pytest.raises(AgentError, match="'task' result"):  # not declared: not a valid answer
+        w.tool_reply(created, WHERE, 1000)
+    base = {"resultType": "complete", "taskId": "t-1"}
+    assert w.task_reply({**base, "status": "working"}, WHERE, 1000).status == "accepted"
+    done = {**base, "status": "completed", "result": {"content": [{"type": "text", "text": "ok"}]}}
+    assert w.task_reply(done, WHERE, 1000).result == {
+        "content": [{"type": "text", "text": "ok"}],
+        "text": "ok",
+    }
+    failed = {**base, "status": "failed", "error": {"code": -32603, "message": "rate limit"}}
+    with pytest.raises(AgentError) as err:
+        w.task_reply(failed, WHERE, 1000)
+    assert err.value.fault is not None
+    assert err.value.fault.message == "rate limit"
+    stopped = w.task_reply({**base, "status": "cancelled", "statusMessage": "by admin"}, WHERE, 9)
+    assert (stopped.status, stopped.result) == (
+        "canceled",
+        {"task_id": "t-1", "state": "cancelled", "message": "by admin"},
+    )
+    asks = {**base, "status": "input_required", "inputRequests": {"name": {}}}
+    waiting = w.task_reply(asks, WHERE, 1000)
+    assert waiting.status == "input_required"
+    assert waiting.result is not None
+    assert waiting.result["input_requests"] == ["name"]
+    with pytest.raises(AgentError, match="taskId"):
+        w.task_reply({"status": "working", "taskId": "x" * 300}, WHERE, 1000)
