@@ -5,6 +5,8 @@
     ping              {}
     tools/list        every routable capability.operation the caller's rules allow
     tools/call        one durable invoke through the door (`Door.invoke`), like POST /reach/invoke
+    tasks/get|cancel  the tasks extension: a long call as a task whose id is its RequestID
+                      (2026-07-28; `gateway_api._mcp_tasks`)
 
 Both protocol generations on one endpoint (`gateway_api._mcp_wire`): a request that carries
 its version in `params._meta` is the stateless protocol, anything else the handshake one,
@@ -40,16 +42,16 @@ result with `isError: true`. A body over `Limits.max_body_bytes` is 413.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
-from urllib.parse import urlsplit
 
 from starlette.datastructures import State
 from starlette.types import Receive, Scope, Send
 from temporalio.service import RPCError
 
 import reach
+from gateway_api import _mcp_http as http
+from gateway_api import _mcp_tasks as tasks
 from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_tools import Catalog, call_result, rpc_error_of
 from gateway_api.errors import reach_error_of_rpc
@@ -83,24 +85,21 @@ def is_mcp(scope: Scope) -> bool:
     return bool(scope["type"] == "http" and scope["path"] in PATHS)
 
 
-class _Answer(Exception):
-    """An HTTP answer decided before any JSON-RPC dispatch (401, 403, 405, 413, 415)."""
-
-    def __init__(self, status: int, body: dict[str, Any] | None, headers: dict[str, str]) -> None:
-        super().__init__(status)
-        self.status, self.body, self.headers = status, body, headers
-
-
 class _Call:
-    """The MCP front's side of the door: it keeps the RequestID once the door has one."""
+    """The MCP front's side of the door: it keeps the RequestID once the door has one, and
+    hears when the request is durable (`started`)."""
 
-    __slots__ = ("request_id",)
+    __slots__ = ("durable", "request_id")
 
     def __init__(self) -> None:
         self.request_id: str | None = None
+        self.durable = asyncio.Event()
 
     async def named(self, request_id: str, caller: str) -> None:
         self.request_id = request_id
+
+    async def started(self, request_id: str) -> None:
+        self.durable.set()
 
 
 class McpFront:
@@ -132,17 +131,17 @@ class McpFront:
                 await self._post(scope, receive, send)
             elif scope["method"] == "DELETE":  # nothing is kept per session: nothing to end
                 self._identify(scope, metadata_of(scope))
-                await _send(send, 204, b"", {})
+                await http.respond(send, 204, b"", {})
             else:  # no server-initiated stream (GET): the specification's 405
-                await _send_json(send, 405, None, {"allow": "POST, DELETE"})
-        except _Answer as answer:
-            await _send_json(send, answer.status, answer.body, answer.headers)
+                await http.respond_json(send, 405, None, {"allow": "POST, DELETE"})
+        except http.Answer as answer:
+            await http.respond_json(send, answer.status, answer.body, answer.headers)
 
     # -- the metadata document -------------------------------------------------------------
 
     async def _metadata(self, scope: Scope, send: Send) -> None:
         if scope["method"] not in ("GET", "HEAD"):
-            await _send_json(send, 405, None, {"allow": "GET"})
+            await http.respond_json(send, 405, None, {"allow": "GET"})
             return
         document = {
             "resource": self._base(scope) + PATH,
@@ -151,7 +150,7 @@ class McpFront:
             "resource_documentation": "https://agent-reach.dev/mcp-front/",
         }
         headers = {"access-control-allow-origin": "*", "cache-control": "max-age=300"}
-        await _send_json(send, 200, document, headers)
+        await http.respond_json(send, 200, document, headers)
 
     def _base(self, scope: Scope) -> str:
         public = self.gateway.settings.public_url
@@ -170,18 +169,18 @@ class McpFront:
         if settings.listen_host in ("0.0.0.0", "::"):
             return True
         names = _LOOPBACK | {settings.listen_host.strip("[]").lower()}
-        public = _hostname(settings.public_url, url=True) if settings.public_url else None
+        public = http.hostname(settings.public_url, url=True) if settings.public_url else None
         return host is not None and (host in names or host == public)
 
     def _identify(self, scope: Scope, headers: dict[str, str]) -> Identity:
-        host = _hostname(headers.get("host", ""))
+        host = http.hostname(headers.get("host", ""))
         if not self._host_allowed(host):
             said = f"Host {headers.get('host', '')[:100]!r} is not this gateway's name"
-            raise _Answer(403, _refusal("forbidden", said), {})
+            raise http.Answer(403, http.refusal("forbidden", said), {})
         origin = headers.get("origin")
-        if origin is not None and _hostname(origin, url=True) not in (_LOOPBACK | {host}):
+        if origin is not None and http.hostname(origin, url=True) not in (_LOOPBACK | {host}):
             said = f"Origin {origin[:100]!r} may not call this gateway"
-            raise _Answer(403, _refusal("forbidden", said), {})
+            raise http.Answer(403, http.refusal("forbidden", said), {})
         guard = self.gateway.guard
         try:
             return identify(headers, guard.auth if guard is not None else None)
@@ -197,20 +196,22 @@ class McpFront:
                     value += ', error="invalid_token"'
                 extra["www-authenticate"] = value
             status = 400 if exc.http_status == 422 else exc.http_status
-            raise _Answer(status, _refusal(exc.type, exc.message), extra) from None
+            raise http.Answer(status, http.refusal(exc.type, exc.message), extra) from None
 
     async def _post(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = metadata_of(scope)
         identity = self._identify(scope, headers)
         if "json" not in headers.get("content-type", "application/json"):
-            raise _Answer(415, _refusal("invalid_request", "the body is JSON-RPC (JSON)"), {})
-        raw = await _read(receive, self.limit)
+            raise http.Answer(
+                415, http.refusal("invalid_request", "the body is JSON-RPC (JSON)"), {}
+            )
+        raw = await http.read(receive, self.limit)
         message: wire.Message | None = None
         modern = False
         try:
             message = wire.parse(raw)
             if not message.is_request:  # a notification or a response: nothing to answer
-                await _send(send, 202, b"", {})
+                await http.respond(send, 202, b"", {})
                 return
             modern = message.modern
             if modern:
@@ -220,11 +221,11 @@ class McpFront:
             reply = await self._dispatch(message, headers, identity, version, modern, send)
         except wire.RpcError as exc:
             key = message.id if message is not None else exc.key
-            await _send_json(send, exc.status(modern), wire.error(key, exc), {})
+            await http.respond_json(send, exc.status(modern), wire.error(key, exc), {})
             return
         if reply is not None:
             extra = reply.pop("_headers", {})
-            await _send_json(send, 200, wire.result(message.id, reply), extra)
+            await http.respond_json(send, 200, wire.result(message.id, reply), extra)
 
     def _session(self, message: wire.Message, headers: dict[str, str], identity: Identity) -> str:
         """The handshake protocol's version: the session's, else the header's."""
@@ -273,10 +274,12 @@ class McpFront:
             out = {}
         elif method == "completion/complete":  # nothing to complete: no prompts, no resources
             out = {"completion": {"values": [], "hasMore": False}}
+        elif method in ("tasks/get", "tasks/cancel", "tasks/update") and modern:
+            out = await tasks.Tasks(self.gateway).handle(message, headers)
         elif method == "server/discover":
             out = {
                 "supportedVersions": [*wire.MODERN, *wire.HANDSHAKE],
-                "capabilities": CAPABILITIES,
+                "capabilities": {**CAPABILITIES, "extensions": {tasks.EXTENSION: {}}},
                 "serverInfo": SERVER_INFO,
                 "instructions": INSTRUCTIONS,
                 "cacheScope": "public",
@@ -340,12 +343,37 @@ class McpFront:
             ) from None
         front = _Call()
         task = asyncio.ensure_future(self.gateway.door.invoke(metadata, Bytes(raw), front))
+        if modern and tasks.wanted(message) and await self._durable_and_running(task, front):
+            assert front.request_id is not None
+            self._keep(task)  # the door waits for the verdict, and accounts it, meanwhile
+            return tasks.created(front.request_id)
         if wire.accepts(headers, "text/event-stream"):
             done, _ = await asyncio.wait({task}, timeout=SSE_AFTER_S)
             if not done and front.request_id is not None:
                 await self._stream(message, task, front.request_id, modern, send)
                 return None
         return await _outcome(task, front, modern)
+
+    async def _durable_and_running(
+        self, task: asyncio.Future[InvokeResponse], front: _Call
+    ) -> bool:
+        """Whether the call is durable and still running `TASK_AFTER_S` later (a task then)."""
+        durable = asyncio.ensure_future(front.durable.wait())
+        try:
+            either: set[asyncio.Future[Any]] = {task, durable}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            durable.cancel()
+        if task.done():
+            return False
+        done, _ = await asyncio.wait({task}, timeout=tasks.TASK_AFTER_S)
+        return not done
+
+    def _keep(self, task: asyncio.Future[InvokeResponse]) -> None:
+        """Hold a call nobody awaits any more until it ends (its outcome is the task's)."""
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+        task.add_done_callback(_consumed)
 
     async def _stream(
         self,
@@ -356,8 +384,7 @@ class McpFront:
         send: Send,
     ) -> None:
         """The rest of a long call as an SSE stream (see the module docstring)."""
-        self._calls.add(task)
-        task.add_done_callback(self._calls.discard)
+        self._keep(task)
         try:
             await send(
                 {
@@ -379,19 +406,25 @@ class McpFront:
                     "message": f"Reach request {request_id} is running",
                 }
                 notice = {"jsonrpc": "2.0", "method": "notifications/progress", "params": note}
-                await _chunk(send, wire.sse_event(notice))
+                await http.chunk(send, wire.sse_event(notice))
             while not task.done():
                 done, _ = await asyncio.wait({task}, timeout=KEEPALIVE_S)
                 if not done:
-                    await _chunk(send, b": keep-alive\n\n")
+                    await http.chunk(send, b": keep-alive\n\n")
             try:
                 frame = wire.result(message.id, await _outcome(task, _named(request_id), modern))
             except wire.RpcError as exc:
                 frame = wire.error(message.id, exc)
-            await _chunk(send, wire.sse_event(frame))
+            await http.chunk(send, wire.sse_event(frame))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # the client went away: the request carries on durably
             log.info("MCP stream of %s closed by the client; the request carries on", request_id)
+
+
+def _consumed(task: asyncio.Future[InvokeResponse]) -> None:
+    """Its outcome read, so that a refusal nobody awaits is not logged as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _named(request_id: str) -> _Call:
@@ -411,51 +444,3 @@ async def _outcome(
         log.error("Temporal call failed on MCP tools/call: %s", exc)
         raise rpc_error_of(reach_error_of_rpc(exc), front.request_id) from None
     return call_result(response, modern)
-
-
-def _hostname(value: str, *, url: bool = False) -> str | None:
-    """The host name of a Host header (or of an Origin's URL), lower case, without a port."""
-    try:
-        return urlsplit(value if url else f"//{value}").hostname
-    except ValueError:
-        return None
-
-
-def _refusal(kind: str, message: str) -> dict[str, Any]:
-    return wire.error(None, wire.RpcError(wire.REACH_REFUSED, message, {"type": kind}))
-
-
-async def _read(receive: Receive, limit: int) -> bytes:
-    chunks, size = [], 0
-    while True:
-        event = await receive()
-        if event["type"] == "http.disconnect":
-            raise _Answer(400, None, {})  # nobody is left to read it
-        chunk = event.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            error = wire.RpcError(wire.INVALID_REQUEST, f"the message is larger than {limit} bytes")
-            raise _Answer(413, wire.error(None, error), {})
-        chunks.append(chunk)
-        if not event.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _chunk(send: Send, data: bytes) -> None:
-    await send({"type": "http.response.body", "body": data, "more_body": True})
-
-
-async def _send(send: Send, status: int, body: bytes, headers: dict[str, str]) -> None:
-    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-    if body:
-        raw.append((b"content-type", b"application/json"))
-    raw.append((b"content-length", str(len(body)).encode()))
-    with contextlib.suppress(OSError):
-        await send({"type": "http.response.start", "status": status, "headers": raw})
-        await send({"type": "http.response.body", "body": body})
-
-
-async def _send_json(
-    send: Send, status: int, body: dict[str, Any] | None, headers: dict[str, str]
-) -> None:
-    await _send(send, status, wire.encode(body) if body is not None else b"", headers)

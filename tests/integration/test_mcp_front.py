@@ -6,6 +6,7 @@ each a clear JSON-RPC error."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import uuid
@@ -25,7 +26,7 @@ from typing_extensions import TypedDict
 from agent_reach_sdk import AgentRuntime, OperationError
 from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
-from tests.helpers import ROOT, GatewayProcess
+from tests.helpers import ROOT, GatewayProcess, wait_until
 
 pytestmark = [pytest.mark.integration]
 
@@ -109,6 +110,11 @@ async def mcp(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     def picture(payload: dict[str, Any]) -> dict[str, Any]:
         return {"content": [{"type": "image", "data": "iVBORw0KGgo=", "mimeType": "image/png"}]}
 
+    @runtime.operation("slow")
+    async def slow(payload: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(float(payload.get("s", 0)))
+        return {"slept": payload.get("s", 0)}
+
     @runtime.operation("secret")
     def secret(payload: dict[str, Any]) -> dict[str, Any]:
         return {"secret": 42}
@@ -132,7 +138,7 @@ async def test_the_mcp_client_lists_and_calls_tools_through_reach(mcp: Mcp, mode
     cap = mcp.capability
     async with mcp.client(mode) as client:
         tools = await client.list_tools()
-        listed = {f"{cap}.add", f"{cap}.echo", f"{cap}.fail", f"{cap}.picture"}
+        listed = {f"{cap}.{op}" for op in ("add", "echo", "fail", "picture", "slow")}
         assert tool_names(tools) == listed  # not secret: a rule denies it
         add = next(t for t in tools.tools if t.name == f"{cap}.add")
         assert add.description == "Add two integers."
@@ -278,3 +284,58 @@ async def test_bad_calls_are_clear_errors(mcp: Mcp) -> None:
     assert MODERN in r.json()["error"]["data"]["supported"]
     gone = await rpc(mcp, "ping", headers={"Mcp-Session-Id": "r1.2025-11-25.forged.00"})
     assert gone.status_code == 404
+
+
+def modern(method: str, **params: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """A 2026-07-28 request's params (declaring the tasks extension) and headers."""
+    capabilities = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": MODERN,
+        "io.modelcontextprotocol/clientCapabilities": capabilities,
+    }
+    return {**params, "_meta": meta}, {"MCP-Protocol-Version": MODERN, "Mcp-Method": method}
+
+
+async def test_a_long_call_is_a_task_read_from_any_gateway_and_cancelled(mcp: Mcp) -> None:
+    cap = mcp.capability
+    quick, headers = modern("tools/call", name=f"{cap}.slow", arguments={"s": 0})
+    answer = (await rpc(mcp, "tools/call", quick, headers=headers)).json()["result"]
+    assert answer["resultType"] == "complete"  # done before it needed to be a task
+    assert answer["structuredContent"] == {"slept": 0}
+
+    params, headers = modern("tools/call", name=f"{cap}.slow", arguments={"s": 2})
+    created = (await rpc(mcp, "tools/call", params, headers=headers)).json()["result"]
+    assert created["resultType"] == "task", created
+    assert created["status"] == "working"
+    task_id = created["taskId"]
+    assert created["_meta"]["reach/requestId"] == task_id
+
+    # Another gateway (no worker of its own) reads the task from Temporal.
+    async with GatewayProcess(mcp.gateway.stack, "reader", worker=False) as other:
+        reader = Mcp(other, cap, mcp.caller, mcp.other)
+        get, headers = modern("tasks/get", taskId=task_id)
+
+        seen: list[dict[str, Any]] = []
+
+        async def completed() -> bool:
+            seen.append((await rpc(reader, "tasks/get", get, headers=headers)).json()["result"])
+            return bool(seen[-1]["status"] == "completed")
+
+        await wait_until(completed, timeout_s=30, every_s=0.2)
+        assert seen[0]["status"] in ("working", "completed")
+        assert seen[-1]["result"]["structuredContent"] == {"slept": 2}
+        stranger = await rpc(reader, "tasks/get", get, headers=headers, token=mcp.other)
+        assert stranger.json()["error"]["code"] == -32602  # not its task: no such task
+
+    params, headers = modern("tools/call", name=f"{cap}.slow", arguments={"s": 9})
+    long_id = (await rpc(mcp, "tools/call", params, headers=headers)).json()["result"]["taskId"]
+    cancel, headers = modern("tasks/cancel", taskId=long_id)
+    acked = (await rpc(mcp, "tasks/cancel", cancel, headers=headers)).json()["result"]
+    assert acked["resultType"] == "complete"
+    get, headers = modern("tasks/get", taskId=long_id)
+
+    async def cancelled() -> bool:
+        task = (await rpc(mcp, "tasks/get", get, headers=headers)).json()["result"]
+        return bool(task["status"] == "cancelled")
+
+    await wait_until(cancelled, timeout_s=30, every_s=0.2)

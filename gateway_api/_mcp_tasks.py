@@ -1,0 +1,150 @@
+"""The MCP tasks extension (`io.modelcontextprotocol/tasks`) on Reach's MCP front: a tool call
+as a task whose id is its RequestID, read and cancelled from any gateway, after any restart.
+
+A client of the stateless protocol (2026-07-28) that declares the extension in a request's
+`clientCapabilities.extensions` gets, for a `tools/call` still running `TASK_AFTER_S` after
+Reach made it durable, a `CreateTaskResult` (`resultType: "task"`, `taskId` = the RequestID)
+instead of holding the stream open; a call that ends sooner is answered directly, as the
+extension lets the server decide. Then:
+
+    tasks/get      the task: working, or completed with the tool result it would have had
+                   (an agent's failure is a completed task whose result has `isError`), or
+                   cancelled; read from Temporal (`Requests.status`), so any gateway answers
+    tasks/cancel   Temporal's cancel of the request (`Engine.cancel`), audited
+    tasks/update   refused: Reach's agents never ask for input
+
+Only the request's caller (or an admin) sees its task; anyone else is told it does not exist,
+as `GET /reach/requests/{id}` does. A task is kept as long as its request: until Temporal's
+retention after it closes (`ttlMs` is null: Reach sets no shorter life).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from temporalio.service import RPCError, RPCStatusCode
+
+from gateway_api import _mcp_wire as wire
+from gateway_api._mcp_tools import call_result, rpc_error_of
+from gateway_api.engine import was_cancelled
+from gateway_api.errors import reach_error_of_rpc
+from gateway_api.gateway import Gateway
+from reach.errors import ReachError
+from reach.security.tokens import Principal
+
+EXTENSION: Final = "io.modelcontextprotocol/tasks"
+TASK_AFTER_S = 1.0
+POLL_MS = 1000
+CANCEL_WAIT_S = 2.0
+_WORKING = frozenset({"running", "accepted"})
+
+
+def wanted(message: wire.Message) -> bool:
+    """Whether the request's client declared the extension (the stateless protocol only:
+    its capabilities travel with each request)."""
+    capabilities = message.meta.get(wire.CAPABILITIES_META)
+    if not isinstance(capabilities, dict):
+        return False
+    extensions = capabilities.get("extensions")
+    return isinstance(extensions, dict) and EXTENSION in extensions
+
+
+def _iso(moment: datetime | None) -> str:
+    return (moment or datetime.now(UTC)).astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def created(request_id: str) -> dict[str, Any]:
+    """The `CreateTaskResult` of a call Reach made durable and is still running."""
+    now = _iso(None)
+    return {
+        "resultType": "task",
+        "taskId": request_id,
+        "status": "working",
+        "statusMessage": f"Reach request {request_id}: GET /reach/requests/{request_id}",
+        "createdAt": now,
+        "lastUpdatedAt": now,
+        "ttlMs": None,
+        "pollIntervalMs": POLL_MS,
+        "_meta": {wire.REQUEST_ID_META: request_id},
+    }
+
+
+class Tasks:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def reader(self, headers: dict[str, str]) -> Principal | None:
+        guard = self.gateway.guard
+        return guard.auth.anyone(headers.get("authorization")) if guard is not None else None
+
+    async def handle(self, message: wire.Message, headers: dict[str, str]) -> dict[str, Any]:
+        task_id = message.params.get("taskId")
+        if not isinstance(task_id, str) or not task_id:
+            raise wire.RpcError(wire.INVALID_PARAMS, "params.taskId is the task's id (a string)")
+        try:
+            principal = self.reader(headers)
+            if message.method == "tasks/get":
+                return await self.get(task_id, principal)
+            if message.method == "tasks/cancel":
+                return await self.cancel(task_id, principal)
+        except ReachError as exc:
+            raise _task_error(exc, task_id) from None
+        except RPCError as exc:
+            raise _task_error(reach_error_of_rpc(exc), task_id) from None
+        raise wire.RpcError(
+            wire.INVALID_PARAMS, f"task {task_id[:100]!r} takes no input: Reach never asks for any"
+        )
+
+    async def get(self, task_id: str, principal: Principal | None) -> dict[str, Any]:
+        response = await self.gateway.requests.status(task_id, principal)
+        handle = self.gateway.engine.handle(task_id)
+        desc = await handle.describe(rpc_timeout=self.gateway.rpc_timeout)
+        task: dict[str, Any] = {
+            "resultType": "complete",
+            "taskId": task_id,
+            "createdAt": _iso(desc.start_time),
+            "lastUpdatedAt": _iso(desc.close_time or desc.start_time),
+            "ttlMs": None,
+            "pollIntervalMs": POLL_MS,
+        }
+        if response.status in _WORKING:
+            task["status"] = "working"
+        elif response.status == "canceled" or was_cancelled(response):
+            task["status"] = "cancelled"
+            if response.error is not None:
+                task["statusMessage"] = response.error.message
+        else:
+            task["status"] = "completed"
+            task["result"] = call_result(response, modern=True)
+        return task
+
+    async def cancel(self, task_id: str, principal: Principal | None) -> dict[str, Any]:
+        current = await self.gateway.requests.status(task_id, principal)
+        if current.status not in _WORKING:
+            raise wire.RpcError(
+                wire.INVALID_PARAMS, f"task {task_id!r} already ended ({current.status})"
+            )
+        who = principal.name if principal is not None else "anonymous"
+        engine, guard = self.gateway.engine, self.gateway.guard
+        if guard is not None:
+            guard.audit.record("cancel_requested", request_id=task_id, principal=who, front="mcp")
+        try:
+            await engine.cancel(task_id, f"tasks/cancel from {who} through the MCP front")
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+        # Cooperative: the workflow stops at its next step; wait a moment to say so.
+        try:
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                await engine.outcome(engine.handle(task_id))
+        except TimeoutError:
+            pass
+        return {"resultType": "complete"}
+
+
+def _task_error(exc: ReachError, task_id: str) -> wire.RpcError:
+    if exc.type == "unknown_request":
+        return wire.RpcError(wire.INVALID_PARAMS, f"no task {task_id[:100]!r}")
+    return rpc_error_of(exc, task_id)
