@@ -56,6 +56,13 @@ port, negative turns the front off. The bound port is logged as
 `gRPC front listening on HOST:PORT`. The port is never shared (SO_REUSEPORT is off): a second
 gateway on the same port fails at start-up instead of silently splitting the traffic.
 
+**Bounds.** At most `transport.grpc_max_connections` connections at once (gRPC core closes one
+past them as it is accepted), and at most `transport.grpc_max_concurrent_rpcs` Invoke, Join and
+Heartbeat calls in flight (`CallRoom`; an open Heartbeat stream is one): a call past them ends
+UNAVAILABLE with the 503 envelope naming the setting, before its message is read. A connection
+must finish its handshake within `transport.http_header_timeout_s`, and one without a call for
+`transport.http_keep_alive_s` is closed (its client reconnects when it next calls).
+
 **Lifecycle.** Started in the app's lifespan after the workers, stopped before them: at
 shutdown health turns NOT_SERVING, new calls are refused, and calls in flight get `GRACE_S`
 to finish (open Heartbeat streams end then too; their agents open new ones elsewhere).
@@ -66,7 +73,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeAlias
 
 import grpc
@@ -93,7 +100,7 @@ from gateway_api.grpc_wire import (
 from reach import acceptance
 from reach.acceptance import describe_validation_error
 from reach.config import ConfigError, ReachSettings
-from reach.errors import InvalidRequest, ReachError
+from reach.errors import InvalidRequest, ReachError, Unavailable
 from reach.messages import InstanceId, dumps
 from reach.security.tokens import Principal
 from reach.telemetry import tracing
@@ -132,11 +139,43 @@ def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class CallRoom:
+    """The calls in flight on the front, at most `most` (`transport.grpc_max_concurrent_rpcs`,
+    read at each call so a reload applies)."""
+
+    def __init__(self, most: Callable[[], int]) -> None:
+        self.most = most
+        self.held = 0
+
+    def take(self) -> None:
+        """Room for one more call, or `Unavailable` (503) naming the setting."""
+        most = self.most()
+        if self.held >= most:
+            raise Unavailable(
+                f"the gRPC front has {self.held} calls in flight, its most "
+                f"(transport.grpc_max_concurrent_rpcs = {most}); nothing was read, try again",
+                retry_after_s=1,
+            )
+        self.held += 1
+
+    def release(self) -> None:
+        self.held -= 1
+
+    @contextlib.contextmanager
+    def held_for(self) -> Iterator[None]:
+        self.take()
+        try:
+            yield
+        finally:
+            self.release()
+
+
 class ReachService:
     """`reach.v1.Reach` over a `Gateway`: each method is its HTTP route, told in gRPC."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, room: CallRoom | None = None) -> None:
         self.gateway = gateway
+        self.room = room if room is not None else CallRoom(lambda: 1_000_000)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -161,6 +200,16 @@ class ReachService:
     async def invoke(self, raw: bytes, context: InvokeContext) -> pb.InvokeResponse:
         """POST /reach/invoke's steps, with the call's metadata for its headers; with tracing
         on, in a server span that continues the call's `traceparent`."""
+        try:
+            self.room.take()
+        except ReachError as exc:
+            await refusal_of(exc, "Invoke", None).end(context)
+        try:
+            return await self._traced_invoke(raw, context)
+        finally:
+            self.room.release()
+
+    async def _traced_invoke(self, raw: bytes, context: InvokeContext) -> pb.InvokeResponse:
         active = tracing.tracer
         if active is None:
             return await self._invoke(raw, context)
@@ -203,10 +252,11 @@ class ReachService:
 
     async def join(self, raw: bytes, context: JoinContext) -> pb.JoinAck:
         try:
-            agent = self._agent(metadata_of(context).get(AUTHORIZATION_KEY))
-            request = parse(pb.JoinRequest, raw)
-            body = acceptance.join_request(as_body(join_fields(request)), self.gateway.limits)
-            ack = await self.gateway.agents.join(body, agent)
+            with self.room.held_for():
+                agent = self._agent(metadata_of(context).get(AUTHORIZATION_KEY))
+                request = parse(pb.JoinRequest, raw)
+                body = acceptance.join_request(as_body(join_fields(request)), self.gateway.limits)
+                ack = await self.gateway.agents.join(body, agent)
         except Exception as exc:
             await refusal_of(exc, "Join", None).end(context)
         return pb.JoinAck(
@@ -227,15 +277,22 @@ class ReachService:
         is open ends it with UNAUTHENTICATED, as the next HTTP heartbeat would get 401."""
         authorization = metadata_of(context).get(AUTHORIZATION_KEY)
         try:
-            agent = self._agent(authorization)
-        except Exception as exc:
+            self.room.take()
+        except ReachError as exc:
             await refusal_of(exc, "Heartbeat", None).end(context)
-        async for raw in requests:
+        try:
             try:
                 agent = self._agent(authorization)
-            except ReachError as exc:
+            except Exception as exc:
                 await refusal_of(exc, "Heartbeat", None).end(context)
-            yield await self._beat(raw, agent)
+            async for raw in requests:
+                try:
+                    agent = self._agent(authorization)
+                except ReachError as exc:
+                    await refusal_of(exc, "Heartbeat", None).end(context)
+                yield await self._beat(raw, agent)
+        finally:
+            self.room.release()
 
     def _agent(self, authorization: str | None) -> Principal | None:
         """The agent token in the call's `authorization` metadata (None: tokens are off)."""
@@ -312,6 +369,8 @@ class GrpcFront:
         self.host = settings.listen_host
         self.port = port
         self.health = health.aio.HealthServicer()
+        transport = settings.transport
+        self.room = CallRoom(lambda: gateway.live.settings.transport.grpc_max_concurrent_rpcs)
         self.server = grpc.aio.server(
             options=[
                 # A busy port is an error at start-up, never two gateways splitting the calls.
@@ -319,9 +378,15 @@ class GrpcFront:
                 # Past this, gRPC refuses the message itself; below it acceptance answers 413.
                 ("grpc.max_receive_message_length", gateway.limits.max_body_bytes),
                 ("grpc.max_send_message_length", -1),
-            ]
+                # The bounds (see the module): connections, handshakes, idle connections.
+                ("grpc.max_allowed_incoming_connections", transport.grpc_max_connections),
+                ("grpc.server_handshake_timeout_ms", int(transport.http_header_timeout_s * 1000)),
+                ("grpc.max_connection_idle_ms", transport.http_keep_alive_s * 1000),
+            ],
+            # gRPC's own bound, past the room's (health and reflection calls go on meanwhile).
+            maximum_concurrent_rpcs=transport.grpc_max_concurrent_rpcs + 64,
         )
-        self.server.add_generic_rpc_handlers((ReachService(gateway).handler(),))
+        self.server.add_generic_rpc_handlers((ReachService(gateway, self.room).handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server

@@ -154,6 +154,21 @@ class TransportSettings(Section):
         description="Most HTTP connections the gateway holds at once; a request on one past "
         "them is answered 503 unavailable (Retry-After) and its connection closed.",
     )
+    grpc_max_connections: int = Field(
+        default=1000,
+        ge=1,
+        le=1_000_000,
+        description="Most connections the gateway's gRPC front holds at once; one past them is "
+        "closed as it is accepted (its client sees UNAVAILABLE 'Socket closed', nothing read).",
+    )
+    grpc_max_concurrent_rpcs: int = Field(
+        default=1000,
+        ge=1,
+        le=1_000_000,
+        description="Most Invoke, Join and Heartbeat calls in flight on the gRPC front at once "
+        "(an open Heartbeat stream is one); a call past them ends UNAVAILABLE with the 503 "
+        "envelope naming this setting and grpc-retry-pushback-ms, before anything is read.",
+    )
     max_inflight_bytes: int = Field(
         default=32 * 1024 * 1024,
         ge=0,
