@@ -34,6 +34,7 @@ from reach.invocation import (
     ClaimInput,
     ClaimOutcome,
     Endpoint,
+    FollowTaskInput,
     InvokeInput,
     LateAnswer,
     QueuePlan,
@@ -113,8 +114,21 @@ async def call(inp: CallInput) -> Reply:
         )
     if op == "defer":
         return Reply(status="accepted")
+    if op == "task":  # an A2A agent's task, still working: followed by handle
+        return Reply(status="accepted", follow=dict(TASK, state="submitted"))
     if op == "slow":
         await asyncio.sleep(inp.timeout_ms / 1000 + 0.5)
+    return Reply(status="ok", result={"answer": 42})
+
+
+TASK = {"task_id": "task-1", "context_id": "ctx-1", "url": "http://x/", "state": "working"}
+
+
+@activity.defn(name="reach.follow_task")
+async def follow_task(inp: FollowTaskInput) -> Reply:
+    """The first look finds the task still working (a timer, then another look); done."""
+    if first_time(f"look-{inp.request_id}"):
+        return Reply(status="accepted", follow=TASK)
     return Reply(status="ok", result={"answer": 42})
 
 
@@ -171,6 +185,8 @@ CASES = {
     # callback handed to delivery first).
     "failed-error": ("refuse", {**DOOR, "callback": "http://127.0.0.1:1/cb"}),
     "failed-timeout": ("slow", {"timeout_ms": 300}),
+    # An A2A task followed by its handle: a look, a timer, a look that finds it done.
+    "a2a-task": ("task", {**DOOR, "timeout_ms": 10_000}),
 }
 
 
@@ -185,6 +201,7 @@ async def main(names: list[str]) -> None:
             task_queue=QUEUE,
             workflows=[InvokeWorkflow, DeliverCallbackWorkflow],
             activities=[
+                follow_task,
                 resolve,
                 call,
                 deliver_callback,

@@ -148,3 +148,17 @@ def test_a_request_that_ends_before_its_door_route_is_called_frees_the_door_s_co
     events = _events("door-deadline")
     assert _steps(events) == ["reach.release_route", "upsert ReachStatus"]
     assert _result(events)["status"] == "timeout"
+
+
+def test_an_a2a_task_is_sent_once_then_only_looked_at() -> None:
+    """The call answered with the task's handle; everything after asks about that task, so a
+    worker replaying this history after a crash sends nothing again."""
+    events = _events("a2a-task")
+    assert _steps(events) == ["reach.call"]
+    looks = [
+        e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
+        for e in events
+        if "activityTaskScheduledEventAttributes" in e
+    ]
+    assert looks == ["reach.follow_task", "reach.follow_task"]
+    assert _result(events)["result"] == {"answer": 42}
