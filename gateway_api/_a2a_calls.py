@@ -54,9 +54,11 @@ from gateway_api._a2a_tasks import (
     payload_of,
     rpc_error_of,
     status_of,
+    task_json,
     task_of,
     task_of_row,
 )
+from gateway_api.errors import reach_error_of_rpc
 from gateway_api.front import Bytes
 from gateway_api.gateway import Gateway
 from gateway_api.steps.identify import AUTHORIZATION, CALLER, TRACEPARENT, Metadata
@@ -142,6 +144,7 @@ class Call:
         self.metadata = metadata
         self.jobs = jobs
         self.request_id: str | None = None
+        self.raw: dict[str, Any] = {}  # the params as sent (numbers as the caller wrote them)
 
     # -- who reads ----------------------------------------------------------------------------
 
@@ -173,7 +176,7 @@ class Call:
             response = await self._door(body, _Front(), "SendMessage")
             if response.status == "accepted" and not immediately:
                 response = await self._outcome(response.request_id, body)  # blocking
-        return _json(SendMessageResponse(task=task_of(response)))
+        return {"task": task_json(response)}
 
     async def stream(
         self, rpc_id: str | int | None, params: SendMessageRequest
@@ -227,6 +230,9 @@ class Call:
                     response = await self._outcome(rid, body or {})
             except ReachError as exc:
                 yield sse(rpc_id, None, rpc_error_of(exc, rid))
+                return
+            except RPCError as exc:  # Temporal unavailable: the task goes on, GetTask reads it
+                yield sse(rpc_id, None, rpc_error_of(reach_error_of_rpc(exc), rid))
                 return
             events, seen = await self._progress(rid, seen)
             for event in events:
@@ -302,14 +308,14 @@ class Call:
 
     async def _invoke_body(self, params: SendMessageRequest) -> dict[str, Any]:
         """The `POST /reach/invoke` body a message stands for (docs/a2a-front.md)."""
-        message = params.message
+        message, sent = params.message, self.raw.get("message") or {}
         if message.task_id:
             raise a2a_error(
                 UnsupportedOperationError,
                 f"message.taskId {message.task_id!r}: Reach does not continue a task; every "
                 "message is a new request (send it without taskId)",
             )
-        meta = {**_json(params.metadata), **_json(message.metadata)}
+        meta = {**(self.raw.get("metadata") or {}), **(sent.get("metadata") or {})}
         operation = next((meta[k] for k in OPERATION_KEYS if k in meta), None)
         if operation is None:
             operation = await self._only_operation()
@@ -318,7 +324,7 @@ class Call:
         body: dict[str, Any] = {
             "target": self.capability,
             "operation": operation,
-            "payload": payload_of(message),
+            "payload": payload_of(sent),
         }
         for key, field in INVOKE_FIELDS.items():
             if key in meta:
@@ -354,7 +360,7 @@ class Call:
 
     async def get(self, params: GetTaskRequest) -> dict[str, Any]:
         rid = self._task_id(params.id)
-        return _json(task_of(await self.gateway.requests.status(rid, self.reader())))
+        return task_json(await self.gateway.requests.status(rid, self.reader()))
 
     async def list(self, params: ListTasksRequest) -> dict[str, Any]:
         principal = self.reader()
@@ -413,7 +419,7 @@ class Call:
         except TimeoutError:  # no worker took the cancel yet: it stays requested
             response = await self.gateway.requests.status(rid, principal)
         log.info("A2A CancelTask %s: %s in %.2fs", rid, response.status, time.monotonic() - started)
-        return _json(task_of(response))
+        return task_json(response)
 
     # -- push notification configs: a request's callback ----------------------------------------
 

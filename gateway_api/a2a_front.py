@@ -48,7 +48,6 @@ from a2a.utils.errors import (
     UnsupportedOperationError,
     VersionNotSupportedError,
 )
-from a2a.utils.proto_utils import validate_proto_required_fields
 from fastapi import FastAPI
 from google.protobuf import json_format
 from google.protobuf.message import Message as Proto
@@ -60,6 +59,7 @@ from temporalio.service import RPCError
 from gateway_api import _a2a_cards as cards
 from gateway_api._a2a_calls import Call
 from gateway_api._a2a_cards import capability_card, gateway_card, operations_of
+from gateway_api._a2a_required import missing
 from gateway_api._a2a_tasks import (
     BEARER_CHALLENGE,
     SERVER_ERROR,
@@ -70,6 +70,7 @@ from gateway_api._a2a_tasks import (
     payload_of,
     rpc_error_of,
     state_of,
+    task_json,
     task_of,
 )
 from gateway_api.errors import error_response, reach_error_of_rpc
@@ -85,11 +86,13 @@ __all__ = [
     "capability_card",
     "gateway_card",
     "install",
+    "missing",
     "operations_of",
     "parse_call",
     "payload_of",
     "rpc_error_of",
     "state_of",
+    "task_json",
     "task_of",
 ]
 
@@ -144,9 +147,9 @@ STREAMERS: dict[str, Streamer] = {
 assert set(PARAMS) == set(HANDLERS) | set(STREAMERS)
 
 
-def parse_call(raw: bytes) -> tuple[str | int | None, str, Proto]:
-    """The id, method and params of one JSON-RPC request; `RpcError` (with `rpc_id` when the
-    id could be read) names what is wrong."""
+def parse_call(raw: bytes) -> tuple[str | int | None, str, Proto, dict[str, Any]]:
+    """The id, method and params of one JSON-RPC request (as the SDK's type, and as sent);
+    `RpcError` (with `rpc_id` when the id could be read) names what is wrong."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -165,7 +168,7 @@ def parse_call(raw: bytes) -> tuple[str | int | None, str, Proto]:
         raise
 
 
-def _method_and_params(body: dict[str, Any]) -> tuple[str, Proto]:
+def _method_and_params(body: dict[str, Any]) -> tuple[str, Proto, dict[str, Any]]:
     if body.get("jsonrpc") != "2.0":
         raise a2a_error(InvalidRequestError, 'jsonrpc: must be exactly "2.0"')
     method = body.get("method")
@@ -182,13 +185,10 @@ def _method_and_params(body: dict[str, Any]) -> tuple[str, Proto]:
         message = json_format.ParseDict(params, kind())
     except json_format.ParseError as exc:
         raise a2a_error(InvalidParamsError, f"params of {method}: {exc}") from None
-    try:
-        validate_proto_required_fields(message)
-    except InvalidParamsError as exc:
-        errors = (exc.data or {}).get("errors", [])
-        missing = "; ".join(f"{e.get('field')}: {e.get('message')}" for e in errors)
-        raise a2a_error(InvalidParamsError, f"params of {method}: {missing}") from None
-    return method, message
+    problems = missing(message)
+    if problems:
+        raise a2a_error(InvalidParamsError, f"params of {method}: {'; '.join(problems)}")
+    return method, message, params
 
 
 def _error(exc: RpcError, rpc_id: str | int | None) -> Response:
@@ -253,7 +253,7 @@ class A2AFront:
         rpc_id: str | int | None = None
         try:
             raw = await request.body()
-            rpc_id, method, params = parse_call(raw)
+            rpc_id, method, params, call.raw = parse_call(raw)
             _check_version(headers.get(VERSION_HEADER))
             _capability(call.capability)
             streamer = STREAMERS.get(method)

@@ -6,10 +6,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from a2a.types import Message, Part, Role, SendMessageRequest, TaskState
-from a2a.utils.errors import JSON_RPC_ERROR_CODE_MAP
+from a2a.types import (
+    GetTaskRequest,
+    ListTasksRequest,
+    Message,
+    Part,
+    Role,
+    SendMessageRequest,
+    Task,
+    TaskPushNotificationConfig,
+    TaskState,
+)
+from a2a.utils.errors import JSON_RPC_ERROR_CODE_MAP, InvalidParamsError
 from a2a.utils.proto_utils import validate_proto_required_fields
 from google.protobuf import json_format
 from temporalio.exceptions import CancelledError
@@ -23,11 +34,13 @@ from gateway_api.a2a_front import (
     RpcError,
     capability_card,
     gateway_card,
+    missing,
     operations_of,
     parse_call,
     payload_of,
     rpc_error_of,
     state_of,
+    task_json,
     task_of,
 )
 from gateway_api.engine import ended_without_result
@@ -89,7 +102,7 @@ def test_a_malformed_request_is_a_clear_error(raw: bytes, code: int, words: str)
 
 
 def test_a_well_formed_request_parses_into_the_sdks_type() -> None:
-    rpc_id, method, params = parse_call(
+    rpc_id, method, params, _ = parse_call(
         b'{"jsonrpc": "2.0", "id": "a", "method": "GetTask", "params": {"id": "req-1"}}'
     )
     assert (rpc_id, method, json_format.MessageToDict(params)) == ("a", "GetTask", {"id": "req-1"})
@@ -100,14 +113,71 @@ def _message(*parts: Part) -> Message:
 
 
 def test_the_payload_is_the_first_data_part_else_the_text() -> None:
-    data = json_format.ParseDict({"data": {"q": 1}}, Part())
-    assert payload_of(_message(Part(text="a"), data)) == {"q": 1}
-    assert payload_of(_message(Part(text="a"), Part(text="b"))) == {"text": "a\nb"}
-    assert payload_of(_message()) == {}
+    def sent(*parts: dict[str, Any]) -> dict[str, Any]:
+        return {"messageId": "m", "role": "ROLE_USER", "parts": list(parts)}
+
+    assert payload_of(sent({"text": "a"}, {"data": {"q": 1}})) == {"q": 1}
+    assert payload_of(sent({"text": "a"}, {"text": "b"})) == {"text": "a\nb"}
+    assert payload_of(sent()) == {}
     with pytest.raises(RpcError, match="file"):
-        payload_of(_message(Part(url="https://example.com/x.pdf")))
+        payload_of(sent({"url": "https://example.com/x.pdf"}))
     with pytest.raises(RpcError, match="JSON object"):
-        payload_of(_message(json_format.ParseDict({"data": [1, 2]}, Part())))
+        payload_of(sent({"data": [1, 2]}))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        (SendMessageRequest, {}),
+        (SendMessageRequest, {"message": {"messageId": "m"}}),
+        (SendMessageRequest, {"message": {"messageId": "m", "role": "ROLE_USER", "parts": [{}]}}),
+        (
+            SendMessageRequest,
+            {
+                "message": {"messageId": "m", "role": "ROLE_USER", "parts": [{"text": "x"}]},
+                "configuration": {"taskPushNotificationConfig": {"url": "https://x"}},
+                "metadata": {"deep": {"deeper": [1, {"a": None}]}},
+            },
+        ),
+        (GetTaskRequest, {}),
+        (GetTaskRequest, {"id": "req-1"}),
+        (TaskPushNotificationConfig, {"taskId": "t"}),
+        (ListTasksRequest, {}),
+    ],
+)
+def test_required_fields_are_the_sdks(params: tuple[type[Any], dict[str, Any]]) -> None:
+    kind, fields = params
+    parsed = json_format.ParseDict(fields, kind())
+    try:
+        validate_proto_required_fields(parsed)
+        expected: list[str] = []
+    except InvalidParamsError as exc:
+        expected = [e["field"] for e in (exc.data or {})["errors"]]
+    assert [p.split(":")[0] for p in missing(parsed)] == expected
+
+
+def test_the_answers_json_is_the_tasks_protojson() -> None:
+    responses = [
+        InvokeResponse(request_id="req-1", status="success", result={"n": 2, "x": [1.5]}),
+        InvokeResponse(
+            request_id="req-2",
+            status="error",
+            error=ErrorInfo(type="agent_error", message="it broke", outcome_unknown=True),
+            instance_id="i-1",
+        ),
+        InvokeResponse(request_id="req-3", status="running"),
+        InvokeResponse(
+            request_id="req-4",
+            status="input_required",
+            result={"task_id": "t", "context_id": "c", "state": "input-required"},
+        ),
+    ]
+    for response in responses:
+        written = json_format.ParseDict(task_json(response), Task())
+        built = task_of(response)
+        for task in (written, built):
+            task.status.ClearField("timestamp")
+        assert written == built, response
 
 
 def test_a_response_reads_as_its_task() -> None:
