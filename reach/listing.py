@@ -25,6 +25,8 @@ DEFAULT_LIMIT = 50
 MAX_LIMIT = 500
 
 ListStatus = Literal["running", "success", "error", "timeout"]
+# What a completed request's ReachStatus can say (input_required, canceled: an A2A agent's task).
+FINAL_STATUSES = frozenset({"success", "error", "timeout", "input_required", "canceled"})
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400}
 _SINCE = re.compile(SINCE_FILTER)
 
@@ -101,7 +103,7 @@ def status_of(execution: str, reach_status: str | None) -> str:
     if execution in ("RUNNING", "CONTINUED_AS_NEW"):
         return "running"
     if execution == "COMPLETED":
-        return reach_status if reach_status in ("success", "error", "timeout") else "error"
+        return reach_status if reach_status in FINAL_STATUSES else "error"
     if execution == "FAILED":  # an error or a timeout (reach.outcome), or a bug: an error
         return "timeout" if reach_status == "timeout" else "error"
     if execution == "TIMED_OUT":

@@ -546,6 +546,8 @@ def test_since_and_status() -> None:
         since_delta("ten minutes")
     assert status_of("RUNNING", "success") == "running"  # a door-routed start says success
     assert status_of("COMPLETED", "timeout") == "timeout"
+    assert status_of("COMPLETED", "input_required") == "input_required"  # an A2A task asks
+    assert status_of("COMPLETED", "canceled") == "canceled"
     assert status_of("FAILED", "timeout") == "timeout"  # a timeout fails its workflow
     assert status_of("FAILED", "error") == "error"
     assert status_of("FAILED", "success") == "error"  # a bug after a door-routed start
