@@ -76,12 +76,15 @@ class Sent:
 class McpServer:
     """The server at one Streamable HTTP endpoint URL."""
 
-    def __init__(self, url: str, http: httpx.AsyncClient, hint: str | None = None) -> None:
+    def __init__(self, url: str, http: httpx.AsyncClient, connections: int) -> None:
         self.url = url
         self.http = http
-        self.hint = hint  # the version discovery found, from Endpoint.details
+        self.hint: str | None = None  # the version discovery found, from Endpoint.details
         self.negotiated: Negotiated | None = None
         self._lock = asyncio.Lock()
+        # Callers past the pool's connections wait here, not in httpcore's pool, whose work
+        # grows with waiting requests times connections (connectors/http.py measured it).
+        self._slots = asyncio.Semaphore(connections)
 
     @property
     def where(self) -> str:
@@ -110,18 +113,21 @@ class McpServer:
         request = self.http.build_request(
             "POST", self.url, content=w.body(rpc_id, method, params), headers=headers
         )
-        if on_send is not None:
-            on_send()  # from here on the server may have it (a refused connection says not)
-        response = await self.http.send(request, stream=True)
-        try:
-            if response.status_code >= 300:
-                raise await w.http_refusal(response, self.where, had_session=session is not None)
-            if rpc_id is None:
-                return {}, response.headers
-            result = await w.read_answer(response, rpc_id, limit, self.where, on_notification)
-            return result, response.headers
-        finally:
-            await response.aclose()
+        async with self._slots:
+            if on_send is not None:
+                on_send()  # from here on the server may have it (a refused connection says not)
+            response = await self.http.send(request, stream=True)
+            try:
+                if response.status_code >= 300:
+                    raise await w.http_refusal(
+                        response, self.where, had_session=session is not None
+                    )
+                if rpc_id is None:
+                    return {}, response.headers
+                result = await w.read_answer(response, rpc_id, limit, self.where, on_notification)
+                return result, response.headers
+            finally:
+                await response.aclose()
 
     # -- negotiation -----------------------------------------------------------------------------
 

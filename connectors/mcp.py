@@ -49,7 +49,8 @@ wire_rules = w
 DISCOVER_TIMEOUT_S = 10.0
 # Calls sent whose answer never came, remembered so that a re-delivery is not sent again.
 MAX_REMEMBERED_UNKNOWN = 10_000
-MAX_CONNECTIONS_PER_SERVER = 64
+# One server's connections (httpcore's pool is cheapest small; more callers wait their turn).
+MAX_CONNECTIONS_PER_SERVER = 16
 # What a discovery's pools count under: the probe calls no capability's operation.
 DISCOVERY = "discovery"
 
@@ -103,7 +104,7 @@ class McpConnector(PooledConnector):
                 timeout=httpx.Timeout(None, connect=DISCOVER_TIMEOUT_S),
                 transport=guarded,
             )
-            return McpServer(url, http)
+            return McpServer(url, http, MAX_CONNECTIONS_PER_SERVER)
 
         self._pools: Pools[McpServer] = self._new_pools(make, _close)
         self._unknown: OrderedDict[str, None] = OrderedDict()
