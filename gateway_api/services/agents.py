@@ -94,10 +94,23 @@ class Agents:
         owner = principal.name if principal is not None and principal.kind == "agent" else None
         admin = principal is not None and principal.kind == "admin"
 
+        claimed: list[InstanceRecord] = []
+
         def claim(unowned: InstanceRecord) -> None:
-            self._claim(unowned, principal, body)
+            self._may_claim(unowned, principal)
+            claimed.append(unowned)
 
         ack = await self.registry.join(body, owner, admin=admin, claim=claim, discovery=discovery)
+        if claimed and self.guard is not None and principal is not None:
+            # Audited once the Join holds it (a Join refused after the check claimed nothing).
+            self.guard.audit.record(
+                "instance_claimed",
+                principal=principal.name,
+                capability=body.capability,
+                instance=body.instance_id,
+                previous_capability=claimed[0].capability,
+                previous_address=claimed[0].address,
+            )
         if self.guard is not None:
             self.guard.audit.record(
                 "join",
@@ -110,9 +123,8 @@ class Agents:
             )
         return ack
 
-    def _claim(
-        self, unowned: InstanceRecord, principal: Principal | None, body: JoinRequest
-    ) -> None:
+    @staticmethod
+    def _may_claim(unowned: InstanceRecord, principal: Principal | None) -> None:
         """An agent token claims an instance nobody holds (joined with auth off, or by an
         admin) only for a capability it may serve, that instance's as well as the Join's; the
         claim is audited (`instance_claimed`), never silent."""
@@ -122,15 +134,6 @@ class Agents:
                 f"instance_id {unowned.instance_id!r} is held by nobody, as an instance of "
                 f"{unowned.capability!r}, which the token of {principal.name!r} may not serve; "
                 "choose another instance_id"
-            )
-        if self.guard is not None:
-            self.guard.audit.record(
-                "instance_claimed",
-                principal=principal.name,
-                capability=body.capability,
-                instance=body.instance_id,
-                previous_capability=unowned.capability,
-                previous_address=unowned.address,
             )
 
     def connector_class(self, protocol: str) -> type[Connector]:

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 async def test_replaced_sessions_and_claims_of_unowned_instances(
     temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
 ) -> None:
-    stack = new_stack(temporal_server, tmp_path)
+    # Records outlive the token issues below (CLI runs, seconds on a loaded box).
+    stack = new_stack(temporal_server, tmp_path, heartbeat_timeout=60.0)
     async with GatewayProcess(stack, "owners") as gateway:
         agents = f"{gateway.url}/reach/agents"
         instance = f"{capability}-01"
