@@ -29,6 +29,10 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
                    gateway's door through the workflow to the connector, batched to a JSON-lines
                    file; the agent's own spans off): what tracing costs (off, it costs nothing)
   reach queue      POST /reach/invoke, capability in queue mode (regular activities)
+  direct MCP       an MCP server on the `mcp` package (tests/mcp_servers.py, stateless
+                   2026-07-28, its `echo` tool) called straight through Reach's MCP connector:
+                   one tools/call
+  reach inline via MCP server   POST /reach/invoke to that server's `echo`, registered by URL
 
 MQTT runs through a Mosquitto of the bench's own with `set_tcp_nodelay true` (the broker a
 deployment should run; without it each call pays ~40 ms of Nagle at the broker).
@@ -124,6 +128,8 @@ ROW_PROCS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "reach inline, sandboxed": ("gw2", ("bench-inline-2",)),
     "reach inline, tracing on": ("gw5", ("bench-inline-5",)),
     "reach queue": ("gw1", ("bench-queue",)),
+    "direct MCP": (None, ("bench-mcp",)),
+    "reach inline via MCP server": ("gw1", ("bench-mcp",)),
 }
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
@@ -421,13 +427,37 @@ async def main(args: argparse.Namespace) -> None:
                 env,
                 tmp / f"bench-{protocol}.log",
             )
+        mcp_port = free_port()
+        mcp_url = f"http://127.0.0.1:{mcp_port}/mcp"
+        procs["bench-mcp"] = spawn(
+            [
+                sys.executable,
+                "-m",
+                "tests.mcp_servers",
+                "--port",
+                str(mcp_port),
+                "--mode",
+                "stateless",
+                "--calls",
+                str(tmp / "mcp.calls"),
+            ],
+            env,
+            tmp / "bench-mcp.log",
+        )
+        await wait_http(f"http://127.0.0.1:{mcp_port}/_seen", lambda r: r.status_code == 200)
+        async with httpx.AsyncClient(trust_env=False) as c:
+            registered = await c.post(
+                f"{gw}/reach/agents",
+                json={"capability": "bench-mcp", "protocol": "mcp", "service_address": mcp_url},
+            )
+            registered.raise_for_status()
         for base in (gw2, gw3, gw4, gw5):
             await wait_http(
                 f"{base}/reach/capabilities/bench-inline",
                 lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
                 headers={"Authorization": f"Bearer {caller_token}"},
             )
-        for cap in ("bench-inline", "bench-queue", *(f"bench-{p}" for p in PROTOCOLS)):
+        for cap in ("bench-inline", "bench-queue", "bench-mcp", *(f"bench-{p}" for p in PROTOCOLS)):
             await wait_http(
                 f"{gw}/reach/capabilities/{cap}",
                 lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
@@ -445,6 +475,12 @@ async def main(args: argparse.Namespace) -> None:
                 )
                 for p in PROTOCOLS
             }
+            endpoints["mcp"] = Endpoint.model_validate(
+                {
+                    **(await c.get(f"{gw}/reach/capabilities/bench-mcp")).json()["instances"][0],
+                    "capability": "bench-mcp",
+                }
+            )
         agent_url = f"http://{inst['address']}/reach/query"
         front_http = f"http://127.0.0.1:{free_port()}"
         procs["front"] = spawn(
@@ -522,7 +558,7 @@ async def main(args: argparse.Namespace) -> None:
 
             return call
 
-        def direct_via(protocol: str) -> Callable[[], Awaitable[None]]:
+        def direct_via(protocol: str, operation: str = "query") -> Callable[[], Awaitable[None]]:
             connector = connectors.get(protocol)
             endpoint = endpoints[protocol]
 
@@ -531,7 +567,7 @@ async def main(args: argparse.Namespace) -> None:
                     request_id=str(uuid.uuid4()),
                     caller="bench",
                     target=endpoint.capability,
-                    operation="query",
+                    operation=operation,
                     deadline_ms=int(time.time() * 1000) + 10_000,
                 )
                 reply = await connector.invoke(
@@ -555,12 +591,16 @@ async def main(args: argparse.Namespace) -> None:
                 raise RuntimeError(r)
 
         def reach(
-            cap: str, base: str = gw, token: str | None = None
+            cap: str,
+            base: str = gw,
+            token: str | None = None,
+            operation: str = "query",
+            payload: dict[str, object] = PAYLOAD,
         ) -> Callable[[], Awaitable[None]]:
             body = {
                 "target": cap,
-                "operation": "query",
-                "payload": PAYLOAD,
+                "operation": operation,
+                "payload": payload,
                 "timeout_ms": CALL_TIMEOUT_MS,
             }
             headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -589,6 +629,8 @@ async def main(args: argparse.Namespace) -> None:
             "reach inline, sandboxed": reach("bench-inline", gw2),
             "reach inline, tracing on": reach("bench-inline", gw5),
             "reach queue": reach("bench-queue"),
+            "direct MCP": direct_via("mcp", "echo"),
+            "reach inline via MCP server": reach("bench-mcp", operation="echo"),
         }
         if args.only:
             wanted = {FLOOR, LABELLED, FRONTED, *(n.strip() for n in args.only.split(";"))}
