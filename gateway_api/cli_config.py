@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from gateway_api.cli_api import EXIT_FAILED, TOKEN_ENV
 from gateway_api.cli_output import print_json
+from gateway_api.cli_tokens import tokens_home
 
 if TYPE_CHECKING:
     from reach.config import ReachSettings
@@ -89,7 +90,7 @@ def summary(s: ReachSettings) -> list[tuple[str, str]]:
         ),
         ("routing", f"{s.routing.strategy}"),
         ("capabilities", caps or "none configured (all inline, default routing)"),
-        ("auth", f"{s.auth.mode}, {len(s.rules)} rules"),
+        ("auth", f"{s.auth.mode}, {len(s.rules)} rules, tokens in {tokens_home(s)}"),
         ("audit", s.audit.sink if s.audit.sink in ("none", "stdout") else s.audit.file),
         (
             "security",

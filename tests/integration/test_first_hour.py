@@ -191,6 +191,8 @@ def test_a_relative_tokens_file_is_the_configs_wherever_the_cli_runs(tmp_path: P
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == f"tokens in {kept} (auth.tokens_file)"
     assert "orchestrator" in done.stdout
+    done = _reach_cli("config", "check", cwd=elsewhere, REACH_CONFIG=str(config))
+    assert f"tokens in {kept} (auth.tokens_file)" in done.stdout, done.stderr
     # The default is the working directory's, and an empty store says where it looked.
     done = _reach_cli("tokens", "list", cwd=elsewhere)
     assert done.stdout.startswith(f"no tokens in {elsewhere / '.reach' / 'tokens.json'} ")
