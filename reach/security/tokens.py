@@ -397,6 +397,15 @@ class TokenCache:
             log.warning("could not re-read tokens (keeping the last copy): %s", exc)
             return
         known = merge(self.book.records.values(), records)
+        lost = len(known) - len({r.id for r in records})
+        if lost and not isinstance(self.store, SharedTokenStore):
+            # A moved or truncated file: what it lost stays as this copy knows it (the door
+            # does not reopen, a revoked token is not revived).
+            log.error(
+                "the token store no longer holds %d token(s) this gateway knows; keeping them "
+                "(restore the store, or restart the gateway to start afresh)",
+                lost,
+            )
         if known != self.book.records:
             self.book = TokenBook(known.values())
         self.loaded_at = time.time()
