@@ -288,6 +288,11 @@ async def http_refusal(response: httpx.Response, where: str, *, had_session: boo
     said = f" HTTP {code}" + (f": {text}" if text else "")
     if code == 404:
         return AgentError(f"{where}: no MCP endpoint here;{said}", retryable=False, fault=fault)
+    if 300 <= code < 400:  # never followed: the registered URL should be the endpoint itself
+        to = response.headers.get("location", "")[:200]
+        return AgentError(
+            f"{where} redirects to {to!r}: register that URL", retryable=False, fault=fault
+        )
     return AgentError(f"{where} answered{said}", retryable=code >= 500 or code == 429, fault=fault)
 
 

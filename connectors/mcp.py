@@ -117,6 +117,8 @@ class McpConnector(PooledConnector):
         normalized = check_http_address(address)
         if "://" not in normalized:
             raise refuse(address, "an MCP server is named by its endpoint URL: http(s)://host/mcp")
+        if address.endswith("/") and normalized.count("/") > 2:
+            normalized += "/"  # an endpoint mounted at /mcp/ is not the one at /mcp
         return normalized
 
     @classmethod

@@ -57,9 +57,11 @@ def endpoint(server: McpServerProcess, **fields: Any) -> Endpoint:
 
 
 def test_the_address_is_the_endpoint_url() -> None:
-    assert McpConnector.check_address("HTTP://Tools.Example:8080/mcp/") == (
+    assert McpConnector.check_address("HTTP://Tools.Example:8080/mcp") == (
         "http://tools.example:8080/mcp"
     )
+    assert McpConnector.check_address("http://tools.example/mcp/") == "http://tools.example/mcp/"
+    assert McpConnector.check_address("http://tools.example/") == "http://tools.example"
     assert McpConnector.address_host_port("https://tools.example/mcp") == ("tools.example", 443)
     for bad in ("tools.example:8080", "ftp://tools.example/mcp", "http://u@tools.example/mcp"):
         with pytest.raises(InvalidRequest):

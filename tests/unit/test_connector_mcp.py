@@ -169,6 +169,10 @@ async def test_refusals_over_http() -> None:
         content=b'{"error":{"code":-32600,"message":"Bad Request: Unsupported protocol version"}}',
     )
     assert isinstance(await w.http_refusal(old, WHERE, had_session=False), w.Unsupported)
+    moved = httpx.Response(307, headers={"location": "http://h/mcp/"})
+    redirect = await w.http_refusal(moved, WHERE, had_session=False)
+    assert isinstance(redirect, AgentError)
+    assert "register that URL" in redirect.message
     busy = await w.http_refusal(httpx.Response(503, content=b"later"), WHERE, had_session=False)
     assert isinstance(busy, AgentError)
     assert busy.retryable
