@@ -183,6 +183,12 @@ async def test_a_worker_without_the_cache_uses_what_discovery_found(
         ep = endpoint(server, details={"protocol_version": "2026-07-28"})
         await fresh.invoke(ep, message("echo", {"text": "x"}), 5)
     assert await probes() == before  # no probe first: discovery said which version
+    # A 2025 server without sessions (this one, spoken to as discovery once found it).
+    async with McpConnector() as fresh:
+        ep = endpoint(server, details={"protocol_version": "2025-11-25"})
+        await fresh.invoke(ep, message("echo", {"text": "z"}), 5)
+    last = (await server.seen())["seen"][-1]
+    assert (last["method"], last["version"], last["session"]) == ("tools/call", "2025-11-25", None)
     # What it said no longer holds (the server went back to 2025): refused, negotiated, resent.
     older = servers["session"]
     async with McpConnector() as fresh:
