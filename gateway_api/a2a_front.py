@@ -51,9 +51,11 @@ from a2a.utils.errors import (
 from fastapi import FastAPI
 from google.protobuf import json_format
 from google.protobuf.message import Message as Proto
+from starlette.datastructures import State
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 from temporalio.service import RPCError
 
 from gateway_api import _a2a_cards as cards
@@ -73,7 +75,7 @@ from gateway_api._a2a_tasks import (
     task_json,
     task_of,
 )
-from gateway_api.errors import error_response, reach_error_of_rpc
+from gateway_api.errors import BodyLimit, CatchBugs, error_response, reach_error_of_rpc
 from gateway_api.gateway import Gateway
 from gateway_api.steps.identify import AUTHORIZATION, CALLER, IDEMPOTENCY_KEY, TRACEPARENT
 from reach.errors import InvalidRequest, ReachError, UnknownCapability
@@ -81,11 +83,13 @@ from reach.errors import InvalidRequest, ReachError, UnknownCapability
 __all__ = [
     "SERVER_ERROR",
     "STATES",
+    "A2AFastPath",
     "A2AFront",
     "RpcError",
     "capability_card",
     "gateway_card",
     "install",
+    "is_a2a_call",
     "missing",
     "operations_of",
     "parse_call",
@@ -246,10 +250,14 @@ class A2AFront:
     # -- JSON-RPC -----------------------------------------------------------------------------
 
     async def rpc(self, request: Request) -> Response:
+        """The route's endpoint (an app without `A2AFastPath`)."""
         gateway: Gateway = request.app.state.gateway
+        return await self.answer(gateway, request, request.path_params["capability"])
+
+    async def answer(self, gateway: Gateway, request: Request, capability: str) -> Response:
         headers = request.headers
         metadata = {name: headers[name] for name in _HEADERS if name in headers}
-        call = Call(gateway, request.path_params["capability"], metadata, self.jobs)
+        call = Call(gateway, capability, metadata, self.jobs)
         rpc_id: str | int | None = None
         try:
             raw = await request.body()
@@ -311,8 +319,40 @@ def _refused(exc: ReachError) -> Response:
     return response
 
 
-def install(app: FastAPI) -> A2AFront:
-    """The front's routes on the app (outside its OpenAPI document: they speak A2A)."""
+def is_a2a_call(scope: Scope) -> bool:
+    """`POST /a2a/{capability}`: a JSON-RPC call `A2AFastPath` answers."""
+    if scope["type"] != "http" or scope["method"] != "POST":
+        return False
+    path: str = scope["path"]
+    return path.startswith(_CALL_PREFIX) and "/" not in path[len(_CALL_PREFIX) :]
+
+
+_CALL_PREFIX = f"{cards.PREFIX}/"
+
+
+class A2AFastPath:
+    """`POST /a2a/{capability}` as an ASGI app of its own, answered ahead of FastAPI's
+    middleware and router like `POST /reach/invoke` (`gateway_api.fast`): the same body limit
+    and last-resort 500."""
+
+    def __init__(self, state: State, front: A2AFront, limit: int) -> None:
+        self.state = state
+        self.front = front
+        self.app = CatchBugs(BodyLimit(self._call, limit))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+    async def _call(self, scope: Scope, receive: Receive, send: Send) -> None:
+        capability = scope["path"][len(_CALL_PREFIX) :]
+        request = Request(scope, receive)
+        response = await self.front.answer(self.state.gateway, request, capability)
+        await response(scope, receive, send)
+
+
+def install(app: FastAPI, limit: int) -> A2AFastPath:
+    """The front's routes on the app (outside its OpenAPI document: they speak A2A), and its
+    JSON-RPC calls' fast path, for the app to answer ahead of its middleware."""
     front = A2AFront()
     app.router.routes.extend(front.routes())
-    return front
+    return A2AFastPath(app.state, front, limit)

@@ -16,6 +16,7 @@ from temporalio.client import Client
 
 import reach
 from gateway_api import a2a_front, grpc_front
+from gateway_api.a2a_front import A2AFastPath, is_a2a_call
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath, is_invoke
 from gateway_api.gateway import Gateway
@@ -51,6 +52,7 @@ class ReachApp(FastAPI):
 
     fast: InvokeFastPath | None = None
     mcp: McpFront | None = None  # POST /mcp and its metadata document, likewise
+    a2a: A2AFastPath | None = None  # POST /a2a/{capability}: the A2A front's calls, likewise
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         fast = self.fast
@@ -58,6 +60,8 @@ class ReachApp(FastAPI):
             await fast(scope, receive, send)
         elif self.mcp is not None and is_mcp(scope):
             await self.mcp(scope, receive, send)
+        elif self.a2a is not None and is_a2a_call(scope) and not self._framework_telemetry():
+            await self.a2a(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
 
@@ -186,7 +190,8 @@ def create_app(
     if settings.metrics.enabled:
         app.include_router(metrics.router)  # GET /metrics (Prometheus)
     app.include_router(ui.router)  # the dashboard at /ui (not in the OpenAPI)
-    a2a_front.install(app)  # the A2A front: cards and JSON-RPC per capability (not in the OpenAPI)
+    # The A2A front: cards and JSON-RPC per capability (not in the OpenAPI).
+    app.a2a = a2a_front.install(app, limit)
     if settings.security.encryption.enabled:
         app.include_router(codec.router(settings.security.encryption))
     return app
