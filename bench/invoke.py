@@ -29,6 +29,9 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
                    gateway's door through the workflow to the connector, batched to a JSON-lines
                    file; the agent's own spans off): what tracing costs (off, it costs nothing)
   reach queue      POST /reach/invoke, capability in queue mode (regular activities)
+  reach inline, A2A front   the same call as reach inline, as an A2A client makes it: a blocking
+                   SendMessage (JSON-RPC) to /a2a/bench-inline, a data part for the payload and
+                   the operation in the message's metadata, answered with the completed task
   direct MCP       an MCP server on the `mcp` package (tests/mcp_servers.py, stateless
                    2026-07-28, its `echo` tool) called straight through Reach's MCP connector:
                    one tools/call
@@ -128,6 +131,7 @@ ROW_PROCS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "reach inline, sandboxed": ("gw2", ("bench-inline-2",)),
     "reach inline, tracing on": ("gw5", ("bench-inline-5",)),
     "reach queue": ("gw1", ("bench-queue",)),
+    "reach inline, A2A front": ("gw1", ("bench-inline",)),
     "direct MCP": (None, ("bench-mcp",)),
     "reach inline via MCP server": ("gw1", ("bench-mcp",)),
 }
@@ -590,6 +594,29 @@ async def main(args: argparse.Namespace) -> None:
             if r.status != "success":
                 raise RuntimeError(r)
 
+        a2a_send = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "SendMessage",
+            "params": {
+                "message": {
+                    "messageId": "bench",
+                    "role": "ROLE_USER",
+                    "parts": [{"data": PAYLOAD}],
+                    "metadata": {"operation": "query", "timeout_ms": CALL_TIMEOUT_MS},
+                }
+            },
+        }
+
+        async def a2a_front() -> None:
+            async with caller.post(
+                f"{gw}/a2a/bench-inline", json=a2a_send, headers={"A2A-Version": "1.0"}
+            ) as r:
+                answer = await r.json()
+                task = answer.get("result", {}).get("task", {})
+                if task.get("status", {}).get("state") != "TASK_STATE_COMPLETED":
+                    raise RuntimeError(answer)
+
         def reach(
             cap: str,
             base: str = gw,
@@ -629,6 +656,7 @@ async def main(args: argparse.Namespace) -> None:
             "reach inline, sandboxed": reach("bench-inline", gw2),
             "reach inline, tracing on": reach("bench-inline", gw5),
             "reach queue": reach("bench-queue"),
+            "reach inline, A2A front": a2a_front,
             "direct MCP": direct_via("mcp", "echo"),
             "reach inline via MCP server": reach("bench-mcp", operation="echo"),
         }
@@ -833,6 +861,7 @@ def cpu_report(runs: list[list[Row]], concurrency: list[int]) -> None:
         (LABELLED, FLOOR, "indexing Reach's search attributes and summary costs the engine"),
         (FRONTED, LABELLED, "an HTTP front in a process of its own costs"),
         ("reach inline", FRONTED, "Reach's own work costs"),
+        ("reach inline, A2A front", "reach inline", "the A2A front costs over POST /reach/invoke"),
     ):
         if {more, less} <= names:
             print(
