@@ -29,6 +29,9 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
                    gateway's door through the workflow to the connector, batched to a JSON-lines
                    file; the agent's own spans off): what tracing costs (off, it costs nothing)
   reach queue      POST /reach/invoke, capability in queue mode (regular activities)
+  reach inline, MCP front   the same call as reach inline, as an MCP client makes it: one
+                   stateless (2026-07-28) tools/call POST to /mcp, tool bench-inline.query,
+                   answered with JSON (structuredContent and a text block)
   reach inline, A2A front   the same call as reach inline, as an A2A client makes it: a blocking
                    SendMessage (JSON-RPC) to /a2a/bench-inline, a data part for the payload and
                    the operation in the message's metadata, answered with the completed task
@@ -131,6 +134,7 @@ ROW_PROCS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "reach inline, sandboxed": ("gw2", ("bench-inline-2",)),
     "reach inline, tracing on": ("gw5", ("bench-inline-5",)),
     "reach queue": ("gw1", ("bench-queue",)),
+    "reach inline, MCP front": ("gw1", ("bench-inline",)),
     "reach inline, A2A front": ("gw1", ("bench-inline",)),
     "direct MCP": (None, ("bench-mcp",)),
     "reach inline via MCP server": ("gw1", ("bench-mcp",)),
@@ -617,6 +621,33 @@ async def main(args: argparse.Namespace) -> None:
                 if task.get("status", {}).get("state") != "TASK_STATE_COMPLETED":
                     raise RuntimeError(answer)
 
+        mcp_call = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/call",
+            "params": {
+                "name": "bench-inline.query",
+                "arguments": PAYLOAD,
+                "_meta": {
+                    "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                    "io.modelcontextprotocol/clientCapabilities": {},
+                    "reach/timeoutMs": CALL_TIMEOUT_MS,
+                },
+            },
+        }
+        mcp_headers = {
+            "Accept": "application/json",
+            "MCP-Protocol-Version": "2026-07-28",
+            "Mcp-Method": "tools/call",
+            "Mcp-Name": "bench-inline.query",
+        }
+
+        async def mcp_front() -> None:
+            async with caller.post(f"{gw}/mcp", json=mcp_call, headers=mcp_headers) as r:
+                answer = await r.json()
+                if answer.get("result", {}).get("isError") is not False:
+                    raise RuntimeError(answer)
+
         def reach(
             cap: str,
             base: str = gw,
@@ -656,6 +687,7 @@ async def main(args: argparse.Namespace) -> None:
             "reach inline, sandboxed": reach("bench-inline", gw2),
             "reach inline, tracing on": reach("bench-inline", gw5),
             "reach queue": reach("bench-queue"),
+            "reach inline, MCP front": mcp_front,
             "reach inline, A2A front": a2a_front,
             "direct MCP": direct_via("mcp", "echo"),
             "reach inline via MCP server": reach("bench-mcp", operation="echo"),
@@ -861,6 +893,7 @@ def cpu_report(runs: list[list[Row]], concurrency: list[int]) -> None:
         (LABELLED, FLOOR, "indexing Reach's search attributes and summary costs the engine"),
         (FRONTED, LABELLED, "an HTTP front in a process of its own costs"),
         ("reach inline", FRONTED, "Reach's own work costs"),
+        ("reach inline, MCP front", "reach inline", "the MCP front costs over POST /reach/invoke"),
         ("reach inline, A2A front", "reach inline", "the A2A front costs over POST /reach/invoke"),
     ):
         if {more, less} <= names:
