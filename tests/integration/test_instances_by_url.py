@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -299,3 +300,59 @@ async def test_a_grpc_join_naming_a2a_is_a_registration_by_url(
     (record,) = (await capability(http, gateway, cap))["instances"]
     assert record["registered_by_url"] is True
     assert set(record["operations"]) == set(SKILLS)
+
+
+@pytest.mark.slow
+async def test_gateways_sharing_redis_share_registrations_and_keep_an_instance_alive(
+    temporal_server: str,
+    tmp_path: Path,
+    redis_prefix: str,
+    agent: A2AAgentProcess,
+    http: httpx.AsyncClient,
+) -> None:
+    """Registered through one gateway, probed by every gateway on the registry's Redis: once
+    that gateway is gone, another keeps the instance in routing."""
+    made = [
+        new_stack(
+            temporal_server,
+            tmp_path,
+            registry="redis",
+            key_prefix=redis_prefix,
+            heartbeat_interval=0.3,
+            heartbeat_timeout=1.5,
+        )
+        for _ in range(2)
+    ]
+    first, second = GatewayProcess(made[0], "first"), GatewayProcess(made[1], "second")
+    try:
+        await asyncio.gather(first.ready(), second.ready())
+        cap = f"cap-{uuid.uuid4().hex[:8]}"
+        body = {"protocol": "a2a", "service_address": agent.url, "capability": cap}
+        r = await http.post(f"{first.url}/reach/agents", json=body)
+        assert r.status_code == 200, r.text
+        instance_id = r.json()["instance_id"]
+
+        async def probed_by(gw: GatewayProcess) -> bool:
+            text = (await http.get(f"{gw.url}/metrics")).text
+            return f'reach_probes_total{{capability="{cap}",outcome="ok"' in text
+
+        (before,) = (await capability(http, second, cap))["instances"]
+        first.proc.kill()
+        killed_at = time.time()
+
+        async def kept_alive() -> bool:
+            # Heartbeaten by a probe past a whole heartbeat timeout after the first gateway
+            # went (while that one was alive, the second may have found each probe done).
+            (seen,) = (await capability(http, second, cap))["instances"]
+            return bool(seen["last_seen"] > killed_at + 1.5 and seen["status"] == "ok")
+
+        await wait_until(kept_alive, 15)
+        (after,) = (await capability(http, second, cap))["instances"]
+        assert after["joined_at"] == before["joined_at"]  # never expired and joined again
+        assert await probed_by(second)
+        assert await _routable(http, second, cap, instance_id)
+        r = await invoke(http, second, cap, "echo", payload={"via": "second"})
+        assert r.json()["status"] == "success", r.text
+    finally:
+        first.proc.stop()
+        second.proc.stop()
