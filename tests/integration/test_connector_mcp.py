@@ -18,7 +18,18 @@ from connectors.mcp import McpConnector
 from reach.errors import AgentError, DeadlineExceeded, InvalidRequest
 from reach.invocation import Endpoint
 from reach.registry.models import Discovery
-from tests.helpers import TRACEPARENT, GatewayProcess, free_port, message, spawn, wait_until
+from tests.conftest import new_stack
+from tests.helpers import (
+    TRACEPARENT,
+    CallbackReceiver,
+    GatewayProcess,
+    Worker,
+    free_port,
+    message,
+    rid,
+    spawn,
+    wait_until,
+)
 from tests.mcp_servers import McpServerProcess, install_everything, node_binary
 
 pytestmark = pytest.mark.integration
@@ -219,7 +230,8 @@ async def registered(
     try:
         yield iid
     finally:
-        await http.delete(f"{gateway.url}/reach/agents/{iid}")
+        with contextlib.suppress(httpx.HTTPError):  # a gateway a test killed removes nothing
+            await http.delete(f"{gateway.url}/reach/agents/{iid}")
 
 
 async def test_invoked_through_a_gateway(
@@ -352,3 +364,41 @@ async def test_the_reference_server_from_npm(everything: str) -> None:
         reply = await conn.invoke(ep, message("echo", {"message": "hello"}), 10)
     assert reply.result is not None
     assert reply.result["text"] == "Echo: hello"
+
+
+@pytest.mark.slow  # ~20 s: Temporal's wait before another worker takes the request over
+async def test_a_gateway_sigkilled_while_following_a_task_never_calls_the_tool_again(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    stack = new_stack(temporal_server, tmp_path)
+    doomed = GatewayProcess(stack, "doomed")  # the door and the worker the call runs in
+    survivor = Worker(stack)  # follows the task after the crash, with no cache of the server
+    server = McpServerProcess(tmp_path, "stateless").start()
+    await asyncio.gather(doomed.ready(), survivor.ready(), server.ready())
+    async with registered(http, doomed, server, "mcp-patient"), CallbackReceiver() as receiver:
+        request_id = rid()
+        r = await http.post(
+            f"{doomed.url}/reach/invoke",
+            json={
+                "request_id": request_id,
+                "target": "mcp-patient",
+                "operation": "long_task",
+                "payload": {"seconds": 3},
+                "timeout_ms": 60_000,
+                "callback": receiver.url,
+            },
+        )
+        assert r.status_code == 202, r.text
+
+        async def following() -> bool:
+            return "tasks/get" in [s["method"] for s in (await server.seen())["seen"]]
+
+        await wait_until(following, 10, every_s=0.05)
+        doomed.proc.kill()  # SIGKILL while following the task
+        await receiver.wait(1, timeout_s=45)
+        assert len(receiver.received) == 1, survivor.proc.output()
+        _, body = receiver.received[0]
+        assert body["status"] == "success", body
+        assert body["result"]["text"] == "finished"
+    calls = [s for s in (await server.seen())["seen"] if s["method"] == "tools/call"]
+    assert len(calls) == 1  # the tool was called once, ever
