@@ -35,6 +35,12 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
   reach inline, A2A front   the same call as reach inline, as an A2A client makes it: a blocking
                    SendMessage (JSON-RPC) to /a2a/bench-inline, a data part for the payload and
                    the operation in the message's metadata, answered with the completed task
+  direct A2A       an a2a-sdk agent (tests/a2a_agents.py, its `echo` skill) called straight
+                   through Reach's A2A connector: one SendMessage, answered with a Message
+  reach inline via A2A agent   POST /reach/invoke to that agent, registered by URL
+  reach inline via A2A agent, a task   the same agent's `slow` skill with 0 seconds: a Task
+                   that comes back submitted and is followed durably (a look: GetTask in a
+                   regular activity) until it completes
   direct MCP       an MCP server on the `mcp` package (tests/mcp_servers.py, stateless
                    2026-07-28, its `echo` tool) called straight through Reach's MCP connector:
                    one tools/call
@@ -136,6 +142,9 @@ ROW_PROCS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "reach queue": ("gw1", ("bench-queue",)),
     "reach inline, MCP front": ("gw1", ("bench-inline",)),
     "reach inline, A2A front": ("gw1", ("bench-inline",)),
+    "direct A2A": (None, ("bench-a2a",)),
+    "reach inline via A2A agent": ("gw1", ("bench-a2a",)),
+    "reach inline via A2A agent, a task": ("gw1", ("bench-a2a",)),
     "direct MCP": (None, ("bench-mcp",)),
     "reach inline via MCP server": ("gw1", ("bench-mcp",)),
 }
@@ -435,6 +444,24 @@ async def main(args: argparse.Namespace) -> None:
                 env,
                 tmp / f"bench-{protocol}.log",
             )
+        a2a_url = f"http://127.0.0.1:{free_port()}"
+        procs["bench-a2a"] = spawn(
+            [sys.executable, "-m", "tests.a2a_agents", "--port", a2a_url.rsplit(":", 1)[1]],
+            env,
+            tmp / "bench-a2a.log",
+        )
+        await wait_http(f"{a2a_url}/count", lambda r: r.status_code == 200)
+        async with httpx.AsyncClient(trust_env=False) as c:
+            registered = await c.post(
+                f"{gw}/reach/agents",
+                json={
+                    "capability": "bench-a2a",
+                    "instance_id": "bench-a2a-01",
+                    "protocol": "a2a",
+                    "service_address": a2a_url,
+                },
+            )
+            registered.raise_for_status()
         mcp_port = free_port()
         mcp_url = f"http://127.0.0.1:{mcp_port}/mcp"
         procs["bench-mcp"] = spawn(
@@ -465,7 +492,13 @@ async def main(args: argparse.Namespace) -> None:
                 lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
                 headers={"Authorization": f"Bearer {caller_token}"},
             )
-        for cap in ("bench-inline", "bench-queue", "bench-mcp", *(f"bench-{p}" for p in PROTOCOLS)):
+        for cap in (
+            "bench-inline",
+            "bench-queue",
+            "bench-a2a",
+            "bench-mcp",
+            *(f"bench-{p}" for p in PROTOCOLS),
+        ):
             await wait_http(
                 f"{gw}/reach/capabilities/{cap}",
                 lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
@@ -483,6 +516,13 @@ async def main(args: argparse.Namespace) -> None:
                 )
                 for p in PROTOCOLS
             }
+            endpoints["a2a"] = Endpoint(
+                instance_id="bench-a2a-01",
+                capability="bench-a2a",
+                protocol="a2a",
+                address=a2a_url,
+                details={"url": f"{a2a_url}/"},
+            )
             endpoints["mcp"] = Endpoint.model_validate(
                 {
                     **(await c.get(f"{gw}/reach/capabilities/bench-mcp")).json()["instances"][0],
@@ -689,6 +729,11 @@ async def main(args: argparse.Namespace) -> None:
             "reach queue": reach("bench-queue"),
             "reach inline, MCP front": mcp_front,
             "reach inline, A2A front": a2a_front,
+            "direct A2A": direct_via("a2a", "echo"),
+            "reach inline via A2A agent": reach("bench-a2a", operation="echo"),
+            "reach inline via A2A agent, a task": reach(
+                "bench-a2a", operation="slow", payload={"seconds": 0}
+            ),
             "direct MCP": direct_via("mcp", "echo"),
             "reach inline via MCP server": reach("bench-mcp", operation="echo"),
         }
