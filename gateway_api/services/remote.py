@@ -55,6 +55,8 @@ class Remote:
         # Connectors built here when the gateway lends no ConnectorSet (a bare gateway, tests).
         self._own: dict[str, Connector] = {}
         self._unreadable: set[str] = set()
+        # instance_id -> (the stored JSON, what it parsed to): unchanged ones are not parsed again.
+        self._parsed: dict[str, tuple[str, Registration]] = {}
 
     @property
     def store(self) -> Store:
@@ -216,13 +218,21 @@ class Remote:
         """Every registration by URL in the store, by instance id (an unreadable one is
         logged once and left out)."""
         found: dict[str, Registration] = {}
+        parsed: dict[str, tuple[str, Registration]] = {}
         for instance_id, raw in (await self.store.hash_all(REGISTRATIONS_KEY)).items():
+            cached = self._parsed.get(instance_id)
+            if cached is not None and cached[0] == raw:  # each probe round reads them all
+                parsed[instance_id] = cached
+                found[instance_id] = cached[1]
+                continue
             try:
                 found[instance_id] = Registration.model_validate_json(raw)
+                parsed[instance_id] = (raw, found[instance_id])
             except ValidationError as exc:
                 if instance_id not in self._unreadable:
                     self._unreadable.add(instance_id)
                     log.error("unreadable registration of %s ignored: %s", instance_id, exc)
+        self._parsed = parsed
         return found
 
     async def forget(self, instance_id: str, principal: Principal | None = None) -> bool:
