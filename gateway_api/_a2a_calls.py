@@ -405,6 +405,15 @@ class Call:
             raise a2a_error(TaskNotCancelableError, f"task {rid} already ended ({current.status})")
         who = self.who(principal)
         engine, guard = self.gateway.engine, self.gateway.guard
+        original = await engine.original(engine.handle(rid))
+        if original is not None and original.plan.mode == "queue":
+            # A cancelled regular activity reads as an internal error in the attempt loop
+            # (workflows/_failures.error_of): the request would end `internal`, not cancelled.
+            raise a2a_error(
+                TaskNotCancelableError,
+                f"task {rid} runs in queue mode, where a cancel would end it as an internal "
+                "error rather than cancelled; it ends by its deadline",
+            )
         if guard is not None:
             guard.audit.record("cancel_requested", request_id=rid, principal=who, front="a2a")
         try:

@@ -5,6 +5,7 @@ ListTasks (the caller's own), CancelTask, and every refusal as the JSON-RPC erro
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -50,6 +51,7 @@ pytestmark = pytest.mark.integration
 
 FAST, SLOW = "a2a-fast", "a2a-slow"
 BEHIND = "a2a-behind"  # an A2A agent (tests/a2a_agents.py) registered by URL
+QUEUED = "a2a-queued"  # a capability in queue mode
 COMPLETED = TaskState.TASK_STATE_COMPLETED
 WEBHOOK_KEY = f"test-master-{uuid.uuid4().hex}"
 
@@ -76,7 +78,11 @@ async def front(
         tmp,
         registry="redis",
         key_prefix=module_redis_prefix,
-        extra={"REACH_SECURITY__WEBHOOK_KEY": WEBHOOK_KEY},
+        extra={
+            "REACH_SECURITY__WEBHOOK_KEY": WEBHOOK_KEY,
+            # No worker serves its queue: its requests wait there, running, until their deadline.
+            "REACH_CAPABILITIES": json.dumps({QUEUED: {"mode": "queue"}}),
+        },
     )
     # With a shared registry, each host also reads the tokens in its mirror file.
     store = FileTokenStore(mirror_path(tmp / "tokens.json", module_redis_prefix))
@@ -99,6 +105,7 @@ async def front(
         agents = [
             Agent(a, "a2a-fast-1", FAST, env=env),
             Agent(a, "a2a-slow-1", SLOW, "--delay-ms", "2500", env=env),
+            Agent(a, "a2a-queued-1", QUEUED, env=env),
         ]
         behind = A2AAgentProcess(tmp, "behind")
         for agent in agents:
@@ -274,6 +281,17 @@ async def test_cancel_task_ends_the_request_cancelled(front: Front) -> None:
             status = (await plain.get(f"{front.a.url}/reach/requests/{task_id}")).json()
     assert status["error"]["type"] == "request_closed"
     assert status["error"]["message"].startswith("the request was cancelled"), status
+
+
+async def test_a_queue_mode_task_is_not_cancelled_as_an_internal_error(front: Front) -> None:
+    token = front.tokens["orchestrator"]
+    client, http = await client_of(front.a, QUEUED, token, streaming=False, polling=True)
+    async with aclosing(http):
+        [event] = await events_of(client, message(timeout_ms=5000))
+        with pytest.raises(TaskNotCancelableError, match="queue mode"):
+            await client.cancel_task(CancelTaskRequest(id=event.task.id))
+        task = await client.get_task(GetTaskRequest(id=event.task.id))
+    assert task.status.state == TaskState.TASK_STATE_WORKING
 
 
 def error_of(response: httpx.Response) -> dict[str, Any]:
