@@ -87,7 +87,6 @@ MAX_SKIPPED_NAMED = 20
 # An answer's envelope around a result: the result may come twice (structuredContent and the
 # text block the SDKs add beside it), plus the JSON-RPC wrapping and the SSE framing.
 ENVELOPE_BYTES = 64 * 1024
-MAX_LINE_BYTES = 1024 * 1024
 
 
 def read_limit(result_limit: int) -> int:
@@ -149,39 +148,54 @@ def body(rpc_id: int | None, method: str, params: dict[str, Any]) -> bytes:
 # -- reading one answer --------------------------------------------------------------------------
 
 
+def _too_much(where: str, limit: int) -> AgentError:
+    return AgentError(
+        f"{where} answered more than {limit} bytes; the negotiated max_message_bytes leaves "
+        "no room for more",
+        retryable=False,
+    )
+
+
 async def _limited(response: httpx.Response, limit: int, where: str) -> AsyncIterator[bytes]:
     size = 0
     async for chunk in response.aiter_bytes():
         size += len(chunk)
         if size > limit:
-            raise AgentError(
-                f"{where} answered more than {limit} bytes; the negotiated "
-                f"max_message_bytes leaves no room for more",
-                retryable=False,
-            )
+            raise _too_much(where, limit)
         yield chunk
 
 
-async def _sse_messages(chunks: AsyncIterator[bytes], where: str) -> AsyncIterator[bytes]:
-    """The `data` of each SSE event (its lines joined), as they arrive."""
-    buffer = b""
+async def _sse_messages(response: httpx.Response, limit: int, where: str) -> AsyncIterator[bytes]:
+    """The `data` of each SSE event (its lines joined), as they arrive. Each event is bounded
+    by `limit`, not the stream: a long call may send progress for as long as its deadline
+    allows."""
+    buffer = bytearray()
+    scanned = 0  # how much of the buffer holds no newline
     data: list[bytes] = []
-    async for chunk in chunks:
+    size = 0
+    async for chunk in response.aiter_bytes():
         buffer += chunk
         while True:
-            end = buffer.find(b"\n")
+            end = buffer.find(b"\n", scanned)
             if end < 0:
-                if len(buffer) > MAX_LINE_BYTES:
-                    raise AgentError(f"{where} sent an SSE line over {MAX_LINE_BYTES} bytes")
+                scanned = len(buffer)
+                if size + len(buffer) > limit:
+                    raise _too_much(where, limit)
                 break
-            line, buffer = buffer[:end].rstrip(b"\r"), buffer[end + 1 :]
+            line = bytes(buffer[:end]).rstrip(b"\r")
+            del buffer[: end + 1]
+            scanned = 0
             if not line:
                 joined = b"\n".join(data)
-                data = []
+                data, size = [], 0
                 if joined.strip():  # a priming event (an id, empty data) carries no message
                     yield joined
             elif line.startswith(b"data:"):
-                data.append(line[5:].removeprefix(b" "))
+                piece = line[5:].removeprefix(b" ")
+                size += len(piece)
+                if size > limit:
+                    raise _too_much(where, limit)
+                data.append(piece)
             # `event:`, `id:`, `retry:` and comments (`: ping`) carry nothing this reads.
     if b"".join(data).strip():
         yield b"\n".join(data)
@@ -205,9 +219,8 @@ async def read_answer(
     typed error its `error` stands for. Notifications on an SSE stream (progress) go to
     `on_notification`; a request the server sends back (sampling, elicitation) is not served."""
     kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
-    chunks = _limited(response, limit, where)
     if kind == "text/event-stream":
-        async for data in _sse_messages(chunks, where):
+        async for data in _sse_messages(response, limit, where):
             message = _parsed(data, where)
             if not isinstance(message, dict):
                 continue
@@ -222,7 +235,7 @@ async def read_answer(
         )
     if kind != "application/json":
         raise AgentError(f"{where} answered with content type {kind or 'none'!r}", retryable=False)
-    raw = b"".join([chunk async for chunk in chunks])
+    raw = b"".join([chunk async for chunk in _limited(response, limit, where)])
     message = _parsed(raw, where)
     if not isinstance(message, dict):
         raise AgentError(f"{where} answered with JSON that is not one JSON-RPC response")

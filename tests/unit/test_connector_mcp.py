@@ -222,3 +222,12 @@ def test_a_task_is_followed_until_it_ends() -> None:
     assert waiting.result["input_requests"] == ["name"]
     with pytest.raises(AgentError, match="taskId"):
         w.task_reply({"status": "working", "taskId": "x" * 300}, WHERE, 1000)
+
+
+async def test_progress_does_not_count_against_the_answer_s_size() -> None:
+    tick = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progress": 1}}
+    answer = {"jsonrpc": "2.0", "id": 3, "result": {"x": "y" * 600}}
+    response = sse(*[event(tick)] * 200, event(answer))  # 200 ticks: far more than the limit
+    assert await w.read_answer(response, 3, 1000, WHERE) == {"x": "y" * 600}
+    with pytest.raises(AgentError, match="more than 500 bytes"):
+        await w.read_answer(sse(event(answer)), 3, 500, WHERE)
