@@ -41,9 +41,20 @@ def _env(extra: Mapping[str, str]) -> dict[str, str]:
 class Proc:
     popen: subprocess.Popen[bytes]
     log: Path
+    # Where this process's output starts: a log may hold an earlier process's (an agent
+    # restarted under its instance_id appends to the same file).
+    start: int = 0
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def own_output(self) -> str:
+        """What this process wrote, not what was in its log before it started."""
+        if not self.log.exists():
+            return ""
+        with self.log.open("rb") as f:
+            f.seek(self.start)
+            return f.read().decode(errors="replace")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.popen.poll() is None:
@@ -64,6 +75,7 @@ SPAWNED: list[Proc] = []
 
 def spawn(args: list[str], env: Mapping[str, str], log: Path) -> Proc:
     with log.open("ab") as out:
+        start = out.tell()
         popen = subprocess.Popen(
             args,
             env=_env(env),
@@ -72,21 +84,28 @@ def spawn(args: list[str], env: Mapping[str, str], log: Path) -> Proc:
             start_new_session=True,
             cwd=ROOT,
         )
-    proc = Proc(popen, log)
+    proc = Proc(popen, log, start)
     SPAWNED.append(proc)
     return proc
 
 
 def stop_spawned(since: int = 0) -> None:
-    """Stop every process spawned after index `since` (SIGCONT first: some tests SIGSTOP)."""
+    """Stop every process spawned after index `since` (SIGCONT first: some tests SIGSTOP), all
+    at once: each is sent SIGTERM before any is waited for, SIGKILL after 10 s."""
     procs = SPAWNED[since:]
     del SPAWNED[since:]
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        for proc in procs:
+            if proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, sig)
+    deadline = time.monotonic() + 10
     for proc in procs:
-        if proc.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.popen.pid, signal.SIGCONT)
-    for proc in procs:
-        proc.stop()
+        try:
+            proc.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.popen.wait()
 
 
 @dataclass
@@ -217,7 +236,7 @@ class Agent:
     async def ready(self, timeout_s: float = 20.0) -> Agent:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            out = self.proc.output()
+            out = self.proc.own_output()  # not the lines of an earlier agent of this id
             if "serving at" in out and "joined Reach" in out:
                 return self
             if self.proc.popen.poll() is not None:
