@@ -8,10 +8,12 @@ every assertion below is an exact number of downstream calls.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -294,20 +296,27 @@ async def test_a_callers_short_deadlines_do_not_open_the_breaker(
 
 
 async def test_per_operation_timeouts_differ_against_the_same_slow_agent(
-    temporal_server: str, http: httpx.AsyncClient, tmp_path: Path
+    fast_gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
-    # reach.yaml: knowledge-retriever:query 3 s, content-generator:generate 30 s.
-    gw = await GatewayProcess(new_stack(temporal_server, tmp_path)).ready()
-    for cap in ("knowledge-retriever", "content-generator"):
-        await Agent(gw, f"{cap}-slow", cap, "--delay-ms", "4500").ready()
-    # The caller asks for a minute; the operation's 3 s is the deadline.
-    r = await invoke(http, gw, "knowledge-retriever", "query", timeout_ms=60_000)
+    # reach.yaml (the module gateway's too): knowledge-retriever:query 3 s,
+    # content-generator:generate 30 s; no other test here uses those two capabilities.
+    await asyncio.gather(
+        *(
+            Agent(fast_gateway, f"{cap}-slow", cap, "--delay-ms", "4500").ready()
+            for cap in ("knowledge-retriever", "content-generator")
+        )
+    )
+    # The caller asks for a minute; the operation's 3 s is the deadline. Both at once: each
+    # deadline is its own request's, whatever else is in flight.
+    r, generated = await asyncio.gather(
+        invoke(http, fast_gateway, "knowledge-retriever", "query", timeout_ms=60_000),
+        invoke(http, fast_gateway, "content-generator", "generate", payload={"prompt": "durable"}),
+    )
     assert r.status_code == 504, r.text
     assert "timeout_ms=3000" in r.json()["error"]["message"]
     assert 2500 <= r.json()["duration_ms"] < 30_000  # 3 s, not the minute asked for
-    r = await invoke(http, gw, "content-generator", "generate", payload={"prompt": "durable"})
-    assert r.status_code == 200, r.text
-    assert r.json()["duration_ms"] >= 4500
+    assert generated.status_code == 200, generated.text
+    assert generated.json()["duration_ms"] >= 4500
 
 
 async def test_an_unknown_outcome_says_so(
@@ -339,13 +348,39 @@ def redis_stack(temporal: str, tmp: Path, prefix: str, **extra: str) -> Stack:
     )
 
 
-async def test_one_key_two_gateways_one_execution_same_result(
-    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
-) -> None:
-    stack = redis_stack(temporal_server, tmp_path, redis_prefix)
-    a, b = await asyncio.gather(
-        GatewayProcess(stack, "a").ready(), GatewayProcess(stack, "b").ready()
+# The capabilities of the tests that share `pair`, each with a policy of its own
+# (`policy.capabilities`), so one pair of gateways serves them all instead of a pair each.
+BREAKING = f"cap-breaking-{uuid.uuid4().hex[:8]}"
+EJECTING = f"cap-ejecting-{uuid.uuid4().hex[:8]}"
+LIMITED = f"cap-limited-{uuid.uuid4().hex[:8]}"
+SHARED_POLICIES = {
+    BREAKING: {"retry": {"max_retries": 0}, "circuit_breaker": {"open_duration_ms": 2000}},
+    EJECTING: {"outlier": {"base_ejection_ms": 4000}},
+    LIMITED: {"rate_limit": {"per_caller": {"per_minute": 60}}},
+}
+
+
+@pytest.fixture(scope="module")
+async def pair(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory, module_redis_prefix: str
+) -> AsyncIterator[tuple[GatewayProcess, GatewayProcess]]:
+    """Two gateways of one deployment (one Redis registry and policy state, one task queue);
+    each test uses capabilities of its own, and SHARED_POLICIES gives some their policy."""
+    stack = redis_stack(
+        temporal_server,
+        tmp_path_factory.mktemp("pair"),
+        module_redis_prefix,
+        REACH_POLICY__CAPABILITIES=json.dumps(SHARED_POLICIES),
     )
+    a, b = GatewayProcess(stack, "a"), GatewayProcess(stack, "b")  # both start at once
+    async with a, b:
+        yield a, b
+
+
+async def test_one_key_two_gateways_one_execution_same_result(
+    pair: tuple[GatewayProcess, GatewayProcess], tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    a, b = pair
     ledger = tmp_path / "ledger.txt"
     cap = f"cap-{uuid.uuid4().hex[:8]}"
     await start_agents(a, cap, 2, "--ledger", str(ledger), "--delay-ms", "500")
@@ -454,20 +489,11 @@ async def test_a_lost_queue_worker_re_delivers_a_keyed_write_to_the_same_instanc
 
 
 async def test_breaker_opens_after_three_is_shared_and_a_probe_closes_it(
-    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+    pair: tuple[GatewayProcess, GatewayProcess], tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
-    stack = redis_stack(
-        temporal_server,
-        tmp_path,
-        redis_prefix,
-        REACH_POLICY__RETRY__MAX_RETRIES="0",
-        REACH_POLICY__CIRCUIT_BREAKER__OPEN_DURATION_MS="2000",
-    )
-    a, b = await asyncio.gather(
-        GatewayProcess(stack, "a").ready(), GatewayProcess(stack, "b").ready()
-    )
+    a, b = pair
     ledger = tmp_path / "ledger.txt"
-    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    cap = BREAKING  # no retries, the breaker open for 2 s
     await start_agents(a, cap, 1, "--ledger", str(ledger), "--fail-first", "3")
     for _ in range(3):
         r = await invoke(http, a, cap, "query")
@@ -499,17 +525,11 @@ async def test_breaker_opens_after_three_is_shared_and_a_probe_closes_it(
 
 
 async def test_a_dead_but_registered_instance_is_ejected_then_costs_nothing(
-    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+    pair: tuple[GatewayProcess, GatewayProcess], tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
-    stack = redis_stack(
-        temporal_server,
-        tmp_path,
-        redis_prefix,
-        REACH_POLICY__OUTLIER__BASE_EJECTION_MS="4000",
-    )
-    gw = await GatewayProcess(stack).ready()
+    gw, _ = pair
     ledger = tmp_path / "ledger.txt"
-    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    cap = EJECTING  # ejected for 4 s
     agents = await start_agents(gw, cap, 3, "--ledger", str(ledger))
     dead = agents[0]
     dead.proc.kill()  # still registered until its heartbeat expires (30 s here)
@@ -532,29 +552,21 @@ async def test_a_dead_but_registered_instance_is_ejected_then_costs_nothing(
     assert len(calls(ledger)) == before + 9
     # It comes back by itself: restarted, it gets traffic once the ejection ends.
     await Agent(gw, dead.instance_id, cap, "--ledger", str(ledger)).ready()
-    await asyncio.sleep(4.0)
 
     async def served_again() -> bool:
         r = await invoke(http, gw, cap, "query")
+        assert r.status_code == 200, r.text
         return bool(r.json().get("instance_id") == dead.instance_id)
 
     await wait_until(served_again, 15, every_s=0.05)
 
 
 async def test_rate_limit_60_a_minute_per_caller_across_two_gateways(
-    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+    pair: tuple[GatewayProcess, GatewayProcess], tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
-    stack = redis_stack(
-        temporal_server,
-        tmp_path,
-        redis_prefix,
-        REACH_POLICY__RATE_LIMIT__PER_CALLER__PER_MINUTE="60",
-    )
-    a, b = await asyncio.gather(
-        GatewayProcess(stack, "a").ready(), GatewayProcess(stack, "b").ready()
-    )
+    a, b = pair
     ledger = tmp_path / "ledger.txt"
-    cap = f"cap-{uuid.uuid4().hex[:8]}"
+    cap = LIMITED  # 60 a minute per caller
     await start_agents(a, cap, 1, "--ledger", str(ledger))
     # Sequentially until the first refusal: 60 tokens to start with, one more a second, so a
     # slow box may have earned a few while it sent them.
