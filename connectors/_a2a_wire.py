@@ -26,17 +26,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from a2a.types import (
-    GetTaskRequest,
-    Message,
-    Part,
-    SendMessageConfiguration,
-    SendMessageRequest,
-    SendMessageResponse,
-    Task,
-    TaskState,
-)
-from google.protobuf import json_format, struct_pb2
+from a2a.types import GetTaskRequest, Message, Part, SendMessageResponse, Task, TaskState
+from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 
 from reach.acceptance import check_json
@@ -98,11 +89,14 @@ def _plain(value: Any) -> Any:
 
 
 def send_request(message: ReachMessage) -> dict[str, Any]:
-    """The `SendMessage` params for a Reach message: the payload as one data part, the Reach
-    header in `metadata.reach`, a follow-up's task and context ids from the payload's `_a2a`."""
+    """The `SendMessage` params for a Reach message (ProtoJSON, written out: the payload is
+    JSON Reach already checked): the payload as one data part, the Reach header in
+    `metadata.reach`, a follow-up's task and context ids from the payload's `_a2a`."""
     header = message.header
-    payload = dict(message.payload)
-    follow_up = payload.pop(CONTINUE_KEY, None)
+    payload = message.payload
+    follow_up = payload.get(CONTINUE_KEY) if CONTINUE_KEY in payload else None
+    if follow_up is not None:
+        payload = {k: v for k, v in payload.items() if k != CONTINUE_KEY}
     reach: dict[str, Any] = {
         "request_id": header.request_id,
         "caller": header.caller,
@@ -113,22 +107,20 @@ def send_request(message: ReachMessage) -> dict[str, Any]:
         reach["deadline_ms"] = header.deadline_ms
     if header.idempotency_key is not None:
         reach["idempotency_key"] = header.idempotency_key
-    wire = Message(
-        message_id=message_id(header.request_id, header.attempt),
-        role="ROLE_USER",
-        parts=[Part(data=json_format.ParseDict(payload, struct_pb2.Value()))],
-    )
-    wire.metadata.update({"reach": reach})
+    wire: dict[str, Any] = {
+        "messageId": message_id(header.request_id, header.attempt),
+        "role": "ROLE_USER",
+        "parts": [{"data": payload}],
+        "metadata": {"reach": reach},
+    }
     if isinstance(follow_up, dict):
-        wire.task_id = str(follow_up.get("task_id") or "")
-        wire.context_id = str(follow_up.get("context_id") or "")
-    request = SendMessageRequest(
-        message=wire,
-        # Answer with the task as soon as there is one: its id goes into the request's history
-        # before the work is done, so nothing after this needs the message sent again.
-        configuration=SendMessageConfiguration(return_immediately=True),
-    )
-    return json_format.MessageToDict(request)
+        if follow_up.get("task_id"):
+            wire["taskId"] = str(follow_up["task_id"])
+        if follow_up.get("context_id"):
+            wire["contextId"] = str(follow_up["context_id"])
+    # returnImmediately: answer with the task as soon as there is one, so its id goes into the
+    # request's history before the work is done and nothing after needs the message again.
+    return {"message": wire, "configuration": {"returnImmediately": True}}
 
 
 def get_task_request(task_id: str) -> dict[str, Any]:
@@ -243,9 +235,61 @@ def reply_of_task(task: Task, endpoint: Endpoint, url: str, limit: int) -> Reply
     raise AgentError(f"{where} answered task {task.id} in state {name}", retryable=False)
 
 
+_PART_EXTRAS = frozenset({"mediaType", "metadata", "filename"})
+_MESSAGE_FIELDS = frozenset(
+    {
+        "messageId",
+        "contextId",
+        "taskId",
+        "role",
+        "parts",
+        "metadata",
+        "extensions",
+        "referenceTaskIds",
+    }
+)
+
+
+def _one_data_object(result: Any) -> dict[str, Any] | None:
+    """The object of a `{"message": ...}` result whose only part is one data part holding an
+    object, when every field around it has the type A2A gives it; else None (the SDK's types
+    then read it, and refuse what they cannot)."""
+    if not isinstance(result, dict) or result.keys() != {"message"}:
+        return None
+    message = result["message"]
+    if not isinstance(message, dict) or not message.keys() <= _MESSAGE_FIELDS:
+        return None
+    parts = message.get("parts")
+    if not isinstance(parts, list) or len(parts) != 1 or not isinstance(parts[0], dict):
+        return None
+    part = parts[0]
+    data = part.get("data")
+    if not isinstance(data, dict) or not part.keys() - {"data"} <= _PART_EXTRAS:
+        return None
+    strings = ("messageId", "contextId", "taskId", "role")
+    if not all(isinstance(message.get(k, ""), str) for k in strings):
+        return None
+    if message.get("role", "ROLE_AGENT") not in ("ROLE_AGENT", "ROLE_USER", "ROLE_UNSPECIFIED"):
+        return None
+    for key in ("mediaType", "filename"):
+        if not isinstance(part.get(key, ""), str):
+            return None
+    for holder in (message, part):
+        if not isinstance(holder.get("metadata", {}), dict):
+            return None
+    for key in ("extensions", "referenceTaskIds"):
+        listed = message.get(key, [])
+        if not isinstance(listed, list) or not all(isinstance(v, str) for v in listed):
+            return None
+    return data
+
+
 def reply_of_send(result: Any, endpoint: Endpoint, url: str, limit: int) -> Reply:
     """The Reply of a `SendMessage` result: a message or a task."""
     where = f"agent {endpoint.instance_id}"
+    data = _one_data_object(result)
+    if data is not None:  # the common answer, read without the protobuf round trip
+        return Reply(status="ok", result=_checked(_plain(data), where, limit))
     response = parse(result, SendMessageResponse(), "SendMessage result", where)
     if response.HasField("message"):
         return Reply(

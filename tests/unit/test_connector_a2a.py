@@ -107,3 +107,15 @@ async def test_a_card_that_is_not_json_is_refused_naming_it() -> None:
         await discovery_of("http://x", b"<html>", None, None)
     with pytest.raises(InvalidRequest, match="is not a JSON object"):
         await discovery_of("http://x", b"[1]", None, None)
+
+
+def test_the_common_answer_is_read_as_the_sdk_reads_it_and_anything_odd_by_the_sdk() -> None:
+    answer = {"message": {"messageId": "m", "role": "ROLE_AGENT", "parts": [{"data": {"n": 2.0}}]}}
+    assert reply_of_send(answer, EP, "u", 99).result == {"n": 2}
+    texts = {"message": {"messageId": "m", "parts": [{"text": "hi"}, {"text": "there"}]}}
+    assert reply_of_send(texts, EP, "u", 99).result == {"text": "hi\nthere"}
+    odd = {"message": {"messageId": 5, "parts": [{"data": {"n": 2}}]}}
+    with pytest.raises(AgentError, match="is not an A2A"):
+        reply_of_send(odd, EP, "u", 99)
+    with pytest.raises(AgentError, match="not standard JSON"):
+        reply_of_send({"message": {"parts": [{"data": {"n": float("nan")}}]}}, EP, "u", 99)
