@@ -27,6 +27,7 @@ from agent_reach_sdk import AgentRuntime, OperationError
 from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
 from tests.helpers import ROOT, GatewayProcess, wait_until
+from tests.mcp_servers import McpServerProcess
 
 pytestmark = [pytest.mark.integration]
 
@@ -48,6 +49,7 @@ class Mcp:
     capability: str
     caller: str  # a caller token, allowed all but `secret`
     other: str  # another caller's token: no rule allows it anything
+    admin: str = ""
 
     @property
     def url(self) -> str:
@@ -75,7 +77,13 @@ async def mcp(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) ->
             "target_capability": capability,
             "allowed_operations": ["*"],
             "denied_operations": ["secret"],
-        }
+        },
+        {
+            "name": "mcp-client-servers",
+            "caller": "mcp-client",
+            "target_capability": f"{capability}-srv",
+            "allowed_operations": ["*"],
+        },
     ]
     (tmp / "reach.yaml").write_text(yaml.safe_dump(config))
     store = FileTokenStore(tmp / "tokens.json")
@@ -84,6 +92,7 @@ async def mcp(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) ->
         ("mcp-client", "caller", []),
         ("stranger", "caller", []),
         ("mcp-agent", "agent", [capability]),
+        ("ops", "admin", []),
     ]:
         token, record = issue(name, kind, caps)  # type: ignore[arg-type]
         store.write(record)
@@ -126,7 +135,7 @@ async def mcp(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     async with GatewayProcess(stack) as gateway:
         runtime.reach_url = gateway.url
         async with runtime:
-            yield Mcp(gateway, capability, tokens["mcp-client"], tokens["stranger"])
+            yield Mcp(gateway, capability, tokens["mcp-client"], tokens["stranger"], tokens["ops"])
 
 
 def tool_names(tools: Any) -> set[str]:
@@ -303,7 +312,7 @@ async def test_a_long_call_is_a_task_read_from_any_gateway_and_cancelled(mcp: Mc
     assert answer["resultType"] == "complete"  # done before it needed to be a task
     assert answer["structuredContent"] == {"slept": 0}
 
-    params, headers = modern("tools/call", name=f"{cap}.slow", arguments={"s": 2})
+    params, headers = modern("tools/call", name=f"{cap}.slow", arguments={"s": 1.5})
     created = (await rpc(mcp, "tools/call", params, headers=headers)).json()["result"]
     assert created["resultType"] == "task", created
     assert created["status"] == "working"
@@ -323,7 +332,7 @@ async def test_a_long_call_is_a_task_read_from_any_gateway_and_cancelled(mcp: Mc
 
         await wait_until(completed, timeout_s=30, every_s=0.2)
         assert seen[0]["status"] in ("working", "completed")
-        assert seen[-1]["result"]["structuredContent"] == {"slept": 2}
+        assert seen[-1]["result"]["structuredContent"] == {"slept": 1.5}
         stranger = await rpc(reader, "tasks/get", get, headers=headers, token=mcp.other)
         assert stranger.json()["error"]["code"] == -32602  # not its task: no such task
 
@@ -339,3 +348,27 @@ async def test_a_long_call_is_a_task_read_from_any_gateway_and_cancelled(mcp: Mc
         return bool(task["status"] == "cancelled")
 
     await wait_until(cancelled, timeout_s=30, every_s=0.2)
+
+
+async def test_an_mcp_server_behind_reach_is_called_through_the_front(
+    mcp: Mcp, tmp_path: Any
+) -> None:
+    """An MCP server registered by URL (Reach's MCP connector) is tools behind the front, its
+    descriptions and schemas as it declared them, its content blocks passed on as they were."""
+    server = await McpServerProcess(tmp_path, "stateless").start().ready()
+    srv = f"{mcp.capability}-srv"
+    admin = {"Authorization": f"Bearer {mcp.admin}"}
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+        body = {"protocol": "mcp", "service_address": server.url, "capability": srv}
+        r = await http.post(f"{mcp.gateway.url}/reach/agents", json=body, headers=admin)
+        assert r.status_code == 200, r.text
+    async with mcp.client(MODERN) as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        assert tools[f"{srv}.echo"].description == "Say the text back."
+        assert tools[f"{srv}.lookup"].input_schema["properties"]["key"]["type"] == "string"
+        assert tools[f"{srv}.lookup"].annotations is not None
+        echoed = await client.call_tool(f"{srv}.echo", {"text": "through Reach"})
+        assert echoed.content[0].text == "through Reach"  # type: ignore[union-attr]
+        looked = await client.call_tool(f"{srv}.lookup", {"key": "k"})
+        assert looked.structured_content == {"key": "k", "value": "K"}
+        assert (looked.meta or {})["reach/requestId"].startswith("req-")
