@@ -78,6 +78,7 @@ class McpServer:
 
     def __init__(self, url: str, http: httpx.AsyncClient, connections: int) -> None:
         self.url = url
+        self._parsed_url = httpx.URL(url)  # parsed once, not on every request
         self.http = http
         self.hint: str | None = None  # the version discovery found, from Endpoint.details
         self.negotiated: Negotiated | None = None
@@ -111,7 +112,7 @@ class McpServer:
             version = w.MODERN
         headers = w.request_headers(version, session, method, name)
         request = self.http.build_request(
-            "POST", self.url, content=w.body(rpc_id, method, params), headers=headers
+            "POST", self._parsed_url, content=w.body(rpc_id, method, params), headers=headers
         )
         async with self._slots:
             if on_send is not None:
