@@ -35,6 +35,8 @@ from connectors._a2a_wire import (
     get_task_request,
     reply_of_get,
     reply_of_send,
+    reply_of_task,
+    result_of,
     rpc_error,
     send_request,
 )
@@ -50,6 +52,17 @@ from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
 from reach.registry.models import Discovery
 from reach.security.netguard import DEFAULT_PORTS, AddressGuard, host_port
+
+# The mapping's pure parts, public for whoever checks them (its tests), beside the connector.
+__all__ = [
+    "A2AConnector",
+    "discovery_of",
+    "reply_of_send",
+    "reply_of_task",
+    "result_of",
+    "rpc_error",
+    "send_request",
+]
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
 CARD_TIMEOUT_S = 5.0

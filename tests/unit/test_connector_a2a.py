@@ -7,8 +7,14 @@ import pytest
 from a2a.types import Artifact, Part, Task, TaskState, TaskStatus
 from google.protobuf import json_format, struct_pb2
 
-from connectors._a2a_card import discovery_of
-from connectors._a2a_wire import reply_of_send, reply_of_task, result_of, rpc_error, send_request
+from connectors.a2a import (
+    discovery_of,
+    reply_of_send,
+    reply_of_task,
+    result_of,
+    rpc_error,
+    send_request,
+)
 from reach.errors import AgentError, InvalidRequest
 from reach.invocation import Endpoint
 from tests.helpers import message
