@@ -28,7 +28,8 @@ def test_http_connector_is_registered_as_an_entry_point() -> None:
 
 
 def test_unknown_protocol_fails_loudly_with_the_known_names() -> None:
-    with pytest.raises(LookupError, match=r"'smoke-signals'.*known: grpc, http, mqtt, websocket"):
+    known = "a2a, grpc, http, mcp, mqtt, websocket"
+    with pytest.raises(LookupError, match=rf"'smoke-signals'.*known: {known}"):
         connectors.load("smoke-signals")
 
 
