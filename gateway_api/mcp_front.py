@@ -61,6 +61,7 @@ from gateway_api.routes.invoke import metadata_of
 from gateway_api.steps.identify import Identity, identify
 from reach.errors import ReachError
 from reach.messages import InvokeResponse, dumps
+from reach.telemetry import tracing
 
 log = logging.getLogger("reach.gateway")
 
@@ -73,7 +74,7 @@ INSTRUCTIONS = (
     "durable request whose RequestID is in the result's _meta (reach/requestId)."
 )
 # A tool call still running after this long is answered as an SSE stream (when accepted).
-SSE_AFTER_S = 5.0
+SSE_AFTER_S = 2.0
 KEEPALIVE_S = 15.0
 _LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 # Logging and completions are declared so that clients may use them: Reach sends no log
@@ -259,7 +260,19 @@ class McpFront:
     ) -> dict[str, Any] | None:
         method = message.method
         if method == "tools/call":
-            return await self._call(message, headers, identity.caller, modern, send)
+            active = tracing.tracer
+            if active is None:
+                return await self._call(message, headers, identity.caller, modern, send)
+            # Read leniently here: the door refuses an invalid traceparent, as over HTTP.
+            said = message.meta.get("traceparent")
+            traceparent = headers.get("traceparent") or (said if isinstance(said, str) else None)
+            attributes = {"rpc.system": "jsonrpc", "rpc.method": method, "url.path": PATH}
+            with tracing.server_span(active, "MCP tools/call", traceparent, attributes) as span:
+                reply = await self._call(message, headers, identity.caller, modern, send)
+                request_id = ((reply or {}).get("_meta") or {}).get(wire.REQUEST_ID_META)
+                if request_id:
+                    span.set_attribute("reach.request_id", request_id)
+                return reply
         out: dict[str, Any]
         if method == "initialize" and not modern:
             out = {

@@ -372,3 +372,34 @@ async def test_an_mcp_server_behind_reach_is_called_through_the_front(
         looked = await client.call_tool(f"{srv}.lookup", {"key": "k"})
         assert looked.structured_content == {"key": "k", "value": "K"}
         assert (looked.meta or {})["reach/requestId"].startswith("req-")
+
+
+async def test_a_long_call_is_streamed_naming_its_request(mcp: Mcp) -> None:
+    """Past SSE_AFTER_S (2 s) a client that accepts SSE gets a stream whose headers name the
+    RequestID at once, a progress notification naming it, and the result as the last event."""
+    params = {
+        "name": f"{mcp.capability}.slow",
+        "arguments": {"s": 3},
+        "_meta": {"progressToken": "p-1", "reach/timeoutMs": 20000},
+    }
+    body = {"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": params}
+    headers = {
+        "Authorization": f"Bearer {mcp.caller}",
+        "Accept": "application/json, text/event-stream",
+    }
+    async with (
+        httpx.AsyncClient(trust_env=False, timeout=30) as http,
+        http.stream("POST", mcp.url, json=body, headers=headers) as r,
+    ):
+        assert r.headers["content-type"] == "text/event-stream"
+        request_id = r.headers["x-reach-request-id"]
+        events = [
+            json.loads(line[len("data: ") :])
+            async for line in r.aiter_lines()
+            if line.startswith("data: ")
+        ]
+    assert events[0]["method"] == "notifications/progress"
+    assert request_id in events[0]["params"]["message"]
+    assert events[-1]["id"] == 9
+    assert events[-1]["result"]["structuredContent"] == {"slept": 3}
+    assert events[-1]["result"]["_meta"]["reach/requestId"] == request_id
