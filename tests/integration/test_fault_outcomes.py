@@ -10,6 +10,7 @@ import signal
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,33 @@ def executions(ledger: Path, request_id: str) -> list[str]:
         return []
     rows = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
     return [instance for request, instance in rows if request == request_id]
+
+
+# The queued test's capability: its own rate limit (`policy.capabilities`), so it shares the
+# module gateway with the tests that need none instead of starting one of its own.
+QUEUED = f"queued-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+async def gateway(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[GatewayProcess]:
+    """The module's gateway (memory registry, reach.yaml's policy); QUEUED is rate limited."""
+    limited = {
+        QUEUED: {
+            "rate_limit": {
+                "per_caller": {"per_minute": 30, "burst": 1},  # a token every 2 s
+                "on_limit": "queue",
+            }
+        }
+    }
+    stack = new_stack(
+        temporal_server,
+        tmp_path_factory.mktemp("faults"),
+        extra={"REACH_POLICY__CAPABILITIES": json.dumps(limited)},
+    )
+    async with GatewayProcess(stack) as gw:
+        yield gw
 
 
 async def test_a_keyless_write_whose_gateway_was_killed_mid_call_may_have_run_and_says_where(
@@ -105,32 +133,20 @@ async def test_a_keyless_write_whose_gateway_was_killed_mid_call_may_have_run_an
 
 
 async def test_a_queued_request_past_its_deadline_is_refused_429_never_sent(
-    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
+    gateway: GatewayProcess, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
     """Queued requests that no token frees in time for are `rate_limited` (429, Retry-After):
     none wakes at its deadline to take a token and time out (504) with no time to call."""
-    stack = new_stack(
-        temporal_server,
-        tmp_path,
-        extra={
-            "REACH_POLICY__RATE_LIMIT__PER_CALLER__PER_MINUTE": "30",  # a token every 2 s
-            "REACH_POLICY__RATE_LIMIT__PER_CALLER__BURST": "1",
-            "REACH_POLICY__RATE_LIMIT__ON_LIMIT": "queue",
-        },
+    gw = gateway
+    ledger = tmp_path / "ledger.txt"
+    await Agent(gw, f"{QUEUED}-01", QUEUED, "--ledger", str(ledger)).ready()
+    first = await invoke(http, gw, QUEUED, "query", caller="burst")
+    assert first.status_code == 200, first.text  # the one token
+    # The next token frees in about 2 s, before their deadline (2.2 s): the old spread
+    # (at least 1.25 times the wait) woke them all at the deadline, and one took the token.
+    answers = await asyncio.gather(
+        *(invoke(http, gw, QUEUED, "query", caller="burst", timeout_ms=2200) for _ in range(4))
     )
-    async with GatewayProcess(stack) as gw:
-        ledger = tmp_path / "ledger.txt"
-        await Agent(gw, "q-01", "queued", "--ledger", str(ledger)).ready()
-        first = await invoke(http, gw, "queued", "query", caller="burst")
-        assert first.status_code == 200, first.text  # the one token
-        # The next token frees in about 2 s, before their deadline (2.2 s): the old spread
-        # (at least 1.25 times the wait) woke them all at the deadline, and one took the token.
-        answers = await asyncio.gather(
-            *(
-                invoke(http, gw, "queued", "query", caller="burst", timeout_ms=2200)
-                for _ in range(4)
-            )
-        )
     codes = Counter(r.status_code for r in answers)
     assert set(codes) <= {200, 429}, [r.text for r in answers]
     assert codes[429] >= 1
@@ -144,25 +160,24 @@ async def test_a_queued_request_past_its_deadline_is_refused_429_never_sent(
 
 
 async def test_one_failing_instance_among_three_never_opens_the_capability_s_breaker(
-    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """One instance fails every call at once while its two peers answer (slowly): its failures
     come in a run, with no success between them. Ejection takes it out and the retries go to
     its peers; the capability's breaker stays closed (it opened, and refused every request
     circuit_open, while two instances were healthy)."""
-    stack = new_stack(temporal_server, tmp_path)
-    async with GatewayProcess(stack) as gw:
-        await asyncio.gather(
-            Agent(gw, "b-00", "three", "--fail-first", "1000").ready(),
-            Agent(gw, "b-01", "three", "--delay-ms", "800").ready(),
-            Agent(gw, "b-02", "three", "--delay-ms", "800").ready(),
-        )
-        # A long timeout_ms: a loaded box must not time the healthy ones out (that would be
-        # the capability failing, and open the breaker).
-        calls = [invoke(http, gw, "three", "query", timeout_ms=30_000) for _ in range(9)]
-        burst = await asyncio.gather(*calls)
-        after = [await invoke(http, gw, "three", "query", timeout_ms=30_000) for _ in range(4)]
-        detail = (await http.get(f"{gw.url}/reach/capabilities/three")).json()
+    gw = gateway
+    await asyncio.gather(
+        Agent(gw, "b-00", capability, "--fail-first", "1000").ready(),
+        Agent(gw, "b-01", capability, "--delay-ms", "800").ready(),
+        Agent(gw, "b-02", capability, "--delay-ms", "800").ready(),
+    )
+    # A long timeout_ms: a loaded box must not time the healthy ones out (that would be
+    # the capability failing, and open the breaker).
+    calls = [invoke(http, gw, capability, "query", timeout_ms=30_000) for _ in range(9)]
+    burst = await asyncio.gather(*calls)
+    after = [await invoke(http, gw, capability, "query", timeout_ms=30_000) for _ in range(4)]
+    detail = (await http.get(f"{gw.url}/reach/capabilities/{capability}")).json()
     refused = [r.json() for r in burst + after if r.status_code != 200]
     assert refused == [], refused
     # The ones that met the failing instance were retried on a healthy one; then none met it.
