@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 from starlette.datastructures import State
@@ -355,12 +356,17 @@ class McpFront:
                 wire.INVALID_PARAMS, f"arguments are not standard JSON: {exc}"
             ) from None
         front = _Call()
-        task = asyncio.ensure_future(self.gateway.door.invoke(metadata, Bytes(raw), front))
-        if modern and tasks.wanted(message) and await self._durable_and_running(task, front):
+        invoke = self.gateway.door.invoke(metadata, Bytes(raw), front)
+        as_task = modern and tasks.wanted(message)
+        streams = wire.accepts(headers, "text/event-stream")
+        if not as_task and not streams:  # awaited here: no timer, no task of its own
+            return await _outcome(invoke, front, modern)
+        task = asyncio.ensure_future(invoke)
+        if as_task and await self._durable_and_running(task, front):
             assert front.request_id is not None
             self._keep(task)  # the door waits for the verdict, and accounts it, meanwhile
             return tasks.created(front.request_id)
-        if wire.accepts(headers, "text/event-stream"):
+        if streams:
             done, _ = await asyncio.wait({task}, timeout=SSE_AFTER_S)
             if not done and front.request_id is not None:
                 await self._stream(message, task, front.request_id, modern, send)
@@ -446,9 +452,7 @@ def _named(request_id: str) -> _Call:
     return call
 
 
-async def _outcome(
-    task: asyncio.Future[InvokeResponse], front: _Call, modern: bool
-) -> dict[str, Any]:
+async def _outcome(task: Awaitable[InvokeResponse], front: _Call, modern: bool) -> dict[str, Any]:
     try:
         response = await task
     except ReachError as exc:
