@@ -58,7 +58,8 @@ QUEUED = f"queued-{uuid.uuid4().hex[:8]}"
 async def gateway(
     temporal_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[GatewayProcess]:
-    """The module's gateway (memory registry, reach.yaml's policy); QUEUED is rate limited."""
+    """The module's gateway (memory registry, reach.yaml's policy); QUEUED is rate limited, and
+    a callback's wait between attempts doubles up to 1 s (callback.max_backoff_s)."""
     limited = {
         QUEUED: {
             "rate_limit": {
@@ -70,7 +71,10 @@ async def gateway(
     stack = new_stack(
         temporal_server,
         tmp_path_factory.mktemp("faults"),
-        extra={"REACH_POLICY__CAPABILITIES": json.dumps(limited)},
+        extra={
+            "REACH_POLICY__CAPABILITIES": json.dumps(limited),
+            "REACH_CALLBACK__MAX_BACKOFF_S": "1",
+        },
     )
     async with GatewayProcess(stack) as gw:
         yield gw
@@ -272,9 +276,10 @@ class Receiver:
 async def test_a_callback_receiver_that_is_back_is_served_within_seconds(
     gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
-    """The receiver is down for 14 s from the first attempt: with the delivery backoff bounded
-    (callback.max_backoff_s, 5 s), the callback arrives within seconds of its return, not at
-    the next doubling (25 s here, minutes after a longer outage)."""
+    """The receiver is down for 8 s from the first attempt: with the delivery backoff bounded
+    (callback.max_backoff_s, 1 s here), the callback arrives within about that of its return,
+    not at the next doubling (0.2 s at first, so attempts 6.2 s and 12.6 s after the first one;
+    minutes apart after a longer outage)."""
     await Agent(gateway, f"{capability}-01", capability).ready()
     receiver = Receiver()
     try:
@@ -287,12 +292,12 @@ async def test_a_callback_receiver_that_is_back_is_served_within_seconds(
             return bool(read.json()["status"] != "running")
 
         await wait_until(done, 15)  # the result is final; its delivery is failing
-        await asyncio.sleep(14.0)  # the receiver's outage (nothing to wait for: it is the fault)
+        await asyncio.sleep(8.0)  # the receiver's outage (nothing to wait for: it is the fault)
         back = await receiver.up()
         await wait_until(lambda: bool(receiver.arrived), 30, every_s=0.05)
         served_after_s = receiver.arrived[0][0] - back
         assert receiver.arrived[0][1]["request_id"] == request_id
-        assert served_after_s < 7.0, served_after_s
+        assert served_after_s < 3.0, served_after_s
     finally:
         await receiver.close()
 
