@@ -55,7 +55,7 @@ from gateway_api import _mcp_http as http
 from gateway_api import _mcp_tasks as tasks
 from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_tools import Catalog, call_result, rpc_error_of
-from gateway_api.errors import reach_error_of_rpc
+from gateway_api.errors import CatchBugs, reach_error_of_rpc
 from gateway_api.front import Bytes
 from gateway_api.gateway import Gateway
 from gateway_api.routes.invoke import metadata_of
@@ -113,6 +113,7 @@ class McpFront:
         self.limit = limit
         self._catalog: tuple[Gateway, Catalog] | None = None
         self._calls: set[asyncio.Future[InvokeResponse]] = set()  # calls being streamed
+        self._app = CatchBugs(self._serve)  # a bug is the 500 envelope, not a dropped connection
 
     @property
     def gateway(self) -> Gateway:
@@ -126,6 +127,9 @@ class McpFront:
         return self._catalog[1]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._app(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             if scope["path"] != PATH:
                 await self._metadata(scope, send)
