@@ -3,7 +3,10 @@ a retry, a token-guarded scrape, and a `worker.py` process serving its own on it
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -40,6 +43,27 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     """The sum over every series of `name` carrying at least these labels."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+# The limiter test's capability: its own rate limit (`policy.capabilities`), so it shares the
+# module gateway instead of starting one of its own.
+LIMITED = f"limited-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+async def gateway(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[GatewayProcess]:
+    """The module's gateway (memory registry, reach.yaml's policy); LIMITED allows one call a
+    minute per caller."""
+    limited = {LIMITED: {"rate_limit": {"per_caller": {"per_minute": 1, "burst": 1}}}}
+    stack = new_stack(
+        temporal_server,
+        tmp_path_factory.mktemp("metrics"),
+        extra={"REACH_POLICY__CAPABILITIES": json.dumps(limited)},
+    )
+    async with GatewayProcess(stack) as gw:
+        yield gw
 
 
 async def test_invokes_heartbeats_and_connections_are_counted(
@@ -167,10 +191,11 @@ async def test_a_queue_worker_serves_its_own_metrics(
         key_prefix=redis_prefix,
         extra={"REACH_CAPABILITIES": f'{{"{capability}": {{"mode": "queue"}}}}'},
     )
-    gateway = await GatewayProcess(stack).ready()
-    await Agent(gateway, f"{capability}-01", capability).ready()
+    gateway = GatewayProcess(stack)
     port = free_port()
-    worker = await Worker(stack, "--capability", capability, "--metrics-port", str(port)).ready()
+    worker = Worker(stack, "--capability", capability, "--metrics-port", str(port))
+    await asyncio.gather(gateway.ready(), worker.ready())  # both start at once
+    await Agent(gateway, f"{capability}-01", capability).ready()
     assert f"metrics on http://127.0.0.1:{port}/metrics" in worker.proc.output()
     url = f"http://127.0.0.1:{port}"
     body = {"target": capability, "operation": "query", "payload": {}, "timeout_ms": 10_000}
@@ -194,17 +219,9 @@ async def test_a_queue_worker_serves_its_own_metrics(
 
 
 async def test_limiter_refusals_are_counted(
-    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
-    stack = new_stack(
-        temporal_server,
-        tmp_path,
-        extra={
-            "REACH_POLICY__RATE_LIMIT__PER_CALLER__PER_MINUTE": "1",
-            "REACH_POLICY__RATE_LIMIT__PER_CALLER__BURST": "1",
-        },
-    )
-    gateway = await GatewayProcess(stack).ready()
+    capability = LIMITED
     await Agent(gateway, f"{capability}-01", capability).ready()
     body = {"target": capability, "operation": "query", "payload": {}}
     assert (await http.post(f"{gateway.url}/reach/invoke", json=body)).status_code == 200
