@@ -132,8 +132,15 @@ async def test_missing_garbage_expired_and_revoked_tokens_are_401(
     revoked, revoked_id = issue_cli(stack, "--principal", "former")
     done = cli(stack, "tokens", "revoke", revoked_id)
     assert done.returncode == 0, done.stderr
-    await asyncio.sleep(1.0)  # the expiry passes; the gateway has seen the file by now
     url = f"{gw.url}/reach/invoke"
+
+    async def refused(token: str, says: str) -> bool:
+        r = await http.get(f"{gw.url}/reach/capabilities", headers=bearer(token))
+        return r.status_code == 401 and says in r.json()["error"]["message"]
+
+    # Until the expiry has passed and the gateway has read the file with both records.
+    await wait_until(lambda: refused(expired, "expired"), 10, every_s=0.05)
+    await wait_until(lambda: refused(revoked, "revoked"), 10, every_s=0.05)
     for headers, says in [
         ({}, "missing credentials"),
         ({"Authorization": "Basic abc"}, "Bearer"),
@@ -367,10 +374,10 @@ async def test_rules_decide_and_change_without_restart(
     assert r.status_code == 403
     assert (await http.post(url, json=body(capability), headers=orch)).status_code == 200
     # An empty (or half-written) file is refused too: a gateway never resets to defaults.
-    config.write_text("")
-    await asyncio.sleep(1.5)
-    config.write_text("# nothing yet\n")
-    await asyncio.sleep(1.5)
+    for text in ("", "# nothing yet\n"):
+        rejected = _count(stack, "config_rejected")
+        config.write_text(text)
+        await wait_until(lambda: _count(stack, "config_rejected") > rejected, 10)  # noqa: B023
     r = await http.post(url, json=body(capability, "delete_index"), headers=orch)
     assert r.status_code == 403
     # Back to no rules: everything is allowed again.
@@ -380,6 +387,11 @@ async def test_rules_decide_and_change_without_restart(
 
 async def _event(stack: Stack, name: str) -> bool:
     return any(a["event"] == name for a in audit_lines(stack))
+
+
+def _count(stack: Stack, name: str) -> int:
+    """The audit records of event `name` so far."""
+    return sum(a["event"] == name for a in audit_lines(stack))
 
 
 async def _not_denied(
