@@ -202,6 +202,17 @@ async def test_blocking_send_answers_the_completed_task(front: Front) -> None:
     assert task.context_id == task.id
 
 
+async def test_a_resend_with_the_same_request_id_is_the_same_task(front: Front) -> None:
+    client, http = await client_of(front.a, FAST, front.tokens["orchestrator"], streaming=False)
+    chosen = f"req-a2a-{uuid.uuid4().hex[:12]}"
+    async with aclosing(http):
+        [first] = await events_of(client, message(request_id=chosen))
+        [again] = await events_of(client, message(request_id=chosen))
+    assert first.task.id == again.task.id == chosen
+    assert result_of(first.task) == result_of(again.task)
+    assert result_of(again.task)["request_id"] == chosen  # the agent ran it once, as it
+
+
 async def test_return_immediately_then_get_task_from_another_gateway(front: Front) -> None:
     token = front.tokens["orchestrator"]
     client, http = await client_of(front.a, SLOW, token, streaming=False, polling=True)
@@ -430,3 +441,17 @@ async def test_the_front_in_front_of_an_a2a_agent_asks_for_input_and_takes_the_f
         [greeted] = await events_of(client, message(follow_up, operation="ask"))
     assert greeted.task.status.state == COMPLETED, greeted
     assert result_of(greeted.task) == {"hello": "Ada"}
+
+
+async def test_a_stream_follows_an_a2a_agents_long_task(front: Front) -> None:
+    client, http = await client_of(front.a, BEHIND, front.tokens["orchestrator"], streaming=True)
+    async with aclosing(http):
+        events = await events_of(client, message({"seconds": 1}, operation="slow"))
+    first, *updates, last = events
+    assert first.task.status.state == TaskState.TASK_STATE_SUBMITTED
+    assert any(u.HasField("status_update") for u in updates)
+    [artifact] = [u.artifact_update for u in updates if u.HasField("artifact_update")]
+    # Two artifacts at the agent (a data part, a text part): Reach's result rule joins them.
+    result = json_format.MessageToDict(artifact.artifact.parts[0].data)
+    assert result["data"][0]["done"] is True, result
+    assert last.status_update.status.state == COMPLETED
