@@ -34,6 +34,7 @@ from gateway_api.a2a_front import (
     RpcError,
     capability_card,
     gateway_card,
+    is_a2a_call,
     missing,
     operations_of,
     parse_call,
@@ -245,3 +246,14 @@ def test_cards_have_a_skill_per_operation_and_pass_the_sdks_schema() -> None:
     validate_proto_required_fields(open_card)
     assert not open_card.security_requirements
     assert "bearer" in open_card.security_schemes
+
+
+def test_only_a_capabilitys_json_rpc_calls_take_the_fast_path() -> None:
+    def scope(method: str, path: str, kind: str = "http") -> dict[str, Any]:
+        return {"type": kind, "method": method, "path": path}
+
+    assert is_a2a_call(scope("POST", "/a2a/cap"))
+    assert not is_a2a_call(scope("GET", "/a2a/cap"))
+    assert not is_a2a_call(scope("POST", "/a2a/cap/.well-known/agent-card.json"))
+    assert not is_a2a_call(scope("POST", "/reach/invoke"))
+    assert not is_a2a_call({"type": "lifespan"})
