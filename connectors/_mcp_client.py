@@ -102,8 +102,11 @@ class McpServer:
         name: str | None = None,
         on_notification: Callable[[dict[str, Any]], None] | None = None,
         on_send: Callable[[], None] | None = None,
+        budget: w.Budget | None = None,
     ) -> tuple[dict[str, Any], httpx.Headers]:
-        """One POST; the result of request `rpc_id` (a notification: {}), and the headers."""
+        """One POST; the result of request `rpc_id` (a notification: {}), and the headers.
+        `budget`: what its response may read in all (else each message is bounded by `limit`
+        and the stream by the caller's deadline)."""
         version = negotiated.version if negotiated is not None else None
         session = negotiated.session if negotiated is not None else None
         if method == "initialize":
@@ -125,7 +128,9 @@ class McpServer:
                     )
                 if rpc_id is None:
                     return {}, response.headers
-                result = await w.read_answer(response, rpc_id, limit, self.where, on_notification)
+                result = await w.read_answer(
+                    response, rpc_id, limit, self.where, on_notification, budget
+                )
                 return result, response.headers
             finally:
                 await response.aclose()
@@ -144,7 +149,12 @@ class McpServer:
         meta = w.envelope_meta(w.MODERN)
         try:
             result, _ = await self._post(
-                None, "server/discover", {"_meta": meta}, rpc_id=next_id(), limit=w.MAX_LIST_BYTES
+                None,
+                "server/discover",
+                {"_meta": meta},
+                rpc_id=next_id(),
+                limit=w.MAX_LIST_BYTES,
+                budget=w.Budget(w.MAX_LIST_BYTES),
             )
         except (w.Unsupported, w.SessionGone, AgentError):
             return await self._initialize_or_refuse()
@@ -168,7 +178,12 @@ class McpServer:
             "clientInfo": w.CLIENT_INFO,
         }
         result, headers = await self._post(
-            None, "initialize", params, rpc_id=next_id(), limit=w.MAX_LIST_BYTES
+            None,
+            "initialize",
+            params,
+            rpc_id=next_id(),
+            limit=w.MAX_LIST_BYTES,
+            budget=w.Budget(w.MAX_LIST_BYTES),
         )
         version = result.get("protocolVersion")
         if version not in w.SESSION_VERSIONS:
@@ -222,10 +237,11 @@ class McpServer:
         on_notification: Callable[[dict[str, Any]], None] | None = None,
         sent: list[Sent] | None = None,
         tasks: bool = False,
+        budget: w.Budget | None = None,
     ) -> dict[str, Any]:
         """The result of `method`, resent once (in a new session, or after negotiating again)
         when the server said it did not run it. `sent` collects what went on the wire; `tasks`
-        declares the tasks extension (2026-07-28)."""
+        declares the tasks extension (2026-07-28); `budget` bounds every byte read."""
         negotiated = await self.ready()
         for again in (False, True):
             rpc_id = next_id()
@@ -246,6 +262,7 @@ class McpServer:
                     name=name,
                     on_notification=on_notification,
                     on_send=on_send,
+                    budget=budget,
                 )
                 return result
             except w.SessionGone as exc:

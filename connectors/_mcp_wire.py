@@ -18,11 +18,14 @@ import base64
 import contextlib
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
+from connectors._mcp_stream import MAX_DISCOVERY_BYTES as MAX_DISCOVERY_BYTES
+from connectors._mcp_stream import Budget as Budget
+from connectors._mcp_stream import limited, sse_messages
 from reach.acceptance import check_json, parse_json
 from reach.errors import (
     AgentError,
@@ -148,59 +151,6 @@ def body(rpc_id: int | None, method: str, params: dict[str, Any]) -> bytes:
 # -- reading one answer --------------------------------------------------------------------------
 
 
-def _too_much(where: str, limit: int) -> AgentError:
-    return AgentError(
-        f"{where} answered more than {limit} bytes; the negotiated max_message_bytes leaves "
-        "no room for more",
-        retryable=False,
-    )
-
-
-async def _limited(response: httpx.Response, limit: int, where: str) -> AsyncIterator[bytes]:
-    size = 0
-    async for chunk in response.aiter_bytes():
-        size += len(chunk)
-        if size > limit:
-            raise _too_much(where, limit)
-        yield chunk
-
-
-async def _sse_messages(response: httpx.Response, limit: int, where: str) -> AsyncIterator[bytes]:
-    """The `data` of each SSE event (its lines joined), as they arrive. Each event is bounded
-    by `limit`, not the stream: a long call may send progress for as long as its deadline
-    allows."""
-    buffer = bytearray()
-    scanned = 0  # how much of the buffer holds no newline
-    data: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_bytes():
-        buffer += chunk
-        while True:
-            end = buffer.find(b"\n", scanned)
-            if end < 0:
-                scanned = len(buffer)
-                if size + len(buffer) > limit:
-                    raise _too_much(where, limit)
-                break
-            line = bytes(buffer[:end]).rstrip(b"\r")
-            del buffer[: end + 1]
-            scanned = 0
-            if not line:
-                joined = b"\n".join(data)
-                data, size = [], 0
-                if joined.strip():  # a priming event (an id, empty data) carries no message
-                    yield joined
-            elif line.startswith(b"data:"):
-                piece = line[5:].removeprefix(b" ")
-                size += len(piece)
-                if size > limit:
-                    raise _too_much(where, limit)
-                data.append(piece)
-            # `event:`, `id:`, `retry:` and comments (`: ping`) carry nothing this reads.
-    if b"".join(data).strip():
-        yield b"\n".join(data)
-
-
 def _parsed(raw: bytes, where: str) -> Any:
     try:
         return parse_json(raw, what="its answer")
@@ -214,28 +164,32 @@ async def read_answer(
     limit: int,
     where: str,
     on_notification: Callable[[dict[str, Any]], None] | None = None,
+    budget: Budget | None = None,
 ) -> dict[str, Any]:
     """The JSON-RPC response to request `rpc_id` in `response` (a 2xx): its `result`, or the
     typed error its `error` stands for. Notifications on an SSE stream (progress) go to
-    `on_notification`; a request the server sends back (sampling, elicitation) is not served."""
+    `on_notification`; a request the server sends back (sampling, elicitation) is not served.
+    `budget`: what the whole response may read (else only each message is bounded)."""
     kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind == "text/event-stream":
-        async for data in _sse_messages(response, limit, where):
+        async for data in sse_messages(response, limit, where, budget):
             message = _parsed(data, where)
-            if not isinstance(message, dict):
-                continue
-            if "method" in message:
-                if on_notification is not None and "id" not in message:
+            if isinstance(message, dict):
+                if "method" not in message and (
+                    message.get("id") == rpc_id
+                    or ("error" in message and message.get("id") is None)
+                ):
+                    return outcome(message, where, response.status_code)
+                if "method" in message and on_notification is not None and "id" not in message:
                     on_notification(message)
-                continue
-            if message.get("id") == rpc_id or ("error" in message and message.get("id") is None):
-                return outcome(message, where, response.status_code)
+            if budget is not None:
+                budget.skip(where)
         raise TransportError(
             f"{where} closed its event stream before answering", outcome_unknown=True
         )
     if kind != "application/json":
         raise AgentError(f"{where} answered with content type {kind or 'none'!r}", retryable=False)
-    raw = b"".join([chunk async for chunk in _limited(response, limit, where)])
+    raw = b"".join([chunk async for chunk in limited(response, limit, where, budget)])
     message = _parsed(raw, where)
     if not isinstance(message, dict):
         raise AgentError(f"{where} answered with JSON that is not one JSON-RPC response")
@@ -282,7 +236,7 @@ async def http_refusal(response: httpx.Response, where: str, *, had_session: boo
     code = response.status_code
     raw = b""
     with contextlib.suppress(httpx.HTTPError):
-        async for chunk in _limited(response, ENVELOPE_BYTES, where):
+        async for chunk in limited(response, ENVELOPE_BYTES, where):
             raw += chunk
     if code == 404 and had_session:
         return SessionGone(raw.decode("utf-8", "replace")[:200])

@@ -148,9 +148,12 @@ class McpConnector(PooledConnector):
         tools: list[Any] = []
         cursors: set[str] = set()
         cursor: str | None = None
+        budget = w.Budget(w.MAX_DISCOVERY_BYTES)  # the pages together, not each
         for _ in range(w.MAX_PAGES):
             params = {} if cursor is None else {"cursor": cursor}
-            result = await server.request("tools/list", params, limit=w.MAX_LIST_BYTES)
+            result = await server.request(
+                "tools/list", params, limit=w.MAX_LIST_BYTES, budget=budget
+            )
             page = result.get("tools")
             if not isinstance(page, list):
                 raise InvalidRequest(f"{server.where}: its tools/list result has no tools list")
