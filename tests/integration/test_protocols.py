@@ -233,8 +233,10 @@ async def test_websocket_agent_killed_mid_request_fails_fast_and_the_retry_goes_
     ledger = tmp_path / "ledger"
     port = free_port()
     flags = ("--delay-ms", "1500", "--ledger", str(ledger))
-    victim = await agent(gateway, capability, "websocket", *flags, "--port", str(port))
-    other = await agent(gateway, capability, "websocket", *flags)
+    victim, other = await asyncio.gather(
+        agent(gateway, capability, "websocket", *flags, "--port", str(port)),
+        agent(gateway, capability, "websocket", *flags),
+    )
 
     async def invoke() -> httpx.Response:
         return await http.post(
@@ -332,7 +334,7 @@ async def test_idle_connections_are_closed_and_reopened(
     gateway = await GatewayProcess(stack).ready()
     try:
         protocols = ["http", "grpc", "websocket"]
-        agents = [await agent(gateway, capability, p) for p in protocols]
+        agents = await asyncio.gather(*(agent(gateway, capability, p) for p in protocols))
         ports = {}
         for a in agents:
             ports[a.instance_id] = await agent_port(http, gateway, capability, a.instance_id)
