@@ -17,11 +17,7 @@ from typing import Any
 
 from a2a.types import (
     CancelTaskRequest,
-    DeleteTaskPushNotificationConfigRequest,
-    GetTaskPushNotificationConfigRequest,
     GetTaskRequest,
-    ListTaskPushNotificationConfigsRequest,
-    ListTaskPushNotificationConfigsResponse,
     ListTasksRequest,
     ListTasksResponse,
     SendMessageRequest,
@@ -30,14 +26,12 @@ from a2a.types import (
     SubscribeToTaskRequest,
     Task,
     TaskArtifactUpdateEvent,
-    TaskPushNotificationConfig,
     TaskState,
     TaskStatusUpdateEvent,
 )
 from a2a.utils.errors import (
     InvalidParamsError,
     TaskNotCancelableError,
-    TaskNotFoundError,
     UnsupportedOperationError,
 )
 from google.protobuf import json_format
@@ -88,8 +82,6 @@ OPERATION_KEYS = ("operation", "skill")
 POLL_S = 0.25
 # How long CancelTask waits for the cancelled request to end before it answers.
 CANCEL_WAIT_S = 10.0
-# The one push notification config a request can have: its callback.
-CONFIG_ID = "callback"
 # Timeline events a stream does not repeat: the task itself says accepted, the end is final.
 NOT_PROGRESS = frozenset({"accepted", "result", "timeout", "ended"})
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
@@ -194,7 +186,7 @@ class Call:
     async def subscribe(
         self, rpc_id: str | int | None, params: SubscribeToTaskRequest
     ) -> AsyncIterator[str]:
-        rid = self._task_id(params.id)
+        rid = self.task_id_of(params.id)
         current = await self.gateway.requests.status(rid, self.reader())
         if current.status not in UNDER_WAY:
             raise a2a_error(
@@ -309,22 +301,20 @@ class Call:
     async def _invoke_body(self, params: SendMessageRequest) -> dict[str, Any]:
         """The `POST /reach/invoke` body a message stands for (docs/a2a-front.md)."""
         message, sent = params.message, self.raw.get("message") or {}
-        if message.task_id:
-            raise a2a_error(
-                UnsupportedOperationError,
-                f"message.taskId {message.task_id!r}: Reach does not continue a task; every "
-                "message is a new request (send it without taskId)",
-            )
         meta = {**(self.raw.get("metadata") or {}), **(sent.get("metadata") or {})}
         operation = next((meta[k] for k in OPERATION_KEYS if k in meta), None)
-        if operation is None:
+        payload = payload_of(sent)
+        if message.task_id:
+            asked, payload = await self._follow_up(message.task_id, payload)
+            operation = operation or asked
+        elif operation is None:
             operation = await self._only_operation()
         if not isinstance(operation, str):
             raise a2a_error(InvalidParamsError, "message.metadata.operation: a string")
         body: dict[str, Any] = {
             "target": self.capability,
             "operation": operation,
-            "payload": payload_of(sent),
+            "payload": payload,
         }
         for key, field in INVOKE_FIELDS.items():
             if key in meta:
@@ -333,6 +323,28 @@ class Call:
         if push.url:
             body["callback"] = push.url
         return body
+
+    async def _follow_up(self, task_id: str, payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """A message naming a task continues one an A2A agent's task asked input for: a new
+        request of the same operation, its payload carrying that task's ids (`_a2a`)."""
+        rid = self.task_id_of(task_id)
+        prior = await self.gateway.requests.status(rid, self.reader())
+        if prior.status != "input_required":
+            raise a2a_error(
+                UnsupportedOperationError,
+                f"message.taskId {rid!r} is {prior.status}: only a task that asks for input "
+                "takes a follow-up; every other message is a new request (send it without "
+                "taskId)",
+            )
+        engine = self.gateway.engine
+        original = await engine.original(engine.handle(rid))
+        if original is None or original.target != self.capability:
+            raise a2a_error(
+                InvalidParamsError, f"message.taskId {rid!r}: not a task of {self.capability!r}"
+            )
+        ids = prior.result or {}
+        handle = {key: ids[key] for key in ("task_id", "context_id") if ids.get(key)}
+        return original.operation, {**payload, "_a2a": payload.get("_a2a") or handle}
 
     async def _only_operation(self) -> str:
         self.reader()  # what a capability serves is for token holders only, as its card is
@@ -352,14 +364,14 @@ class Call:
 
     # -- reads --------------------------------------------------------------------------------
 
-    def _task_id(self, value: str) -> str:
+    def task_id_of(self, value: str) -> str:
         if not _valid_id(value):
             raise a2a_error(InvalidParamsError, f"id {value[:140]!r}: not a task id (a RequestID)")
         self.request_id = value
         return value
 
     async def get(self, params: GetTaskRequest) -> dict[str, Any]:
-        rid = self._task_id(params.id)
+        rid = self.task_id_of(params.id)
         return task_json(await self.gateway.requests.status(rid, self.reader()))
 
     async def list(self, params: ListTasksRequest) -> dict[str, Any]:
@@ -398,7 +410,7 @@ class Call:
         return _json(answer, always_print_fields_with_no_presence=True)
 
     async def cancel(self, params: CancelTaskRequest) -> dict[str, Any]:
-        rid = self._task_id(params.id)
+        rid = self.task_id_of(params.id)
         principal = self.reader()
         current = await self.gateway.requests.status(rid, principal)
         if current.status not in UNDER_WAY:
@@ -429,46 +441,6 @@ class Call:
             response = await self.gateway.requests.status(rid, principal)
         log.info("A2A CancelTask %s: %s in %.2fs", rid, response.status, time.monotonic() - started)
         return task_json(response)
-
-    # -- push notification configs: a request's callback ----------------------------------------
-
-    async def _callback(self, task_id: str) -> TaskPushNotificationConfig | None:
-        rid = self._task_id(task_id)
-        delivery = (await self.gateway.requests.status(rid, self.reader())).delivery
-        if delivery is None:
-            return None
-        return TaskPushNotificationConfig(id=CONFIG_ID, task_id=rid, url=delivery.url)
-
-    async def set_push(self, params: TaskPushNotificationConfig) -> dict[str, Any]:
-        config = await self._callback(params.task_id)
-        if config is not None and config.url == params.url:
-            return _json(config)
-        raise a2a_error(
-            UnsupportedOperationError,
-            "a request's callback is fixed when it starts: set "
-            "configuration.taskPushNotificationConfig in SendMessage",
-        )
-
-    async def get_push(self, params: GetTaskPushNotificationConfigRequest) -> dict[str, Any]:
-        config = await self._callback(params.task_id)
-        if config is None or params.id not in ("", CONFIG_ID):
-            raise a2a_error(
-                TaskNotFoundError, f"task {params.task_id} has no push config {params.id!r}"
-            )
-        return _json(config)
-
-    async def list_push(self, params: ListTaskPushNotificationConfigsRequest) -> dict[str, Any]:
-        config = await self._callback(params.task_id)
-        answer = ListTaskPushNotificationConfigsResponse(configs=[config] if config else [])
-        return _json(answer, always_print_fields_with_no_presence=True)
-
-    async def delete_push(self, params: DeleteTaskPushNotificationConfigRequest) -> dict[str, Any]:
-        config = await self._callback(params.task_id)
-        if config is not None and params.id in ("", CONFIG_ID):
-            raise a2a_error(
-                UnsupportedOperationError, "a request's callback cannot be removed once it started"
-            )
-        return {}
 
 
 _SUBMITTED = TaskState.TASK_STATE_SUBMITTED

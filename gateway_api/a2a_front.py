@@ -59,6 +59,7 @@ from starlette.types import Receive, Scope, Send
 from temporalio.service import RPCError
 
 from gateway_api import _a2a_cards as cards
+from gateway_api import _a2a_push as push
 from gateway_api._a2a_calls import Call
 from gateway_api._a2a_cards import capability_card, gateway_card, operations_of
 from gateway_api._a2a_required import missing
@@ -136,12 +137,12 @@ HANDLERS: dict[str, Handler] = {
     "GetTask": Call.get,
     "ListTasks": Call.list,
     "CancelTask": Call.cancel,
-    "CreateTaskPushNotificationConfig": Call.set_push,
-    "SetTaskPushNotificationConfig": Call.set_push,
-    "GetTaskPushNotificationConfig": Call.get_push,
-    "ListTaskPushNotificationConfigs": Call.list_push,
-    "ListTaskPushNotificationConfig": Call.list_push,
-    "DeleteTaskPushNotificationConfig": Call.delete_push,
+    "CreateTaskPushNotificationConfig": push.set_push,
+    "SetTaskPushNotificationConfig": push.set_push,
+    "GetTaskPushNotificationConfig": push.get_push,
+    "ListTaskPushNotificationConfigs": push.list_push,
+    "ListTaskPushNotificationConfig": push.list_push,
+    "DeleteTaskPushNotificationConfig": push.delete_push,
     "GetExtendedAgentCard": _no_extended_card,
 }
 STREAMERS: dict[str, Streamer] = {

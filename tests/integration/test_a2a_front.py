@@ -443,6 +443,24 @@ async def test_the_front_in_front_of_an_a2a_agent_asks_for_input_and_takes_the_f
     assert result_of(greeted.task) == {"hello": "Ada"}
 
 
+async def test_a_message_naming_a_task_that_asks_for_input_continues_it(front: Front) -> None:
+    client, http = await client_of(front.a, BEHIND, front.tokens["orchestrator"], streaming=False)
+    async with aclosing(http):
+        [asked] = await events_of(client, message({}, operation="ask"))
+        assert asked.task.status.state == TaskState.TASK_STATE_INPUT_REQUIRED
+        follow_up = message({"name": "Bob"})
+        follow_up.message.task_id = asked.task.id
+        del follow_up.message.metadata["operation"]  # the asking task's own
+        [greeted] = await events_of(client, follow_up)
+        assert greeted.task.status.state == COMPLETED, greeted
+        assert result_of(greeted.task) == {"hello": "Bob"}
+        assert greeted.task.id != asked.task.id  # a new request, a new RequestID
+        done = message({"name": "Eve"})
+        done.message.task_id = greeted.task.id
+        with pytest.raises(UnsupportedOperationError, match="only a task that asks for input"):
+            await events_of(client, done)
+
+
 async def test_a_stream_follows_an_a2a_agents_long_task(front: Front) -> None:
     client, http = await client_of(front.a, BEHIND, front.tokens["orchestrator"], streaming=True)
     async with aclosing(http):
