@@ -336,7 +336,8 @@ class AttemptLoop(TaskFollowing):
         except Failed as failed:
             self._note(attempt, failed.instance_id, failed.error.type, started, breaker)
             raise
-        outcome = "success" if reply.status == "ok" else "accepted"
+        # "accepted", or an agent's task that ended asking (input_required) or canceled.
+        outcome = "success" if reply.status == "ok" else reply.status
         self._note(attempt, instance_id, outcome, started, breaker)
         if self._late is not None:
             # Acknowledged while the call was still out: that answer came first.
