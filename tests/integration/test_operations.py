@@ -36,7 +36,7 @@ async def test_queue_mode_capability_is_served_by_its_own_worker(
     gateway = GatewayProcess(stack, worker=True)
     await gateway.ready()
     await Agent(gateway, f"{capability}-01", capability).ready()
-    body = {"target": capability, "operation": "query", "payload": {}, "timeout_ms": 4000}
+    body = {"target": capability, "operation": "query", "payload": {}, "timeout_ms": 2000}
     # No capability worker yet: the activity waits on its queue until the deadline.
     r = await http.post(f"{gateway.url}/reach/invoke", json=body)
     assert r.status_code == 504, r.text
