@@ -78,8 +78,10 @@ INVOKE_FIELDS = {
     "routingKey": "routing_key",
 }
 OPERATION_KEYS = ("operation", "skill")
-# How often a stream reads the request's timeline while it runs.
+# How often a stream reads the request's timeline while it runs: at first, then less often
+# (a long task's stream costs Temporal a history read every POLL_MAX_S).
 POLL_S = 0.25
+POLL_MAX_S = 2.0
 # How long CancelTask waits for the cancelled request to end before it answers.
 CANCEL_WAIT_S = 10.0
 # Timeline events a stream does not repeat: the task itself says accepted, the end is final.
@@ -209,10 +211,11 @@ class Call:
         """The task, a working status per step of its timeline as it happens (routed, sent,
         attempts, backoffs), then its result as an artifact and its final status."""
         yield sse(rpc_id, StreamResponse(task=first))
-        seen = 0
+        seen, every = 0, POLL_S
         try:
             while not final.done():
-                await asyncio.wait({final}, timeout=POLL_S)
+                await asyncio.wait({final}, timeout=every)
+                every = min(every * 1.5, POLL_MAX_S)
                 events, seen = await self._progress(rid, seen)
                 for event in events:
                     yield sse(rpc_id, event)
