@@ -142,8 +142,10 @@ class A2AConnector(PooledConnector):
 
     async def discover(self, address: str, known: Discovery | None = None) -> Discovery:
         url = card_url(address)
-        if self.guard is not None:
-            await self.guard.check_url(url)  # InvalidRequest naming the refusal, nothing sent
+        if self.guard is not None and known is None:
+            # InvalidRequest naming the refusal, nothing sent; a probe's new connections are
+            # vetted by the guarded transport, so it pays no lookup for this check.
+            await self.guard.check_url(url)
         headers = {"Accept": "application/json", "A2A-Version": A2A_VERSION}
         if known is not None and known.etag:
             headers["If-None-Match"] = known.etag
@@ -158,8 +160,11 @@ class A2AConnector(PooledConnector):
                     try:
                         if response.status_code == 304 and known is not None:
                             return known
-                        if response.status_code != 200:
-                            raise Unavailable(f"{where}: answered HTTP {response.status_code}")
+                        code = response.status_code
+                        if 400 <= code < 500 and code not in (408, 429):
+                            raise InvalidRequest(f"{where}: answered HTTP {code}")
+                        if code != 200:
+                            raise Unavailable(f"{where}: answered HTTP {code}")
                         raw = await _read_bounded(response, MAX_CARD_BYTES, "a card", where)
                     finally:
                         await response.aclose()

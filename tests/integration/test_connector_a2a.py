@@ -12,7 +12,7 @@ import pytest
 from agent_reach_sdk.wire import Answer, Inbound
 from connectors.a2a import A2AConnector
 from reach.config import SecuritySettings
-from reach.errors import AgentError, InvalidRequest
+from reach.errors import AgentError, InvalidRequest, Unavailable
 from reach.invocation import Endpoint
 from reach.messages import Reply
 from tests.a2a_agents import A2AAgentProcess, card
@@ -240,3 +240,20 @@ async def test_the_card_url_itself_passes_the_guard_first(tmp_path: Path) -> Non
         "http://agent.example:8080/a2a"
     )
     assert A2AConnector.address_host_port("https://agent.example/a2a") == ("agent.example", 443)
+
+
+async def test_no_card_at_the_url_is_refused_and_nobody_there_is_unavailable(
+    connector: A2AConnector,
+) -> None:
+    async def serve(request: Inbound) -> Answer:
+        return Answer(404, {"error": "no such page"})
+
+    server = path_server(serve)
+    await server.start()
+    try:
+        with pytest.raises(InvalidRequest, match="answered HTTP 404"):
+            await connector.discover(f"http://127.0.0.1:{server.port}")
+    finally:
+        await server.close()
+    with pytest.raises(Unavailable, match="cannot reach"):
+        await connector.discover(f"http://127.0.0.1:{server.port}")  # closed now
