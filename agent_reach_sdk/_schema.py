@@ -10,7 +10,7 @@ description=...)` wins):
   422 `invalid_request` naming the field, before the handler runs), a `TypedDict` (fields may
   be `Annotated[int, Field(ge=1, description=...)]`; before Python 3.12, `typing_extensions`'
   TypedDict, which pydantic reads), or a `dict[str, T]`. A bare `dict`,
-  `Any` or no annotation says nothing: the payload is then any JSON object.
+  `dict[str, Any]`, `Any` or no annotation says nothing: the payload is then any JSON object.
 
 Read once at registration, from the handler's own annotations (the strings that
 `from __future__ import annotations` leaves are resolved in its module), so serving a request
@@ -32,6 +32,7 @@ from typing_extensions import is_typeddict  # both typing's TypedDict and its ow
 # reach.registry.models' bound (its import, ~30 ms of the registry's models, is left to
 # `checked`, which only an operation with a schema needs).
 MAX_DESCRIPTION_CHARS = 4096
+_ANY_OBJECT = ({"type": "object"}, {"type": "object", "additionalProperties": True})
 
 
 def description_of(func: Callable[..., Any]) -> str | None:
@@ -73,9 +74,11 @@ def schema_of(annotation: Any) -> dict[str, Any] | None:
     origin = typing.get_origin(annotation)
     if is_typeddict(annotation) or origin is dict:
         try:
-            return TypeAdapter(annotation).json_schema()
+            schema = TypeAdapter(annotation).json_schema()
         except PydanticUserError:  # typing.TypedDict before Python 3.12 (typing_extensions' is)
             return None
+        # dict[str, Any] says no more than a bare dict: any object.
+        return None if schema in _ANY_OBJECT else schema
     return None
 
 

@@ -89,7 +89,11 @@ def test_an_untyped_or_plain_dict_handler_declares_nothing() -> None:
     def b(payload: dict) -> dict:  # type: ignore[type-arg]
         return {}
 
-    assert runtime._dispatcher.join_operations() == ["a", "b"]
+    @runtime.operation("c")
+    def c(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        return {}
+
+    assert runtime._dispatcher.join_operations() == ["a", "b", "c"]
 
 
 def test_explicit_schema_and_description_win_and_are_checked() -> None:
