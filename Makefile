@@ -51,8 +51,11 @@ fmt: $(STAMP)
 test: lint docs-build test-only
 
 # Two workers, each with its own Temporal dev server; whole files per worker, so a module's
-# gateway fixture starts once. `make test-only XDIST=` runs serially.
-XDIST ?= -n 2 --dist loadfile
+# gateway fixture starts once. In collection order (integration, then the quick unit files),
+# not xdist's default of the files with the most tests first: that leaves the files of a few
+# long tests (fault outcomes, recovery, supervision, `reach up`) for the end, where one worker
+# can be left finishing them alone. `make test-only XDIST=` runs serially.
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 test-only: $(STAMP)
 	$(BIN)/pytest $(XDIST) -m "not slow"
