@@ -315,7 +315,9 @@ class ReachService:
                 fields["status"] = report.status
             if report.checks_json:
                 fields["checks"] = json_text(report.checks_json, "checks_json")
-            body = acceptance.health_report(as_body(fields, "checks_json"), self.gateway.limits)
+            body = acceptance.health_report_values(
+                fields, as_body(fields, "checks_json"), self.gateway.limits
+            )
             record = await self.gateway.agents.heartbeat(instance_id, body, agent)
         except Exception as exc:
             refusal = refusal_of(exc, "Heartbeat", None)

@@ -56,6 +56,7 @@ __all__ = [
     "caller_header",
     "check_json",
     "health_report",
+    "health_report_values",
     "idempotency_key_header",
     "invoke_request",
     "join_request",
@@ -214,6 +215,22 @@ def join_or_registration(
 def health_report(raw: bytes, limits: Limits) -> HealthReport:
     """`PUT /reach/agents/{id}/heartbeat`; an empty body is an 'ok' report."""
     report = parse_model(HealthReport, raw or b"{}", limits)
+    check_json(report.checks, what="checks", limit=MAX_CHECKS_BYTES, max_depth=limits.max_depth)
+    return report
+
+
+def health_report_values(values: dict[str, Any], body: bytes, limits: Limits) -> HealthReport:
+    """`health_report` of a report already read as JSON values (a gRPC front's fields, each
+    parsed under the JSON rules), `body` the JSON they make: what the HTTP route checks of
+    that body, without parsing it again."""
+    if len(body) > limits.max_body_bytes:
+        raise PayloadTooLarge(
+            f"body is {len(body)} bytes; the limit is {limits.max_body_bytes} bytes"
+        )
+    try:
+        report = HealthReport.model_validate(values, strict=True)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc, root="body")) from None
     check_json(report.checks, what="checks", limit=MAX_CHECKS_BYTES, max_depth=limits.max_depth)
     return report
 

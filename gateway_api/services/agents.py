@@ -18,7 +18,7 @@ from connectors.base import Connector
 from gateway_api.live import Live
 from gateway_api.services.remote import Remote
 from reach.errors import Forbidden, InvalidRequest, ReachError
-from reach.registry import Ack, HealthReport, InstanceRecord, JoinRequest, Registry
+from reach.registry import Ack, Beat, HealthReport, InstanceRecord, JoinRequest, Registry
 from reach.registry.by_url import UrlRegistration
 from reach.registry.models import Discovery
 from reach.security.auth import may_serve
@@ -153,7 +153,7 @@ class Agents:
         report: HealthReport,
         principal: Principal | None = None,
         session: str | None = None,
-    ) -> InstanceRecord:
+    ) -> Beat:
         if principal is not None and principal.kind == "agent":
             await self._owned(instance_id, principal, "heartbeat_refused")
         record = await self.registry.heartbeat(instance_id, report, session)

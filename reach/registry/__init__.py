@@ -15,6 +15,7 @@ what the routable instances of a capability declare together. Configuration deci
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -29,6 +30,15 @@ from reach.errors import (
     ReachError,
     Unavailable,
     UnknownInstance,
+)
+from reach.registry._records import (
+    HEALTH,
+    HEALTH_FIELDS,
+    JOIN,
+    Beat,
+    brief_of,
+    fields_of,
+    parse_whole,
 )
 from reach.registry.models import (
     Ack,
@@ -52,23 +62,11 @@ heartbeat_log = logging.getLogger("reach.heartbeat")
 MIN_HEARTBEAT_INTERVAL_S = 0.1
 
 
-HEALTH_FIELDS = frozenset({"status", "checks", "inflight", "last_seen"})
-"""What a heartbeat writes; the rest of a record is what the last join wrote."""
-
-_JOIN, _HEALTH = "join", "health"
-
 CHANGES_CHANNEL = "registry"
 """Where every join, leave, health status change and eviction is announced, as
 `<capability>\t<instance_id>`: registry views re-read that record (`reach.registry.view`)."""
 
 ChangeListener = Callable[[str, str], None]
-
-
-def _fields(record: InstanceRecord) -> dict[str, str]:
-    return {
-        _JOIN: record.model_dump_json(exclude=set(HEALTH_FIELDS)),
-        _HEALTH: record.model_dump_json(include=set(HEALTH_FIELDS)),
-    }
 
 
 def _rejoin_note(previous: Record | None, capability: str) -> str:
@@ -98,6 +96,9 @@ class Registry:
         self._retention_s = max(settings.capability_retention_s, settings.heartbeat_timeout)
         self._listeners: list[ChangeListener] = []
         self._evict_listeners: list[ChangeListener] = []
+        # A new capability's admission in progress, by (capability, principal): the Joins that
+        # race to create it wait for that one check rather than each counting as a creation.
+        self._admitting: dict[tuple[str, str | None], asyncio.Future[None]] = {}
 
     def on_change(self, listener: ChangeListener) -> None:
         """Call `listener(capability, instance_id)` after each change made through this
@@ -164,7 +165,7 @@ class Registry:
                 claim(existing)
         now = time.time()
         if not await self.store.group_known(join.capability):
-            await self._admit_new_capability(join.capability, principal, now)
+            await self._admit_once(join.capability, principal, now)
         ack = self.negotiate(join)
         record = InstanceRecord(
             instance_id=join.instance_id,
@@ -192,7 +193,7 @@ class Registry:
         previous = await self.store.put_record(
             join.instance_id,
             join.capability,
-            _fields(record),
+            fields_of(record),
             ttl_s=self.settings.heartbeat_timeout,
             group_ttl_s=self._retention_s,
         )
@@ -234,6 +235,16 @@ class Registry:
             await self._announce(previous.group, join.instance_id)
         await self._announce(join.capability, join.instance_id)
         return ack
+
+    async def _admit_once(self, capability: str, principal: str | None, now: float) -> None:
+        key = (capability, principal)
+        pending = self._admitting.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._admit_new_capability(capability, principal, now))
+            self._admitting[key] = pending
+            pending.add_done_callback(lambda _: self._admitting.pop(key, None))
+        # Shielded: one waiting Join that is cancelled does not cancel the others' check.
+        await asyncio.shield(pending)
 
     async def _admit_new_capability(
         self, capability: str, principal: str | None, now: float
@@ -281,12 +292,15 @@ class Registry:
 
     async def heartbeat(
         self, instance_id: str, report: HealthReport, session: str | None = None
-    ) -> InstanceRecord:
+    ) -> Beat:
         """Refresh an instance's record. A heartbeat naming the `session` of an earlier Join
         whose instance_id another process has joined since is refused (409 instance_replaced)
-        and refreshes nothing: that record lives only as long as its own process heartbeats."""
+        and refreshes nothing: that record lives only as long as its own process heartbeats.
+        Only the record's health part is written, and only its small brief field is read (the
+        join part is never parsed on this path)."""
         if session is not None:
-            current = await self.get(instance_id)
+            stored = (await self.store.get_records([instance_id]))[0]
+            current = brief_of(stored) if stored is not None else None
             if current is not None and current.session not in (None, session):
                 log.warning(
                     "heartbeat of instance=%s from a replaced session refused (it re-joined at %s)",
@@ -306,25 +320,26 @@ class Registry:
         }
         previous = await self.store.update_record(
             instance_id,
-            {_HEALTH: json.dumps(health)},
+            {HEALTH: json.dumps(health)},
             ttl_s=self.settings.heartbeat_timeout,
             group_ttl_s=self._retention_s,
         )
-        before = self._parse(previous)
-        if before is None:
+        before = brief_of(previous) if previous is not None else None
+        if previous is None or before is None:
             # Evicted (or never joined): the agent is told to join again, its re-join follows.
             log.info("heartbeat from unknown instance=%s: asked to join again", instance_id)
             raise UnknownInstance(f"instance {instance_id!r} is not registered; join again")
+        capability = previous.group
         if before.status != report.status:
             log.info(
                 "health instance=%s capability=%s %s -> %s checks=%s",
                 instance_id,
-                before.capability,
+                capability,
                 before.status,
                 report.status,
                 report.checks,
             )
-            await self._announce(before.capability, instance_id)
+            await self._announce(capability, instance_id)
         # Routine: the sampled heartbeat log (telemetry.heartbeat_log_sample), not the main one.
         heartbeat_log.info(
             "heartbeat instance=%s status=%s inflight=%d",
@@ -332,7 +347,9 @@ class Registry:
             report.status,
             report.inflight,
         )
-        return before.model_copy(update=health)
+        return Beat(
+            instance_id, capability, report.status, report.inflight, before.heartbeat_interval
+        )
 
     async def leave(self, instance_id: str) -> bool:
         previous = await self.store.delete_record(instance_id)
@@ -372,8 +389,8 @@ class Registry:
         """What a record says beyond its heartbeat's time, cheaply: its join part and health
         status (None: unreadable). Equal fingerprints: nothing routing reads has changed."""
         try:
-            status = json.loads(stored.fields[_HEALTH]).get("status", "ok")
-            return hash(stored.fields[_JOIN]), str(status)
+            status = json.loads(stored.fields[HEALTH]).get("status", "ok")
+            return hash(stored.fields[JOIN]), str(status)
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
@@ -411,8 +428,7 @@ class Registry:
         if stored is None:
             return None
         try:
-            values = json.loads(stored.fields[_JOIN]) | json.loads(stored.fields[_HEALTH])
-            return InstanceRecord.model_validate(values)
+            return parse_whole(stored)
         except (KeyError, TypeError, ValueError):
             log.exception("unreadable instance record %s ignored", stored)
             return None
@@ -423,6 +439,7 @@ __all__ = [
     "HEALTH_FIELDS",
     "MIN_HEARTBEAT_INTERVAL_S",
     "Ack",
+    "Beat",
     "Declares",
     "HealthReport",
     "HealthStatus",

@@ -165,3 +165,41 @@ async def test_create_store_passes_the_redis_timeout(redis_url: str, redis_prefi
         assert await store.ping()
     finally:
         await store.aclose()
+
+
+async def test_joins_racing_to_create_a_capability_count_as_one_creation(store: Store) -> None:
+    # 200 first Joins at once (a fleet coming back after a Redis restart): one new capability,
+    # not 200 against new_capabilities_per_minute.
+    reg = Registry(store, SETTINGS.model_copy(update={"new_capabilities_per_minute": 2}))
+    await asyncio.gather(*(reg.join(join(f"r{n:03d}", "fresh")) for n in range(200)))
+    assert len(await reg.instances("fresh")) == 200
+
+
+async def test_a_record_written_before_the_brief_field_still_heartbeats(store: Store) -> None:
+    reg = Registry(store, SETTINGS)
+    ack = await reg.join(join("old"))
+    (stored,) = await store.get_records(["old"])
+    assert stored is not None
+    fields = {k: v for k, v in stored.fields.items() if k != "brief"}
+    await store.put_record("old", "retriever", fields, ttl_s=0.6, group_ttl_s=60)
+    beat = await reg.heartbeat("old", HealthReport(status="degraded"), session=ack.session)
+    assert (beat.capability, beat.status, beat.heartbeat_interval) == ("retriever", "degraded", 0.2)
+    record = await reg.get("old")
+    assert record is not None
+    assert record.status == "degraded"
+
+
+async def test_a_large_group_is_scanned_and_pruned_in_pages(store: Store) -> None:
+    reg = Registry(store, RegistrySettings(heartbeat_timeout=60, max_capabilities=10))
+    room = asyncio.Semaphore(20)
+
+    async def one(n: int) -> None:
+        async with room:
+            await reg.join(join(f"m{n:04d}", "big"))
+
+    await asyncio.gather(*(one(n) for n in range(2500)))
+    await store.delete_record("m0007")
+    scan = await store.scan_group("big")
+    assert len(scan.live) == 2499
+    assert "m0007" not in scan.live
+    assert await store.prune_group("big") == []
