@@ -16,7 +16,11 @@ last discovery as `known`, so a protocol with ETags asks conditionally):
 
 Rounds start every interval whatever the last one is doing: an instance whose probe is still
 running (one that accepts connections and never answers, up to `probe_timeout`) is left out
-of the rounds that start meanwhile, and the others are probed on time.
+of the rounds that start meanwhile, and the others are probed on time. One owner's probes (an
+agent token's registrations, else one capability's) hold at most a quarter of a gateway's
+probe slots, and instances whose last probe here succeeded go first: a few hundred
+registrations that accept connections and never answer no longer keep every other instance
+waiting for a slot until its record expires.
 
 The first failure after a success (and the first success after a failure) is logged and
 audited (`probe_failed`, `probe_recovered`), once per transition in each gateway; every
@@ -50,6 +54,10 @@ log = logging.getLogger("reach.prober")
 MAX_PROBES_IN_FLIGHT = 32
 """Probes one gateway runs at once (the rest of a round wait their turn)."""
 
+MAX_PROBES_PER_OWNER = MAX_PROBES_IN_FLIGHT // 4
+"""Of those, what one owner's instances may hold (`owner_of`): 300 registrations that never
+answer took an instance of another capability out of routing most of the time."""
+
 Clock = Callable[[], float]
 
 
@@ -60,6 +68,14 @@ def probe_interval(settings: ReachSettings) -> float:
         MIN_HEARTBEAT_INTERVAL_S,
         min(registry.heartbeat_interval, registry.heartbeat_timeout / 2),
     )
+
+
+def owner_of(registration: Registration) -> str:
+    """Whose probe slots an instance's probes take: the agent token's that registered it (all
+    its capabilities'), else its capability's (an admin's, `reach.yaml`'s, open mode's)."""
+    if registration.principal is not None:
+        return f"principal:{registration.principal}"
+    return f"capability:{registration.capability}"
 
 
 def probe_timeout(settings: ReachSettings) -> float:
@@ -81,6 +97,7 @@ class Prober:
         # instance_id -> why its last probe here failed (transitions are logged once).
         self.failing: dict[str, str] = {}
         self._slots = asyncio.Semaphore(MAX_PROBES_IN_FLIGHT)
+        self._owner_slots: dict[str, asyncio.Semaphore] = {}
         self._task: asyncio.Task[None] | None = None
         # Probes still running: a slow instance's probe overlaps the next rounds, which start
         # on time for the others and leave it out until it ends.
@@ -136,6 +153,10 @@ class Prober:
         registrations = await self.remote.registrations()
         for gone in set(self.failing) - set(registrations):
             del self.failing[gone]
+        owners = {owner_of(r) for r in registrations.values()}
+        for owner in set(self._owner_slots) - owners:
+            if not self._owner_slots[owner].locked():
+                del self._owner_slots[owner]
         if not registrations:
             return {}
         ids = sorted(registrations)
@@ -152,14 +173,20 @@ class Prober:
                 outcomes[instance_id] = "skipped"
             else:
                 due.append((registrations[instance_id], record))
+        # Those that answered last time first: one that does not waits behind them for a slot.
+        due.sort(key=lambda pair: pair[0].instance_id in self.failing)
         results = await asyncio.gather(*(self._bounded(reg, rec) for reg, rec in due))
         outcomes.update(zip((reg.instance_id for reg, _ in due), results, strict=True))
         return outcomes
 
     async def _bounded(self, registration: Registration, record: InstanceRecord | None) -> str:
         self.inflight.add(registration.instance_id)
+        owner = owner_of(registration)
+        mine = self._owner_slots.get(owner)
+        if mine is None:
+            mine = self._owner_slots[owner] = asyncio.Semaphore(MAX_PROBES_PER_OWNER)
         try:
-            async with self._slots:
+            async with mine, self._slots:
                 return await self.probe(registration, record)
         except Exception as exc:  # a connector's bug: this instance's probe, not the round
             if registration.instance_id not in self.failing:  # its traceback once, not a round

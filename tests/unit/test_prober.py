@@ -12,7 +12,7 @@ import pytest
 import connectors
 from connectors.base import Connector
 from gateway_api.live import Live
-from gateway_api.prober import Prober
+from gateway_api.prober import MAX_PROBES_IN_FLIGHT, MAX_PROBES_PER_OWNER, Prober, owner_of
 from gateway_api.services.agents import Agents
 from reach import acceptance
 from reach.config import ReachSettings, UrlAgentSettings
@@ -427,4 +427,34 @@ async def test_a_probe_that_hangs_does_not_hold_the_others() -> None:
     assert await prober.round() == {slow.instance_id: "in_flight", quick.instance_id: "ok"}
     held.set()
     assert (await first)[slow.instance_id] == "ok"
+    await prober.aclose()
+
+
+async def test_one_owner_s_hanging_instances_hold_a_share_of_the_slots() -> None:
+    agents, _, _ = gateway_parts()
+    held = asyncio.Event()
+    flood = [f"fake://flood-{i:03d}" for i in range(3 * MAX_PROBES_IN_FLIGHT)]
+    for url in [*flood, "fake://zz-other"]:
+        FakeUrlConnector.ANSWERS[url] = served("v1", "a")
+    for url in flood:  # sorted before the other, so the first to wait for a slot
+        await agents.remote.register(body(url, capability="flood"), None)
+    other = await agents.remote.register(body("fake://zz-other", capability="other"), None)
+    for url in flood:
+        FakeUrlConnector.HELD[url] = held
+    FakeUrlConnector.asked = []
+    prober = Prober(agents.remote, agents.live.settings, clock=lambda: later(1))
+    first = asyncio.create_task(prober.round())
+    # The other capability's instance is probed while the flood's hang...
+    async with asyncio.timeout(5):
+        while "fake://zz-other" not in [address for address, _ in FakeUrlConnector.asked]:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    # ...which hold no more than their share of the slots.
+    assert len(FakeUrlConnector.asked) == MAX_PROBES_PER_OWNER + 1
+    registered = await agents.remote.registrations()
+    assert owner_of(registered[other.instance_id]) == "capability:other"
+    principal = registered[other.instance_id].model_copy(update={"principal": "kr"})
+    assert owner_of(principal) == "principal:kr"  # an agent token's, whatever the capability
+    held.set()
+    outcomes = await first
+    assert set(outcomes.values()) == {"ok"}
     await prober.aclose()
