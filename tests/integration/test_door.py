@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -16,6 +17,17 @@ from tests.helpers import GatewayProcess, start_agents
 pytestmark = pytest.mark.integration
 
 JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+async def served(gateway: GatewayProcess) -> AsyncIterator[str]:
+    """A capability with one live agent, for the whole module: the tests that take it are about
+    what the door accepts and refuses, and each request of theirs is its own."""
+    capability = f"cap-{uuid.uuid4().hex[:8]}"
+    agents = await start_agents(gateway, capability, 1)
+    yield capability
+    for agent in agents:
+        agent.proc.stop()
 
 
 def raw_invoke(capability: str, payload_json: str, request_id: str) -> bytes:
@@ -40,11 +52,11 @@ def raw_invoke(capability: str, payload_json: str, request_id: str) -> bytes:
 async def test_input_no_hop_can_carry_is_refused_at_the_door(
     gateway: GatewayProcess,
     http: httpx.AsyncClient,
-    capability: str,
+    served: str,
     payload_json: str,
     needle: str,
 ) -> None:
-    await start_agents(gateway, capability, 1)
+    capability = served
     rid = f"req-{uuid.uuid4().hex}"
     r = await http.post(
         f"{gateway.url}/reach/invoke",
@@ -80,13 +92,13 @@ async def test_input_no_hop_can_carry_is_refused_at_the_door(
 async def test_values_a_header_cannot_carry_are_422(
     gateway: GatewayProcess,
     http: httpx.AsyncClient,
-    capability: str,
+    served: str,
     headers: dict[str, bytes],
     body_extra: dict[str, str],
     needle: str,
 ) -> None:
     """Before: a 500, or a 502 retried by the workflow (the agent's HTTP client refused)."""
-    await start_agents(gateway, capability, 1)
+    capability = served
     r = await http.post(
         f"{gateway.url}/reach/invoke",
         json={"target": capability, "operation": "query", "timeout_ms": 3000, **body_extra},
@@ -98,9 +110,9 @@ async def test_values_a_header_cannot_carry_are_422(
 
 
 async def test_a_valid_traceparent_and_caller_pass(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: str
 ) -> None:
-    await start_agents(gateway, capability, 1)
+    capability = served
     r = await http.post(
         f"{gateway.url}/reach/invoke",
         json={"target": capability, "operation": "query", "idempotency_key": "order 42/a"},
@@ -113,9 +125,9 @@ async def test_a_valid_traceparent_and_caller_pass(
 
 
 async def test_payload_limit_is_measured_as_sent(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: str
 ) -> None:
-    await start_agents(gateway, capability, 1)
+    capability = served
     # 400 000 x "é": 800 000 bytes as sent (UTF-8), 2 400 000 if escaped: within the limit.
     r = await http.post(
         f"{gateway.url}/reach/invoke",
@@ -133,11 +145,11 @@ async def test_payload_limit_is_measured_as_sent(
 
 
 async def test_temporal_payload_limit_is_a_413_not_a_retryable_503(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: str
 ) -> None:
     """Before: a 2.5 MB payload passed Reach's 4 MiB check, Temporal refused it (2 MiB), and the
     caller got a retryable 503 forever."""
-    await start_agents(gateway, capability, 1)
+    capability = served
     r = await http.post(
         f"{gateway.url}/reach/invoke",
         json={"target": capability, "operation": "query", "payload": {"t": "x" * 2_500_000}},
@@ -275,11 +287,11 @@ async def test_late_answers_are_bounded(gateway: GatewayProcess, http: httpx.Asy
 
 
 async def test_a_payload_within_the_limit_passes_however_it_was_escaped(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: str
 ) -> None:
     """Python's json.dumps escapes every 'é' as six bytes: the body is three times the payload
     as sent, and still accepted (before: a 413 for a payload within the limit)."""
-    await start_agents(gateway, capability, 1)
+    capability = served
     raw = json.dumps(
         {"target": capability, "operation": "query", "payload": {"text": "\u00e9" * 500_000}}
     ).encode()
@@ -300,9 +312,9 @@ async def test_an_error_never_echoes_an_invalid_request_id(
 
 
 async def test_the_idempotency_key_header_is_the_body_field(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: str
 ) -> None:
-    await start_agents(gateway, capability, 1)
+    capability = served
     url = f"{gateway.url}/reach/invoke"
     body = {"target": capability, "operation": "create", "payload": {"note": "n"}}
     r = await http.post(url, json=body, headers={"Idempotency-Key": "order-7"})
