@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT))
 from bench.invoke import spawn, wait_http  # noqa: E402
 from gateway_api.devserver import DevServer, free_port  # noqa: E402
 from reach.config import RegistrySettings, RoutingDefaults, RoutingSettings  # noqa: E402
+from reach.process import settle_heap  # noqa: E402
 from reach.registry import HealthReport, JoinRequest, Registry  # noqa: E402
 from reach.registry.view import CapabilitySnapshot, RegistryView, RouteEntry  # noqa: E402
 from reach.routing import Router  # noqa: E402
@@ -551,6 +552,10 @@ async def stalls(quick: bool) -> None:
         f"process (memory store, resync every 1 s, sweep every 1 s, {seconds:.0f} s)"
     )
     settings = RegistrySettings(heartbeat_timeout=3600, heartbeat_interval=5)
+    # As a gateway does once started (reach.process.settle_heap): what start-up built is
+    # frozen out of the collector's scans, which run less often; undone at the end.
+    threshold = gc.get_threshold()
+    settle_heap()
     store = MemoryStore()
     registries = [Registry(store, settings) for _ in range(gateways)]
     cap = "stall-bench"
@@ -559,13 +564,15 @@ async def stalls(quick: bool) -> None:
     for view in views:
         await view.start()
     lags: list[float] = []
+    holds: list[float] = []  # the loop thread's CPU between two ticks: what held it
     stop_at = time.monotonic() + seconds
 
     async def ticker() -> None:
         while time.monotonic() < stop_at:
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.thread_time()
             await asyncio.sleep(0.001)
             lags.append((time.perf_counter() - t) * 1000 - 1.0)
+            holds.append((time.thread_time() - cpu) * 1000)
 
     async def churn() -> None:
         # Heartbeats at 2,000/s, one in fifty a status change (a snapshot rebuild each).
@@ -586,15 +593,29 @@ async def stalls(quick: bool) -> None:
     finally:
         for view in views:
             await view.aclose()
-    worst = max(lags)
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+    worst, held = max(lags), max(holds)
     table(
-        ["instances", "gateways", "ticks", "p99 lag ms", "longest stall ms"],
-        [[f"{n:,}", gateways, len(lags), f"{percentile(lags, 0.99):.1f}", f"{worst:.1f}"]],
+        ["instances", "gateways", "ticks", "p99 lag ms", "longest stall ms", "its CPU ms"],
+        [
+            [
+                f"{n:,}",
+                gateways,
+                len(lags),
+                f"{percentile(lags, 0.99):.1f}",
+                f"{worst:.1f}",
+                f"{held:.1f}",
+            ]
+        ],
     )
-    print("(a 1 ms ticker's lateness; the box's other work shows up in it too)")
+    print(
+        "(a 1 ms ticker's lateness; the box's other work shows up in it too. 'its CPU': the "
+        "most CPU this thread spent between two ticks, what the loop's own work held it for)"
+    )
     note(
         f"longest event-loop stall @{n // 1000}k instances, {gateways} views",
-        f"{worst:.1f} ms",
+        f"{worst:.1f} ms (CPU {held:.1f} ms)",
         "<= 5 ms",
     )
 
@@ -1229,7 +1250,15 @@ async def heartbeats_via_gateways(
         "processes"
     )
     (tmp / "hb.yaml").write_text(
-        yaml.safe_dump({"reach": {"registry": {"heartbeat_timeout": 300, "heartbeat_interval": 5}}})
+        yaml.safe_dump(
+            {
+                "reach": {
+                    "registry": {"heartbeat_timeout": 300, "heartbeat_interval": 5},
+                    # The bench's agents are at 10.1.x.y (never called), allowed as in 7.
+                    "security": {"allow_networks": ["10.0.0.0/8"]},
+                }
+            }
+        )
     )
     rows: list[list[object]] = []
     grpc_rows: list[list[object]] = []

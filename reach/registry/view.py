@@ -17,114 +17,44 @@ The store stays the truth; the view is what this process last read of it, kept f
 
 What routing needs of an instance is kept in a slim `RouteEntry` (no checks, no labels), and
 identical operation declarations are shared, so an instance costs a few hundred bytes here.
-`CapabilitySnapshot` is an immutable picture of one capability, rebuilt only when it changed,
-that precomputes what every request would otherwise scan for (the routable tiers, the smallest
-negotiated message size, the declared policy per operation); strategies cache their own
-structures on it (`cache`).
+`CapabilitySnapshot` (`reach.registry.snapshot`) is an immutable picture of one capability,
+replaced only when it changed, that precomputes what every request would otherwise scan for
+(the routable tiers, the smallest negotiated message size, the declared policy per operation);
+strategies cache their own structures on it (`cache`). A few instances changed: the next is
+derived from the last one; many: built whole, at the end of a resync rather than on a request.
+
+No step holds the event loop long at 10,000 instances: a resync lets it go every
+`RESYNC_SLICE_S`, the memory store's scans every few hundred members, and a status change
+costs a derived snapshot (tens of microseconds), not a rebuild.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from reach.errors import ReachError
 from reach.registry import (
     CHANGES_CHANNEL,
-    HealthStatus,
     InstanceRecord,
     OperationDeclaration,
     Registry,
-    declared_policy,
 )
+from reach.registry.snapshot import CapabilitySnapshot, RouteEntry
 from reach.store.base import Record, Subscription
 
 log = logging.getLogger("reach.registry.view")
 
-_versions = itertools.count(1)
+RESYNC_SLICE_S = 0.001
+"""How long a resync works before it lets the event loop go."""
 
-RESYNC_PAGE = 500
-"""Records a resync applies before it lets the event loop go (about 2 ms of work)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RouteEntry:
-    """What routing and calling need of one instance."""
-
-    instance_id: str
-    capability: str
-    protocol: str
-    address: str
-    max_message_bytes: int
-    status: HealthStatus
-    weight: int
-    max_inflight: int | None
-    joined_at: float
-    declared: Mapping[str, OperationDeclaration]
-    principal: str | None = None  # whose agent token registered it (None: auth off)
-    # What discovery found of an instance registered by URL (empty for one that joined).
-    details: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def routable(self) -> bool:
-        return self.status != "unhealthy"
-
-
-class CapabilitySnapshot:
-    """One capability's live instances at one moment (immutable; rebuilt when it changes)."""
-
-    __slots__ = (
-        "_declared",
-        "by_id",
-        "cache",
-        "capability",
-        "degraded",
-        "entries",
-        "limited",
-        "members",
-        "ok",
-        "routable",
-        "smallest",
-        "version",
-    )
-
-    def __init__(self, capability: str, entries: Iterable[RouteEntry]) -> None:
-        self.capability = capability
-        self.version = next(_versions)
-        self.entries: tuple[RouteEntry, ...] = tuple(sorted(entries, key=_by_id))
-        self.by_id: dict[str, RouteEntry] = {e.instance_id: e for e in self.entries}
-        self.routable = tuple(e for e in self.entries if e.routable)
-        self.ok = tuple(e for e in self.routable if e.status == "ok")
-        self.degraded = tuple(e for e in self.routable if e.status == "degraded")
-        # The routable instances and their weights: what a hash ring is built from.
-        self.members = tuple((e.instance_id, e.weight) for e in self.routable)
-        self.smallest = min(self.routable, key=_by_size) if self.routable else None
-        # Whether an instance declared a max_inflight (routing then reads in-flight counts).
-        self.limited = any(e.max_inflight is not None for e in self.routable)
-        self._declared: dict[str, OperationDeclaration | None] = {}
-        self.cache: dict[str, Any] = {}
-
-    def declared(self, operation: str) -> OperationDeclaration | None:
-        """What the routable instances together declare for `operation` (cached)."""
-        try:
-            return self._declared[operation]
-        except KeyError:
-            found = self._declared[operation] = declared_policy(self.routable, operation)
-            return found
-
-
-def _by_id(entry: RouteEntry) -> str:
-    return entry.instance_id
-
-
-def _by_size(entry: RouteEntry) -> int:
-    return entry.max_message_bytes
+BASE_EDITS = 64
+"""Changed instances past which (and past an eighth of the capability) a snapshot is built
+again whole rather than derived from the last one."""
 
 
 class _Interned:
@@ -183,6 +113,9 @@ class RegistryView:
         self._members: dict[str, dict[str, RouteEntry]] = {}
         self._where: dict[str, str] = {}  # instance id -> its capability here
         self._snapshots: dict[str, CapabilitySnapshot] = {}
+        # A capability's last snapshot and the instances changed since, while it has none:
+        # the next is derived from it (`CapabilitySnapshot.changed`) when few changed.
+        self._bases: dict[str, tuple[CapabilitySnapshot, set[str]]] = {}
         self._dirty: dict[str, str] = {}  # instance id -> a capability it may concern
         self._dirty_caps: dict[str, int] = {}
         self._interned = _Interned()
@@ -252,8 +185,25 @@ class RegistryView:
         members = self._members.get(capability)
         if not members:
             return None
-        snap = self._snapshots[capability] = CapabilitySnapshot(capability, members.values())
+        base = self._bases.pop(capability, None)
+        if base is not None:
+            snap = base[0].changed({i: members.get(i) for i in base[1]})
+        else:
+            snap = CapabilitySnapshot(capability, members.values())
+        self._snapshots[capability] = snap
         return snap
+
+    def _outdate(self, capability: str, instance_id: str) -> None:
+        """The capability's snapshot no longer holds: `instance_id` changed in it."""
+        snap = self._snapshots.pop(capability, None)
+        if snap is not None:
+            self._bases[capability] = (snap, {instance_id})
+            return
+        base = self._bases.get(capability)
+        if base is not None:
+            base[1].add(instance_id)
+            if len(base[1]) > max(BASE_EDITS, len(base[0].entries) // 8):
+                del self._bases[capability]  # so many changed: built again whole
 
     async def reload(self, capability: str) -> CapabilitySnapshot | None:
         """Read the capability from the store now (used when the view has nothing routable
@@ -340,7 +290,8 @@ class RegistryView:
                 self._set(instance_id, record)
 
     async def resync(self) -> None:
-        """Re-read every capability whole."""
+        """Re-read every capability whole, then build the snapshots it left to be built whole
+        (one capability at a time, the loop let go in between), so no request waits on one."""
         async with self._lock:
             self._resync_due = False
             capabilities = await self.registry.capabilities()
@@ -349,6 +300,10 @@ class RegistryView:
             for capability in set(self._members) - set(capabilities):
                 self._replace(capability, {})
             self.last_resync = time.monotonic()
+        for capability in list(self._members):
+            if capability not in self._snapshots and capability not in self._bases:
+                self.cached(capability)
+                await asyncio.sleep(0)
 
     # -- applying -------------------------------------------------------------------------
 
@@ -356,7 +311,7 @@ class RegistryView:
         old_cap = self._where.get(instance_id)
         if old_cap is not None and (record is None or record.capability != old_cap):
             self._members[old_cap].pop(instance_id, None)
-            self._snapshots.pop(old_cap, None)
+            self._outdate(old_cap, instance_id)
             del self._where[instance_id]
             self._seen.pop(instance_id, None)
             for listener in self._removed:
@@ -370,23 +325,29 @@ class RegistryView:
         members = self._members.setdefault(record.capability, {})
         if members.get(instance_id) != entry:
             members[instance_id] = entry
-            self._snapshots.pop(record.capability, None)
+            self._outdate(record.capability, instance_id)
         self._where[instance_id] = record.capability
 
     async def _replace_paged(self, capability: str, live: Mapping[str, Record]) -> None:
-        """`_replace`, a page of records at a time with the loop let go in between: a resync
-        of 10,000 instances would otherwise hold it for a hundred milliseconds and more.
+        """`_replace`, a slice of `RESYNC_SLICE_S` at a time with the loop let go in between: a
+        resync of 10,000 instances would otherwise hold it for a hundred milliseconds and more.
         Routing meanwhile reads each instance as it was or as it is, never a made-up one."""
-        for instance_id in list(self._members.get(capability, ())):
+        slice_ends = time.perf_counter() + RESYNC_SLICE_S
+        for n, instance_id in enumerate(list(self._members.get(capability, ()))):
             if instance_id not in live:
                 self._set(instance_id, None)
+            if n % 64 == 63 and time.perf_counter() >= slice_ends:
+                await asyncio.sleep(0)
+                slice_ends = time.perf_counter() + RESYNC_SLICE_S
         page: dict[str, Record] = {}
         for instance_id, stored in live.items():
             page[instance_id] = stored
-            if len(page) >= RESYNC_PAGE:
+            if len(page) >= 16:
                 self._apply(capability, page)
                 page = {}
-                await asyncio.sleep(0)
+                if time.perf_counter() >= slice_ends:
+                    await asyncio.sleep(0)
+                    slice_ends = time.perf_counter() + RESYNC_SLICE_S
         self._apply(capability, page)
         self._drop_if_empty(capability)
 
@@ -420,6 +381,7 @@ class RegistryView:
         if not self._members.get(capability):
             self._members.pop(capability, None)
             self._snapshots.pop(capability, None)
+            self._bases.pop(capability, None)
 
 
 __all__ = ["CapabilitySnapshot", "RegistryView", "RouteEntry"]
