@@ -59,6 +59,7 @@ from gateway_api.steps.identify import AUTHORIZATION, CALLER, TRACEPARENT, Metad
 from gateway_api.steps.wait import SYNC_GRACE_S
 from reach import acceptance
 from reach.errors import ReachError, UnknownCapability
+from reach.invocation import InvokeInput
 from reach.listing import DEFAULT_LIMIT, MAX_LIMIT
 from reach.messages import REQUEST_ID_PATTERN, InvokeResponse, dumps
 from reach.security.tokens import Principal
@@ -421,14 +422,11 @@ class Call:
         who = self.who(principal)
         engine, guard = self.gateway.engine, self.gateway.guard
         original = await engine.original(engine.handle(rid))
-        if original is not None and original.plan.mode == "queue":
-            # A cancelled regular activity reads as an internal error in the attempt loop
-            # (workflows/_failures.error_of): the request would end `internal`, not cancelled.
-            raise a2a_error(
-                TaskNotCancelableError,
-                f"task {rid} runs in queue mode, where a cancel would end it as an internal "
-                "error rather than cancelled; it ends by its deadline",
-            )
+        instances = await self.gateway.registry.instances(original.target) if original else []
+        why_not = not_cancelable(original, {i.protocol for i in instances})
+        if why_not is not None:
+            message = f"task {rid} {why_not}; it ends by its deadline"
+            raise a2a_error(TaskNotCancelableError, message)
         if guard is not None:
             guard.audit.record("cancel_requested", request_id=rid, principal=who, front="a2a")
         try:
@@ -448,6 +446,26 @@ class Call:
 
 _SUBMITTED = TaskState.TASK_STATE_SUBMITTED
 _WORKING = TaskState.TASK_STATE_WORKING
+
+
+def not_cancelable(original: InvokeInput | None, protocols: set[str]) -> str | None:
+    """Why a request cannot be cancelled honestly, or None (`protocols`: its capability's
+    instances'). A workflow cancel ends a request cancelled while it waits on a timer, for a
+    late answer or on an inline call in flight; but the attempt loop reads a cancelled activity
+    as an internal error (workflows/_failures.error_of), and a queue-mode call and the following
+    of an A2A agent's task wait in one: the request would end `internal` (a bug in Reach), the
+    agent's task left running."""
+    if original is None:
+        return "cannot be read"
+    if original.plan.mode == "queue":
+        return "runs in queue mode, where a cancel would end it as an internal error"
+    routed = original.endpoint.protocol if original.endpoint is not None else None
+    if routed == "a2a" or "a2a" in protocols:
+        return (
+            "may be following an A2A agent's task, where a cancel would end it as an internal "
+            "error and leave the agent's task running"
+        )
+    return None
 
 
 def _valid_id(value: str) -> bool:

@@ -473,3 +473,14 @@ async def test_a_stream_follows_an_a2a_agents_long_task(front: Front) -> None:
     result = json_format.MessageToDict(artifact.artifact.parts[0].data)
     assert result["data"][0]["done"] is True, result
     assert last.status_update.status.state == COMPLETED
+
+
+async def test_a_task_following_an_a2a_agents_task_is_not_cancelled_dishonestly(
+    front: Front,
+) -> None:
+    token = front.tokens["orchestrator"]
+    client, http = await client_of(front.a, BEHIND, token, streaming=False, polling=True)
+    async with aclosing(http):
+        [event] = await events_of(client, message({"seconds": 2}, operation="slow"))
+        with pytest.raises(TaskNotCancelableError, match="following an A2A agent's task"):
+            await client.cancel_task(CancelTaskRequest(id=event.task.id))
