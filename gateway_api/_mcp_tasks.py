@@ -13,6 +13,12 @@ extension lets the server decide. Then:
     tasks/cancel   Temporal's cancel of the request (`Engine.cancel`), audited
     tasks/update   refused: Reach's agents never ask for input
 
+The handshake protocol's own tasks (2025-11-25, before they became the extension) work the same
+on a session at that version: Reach declares `capabilities.tasks` (cancel, tools/call), lists
+every tool with `execution.taskSupport: "optional"`, and a `tools/call` with `params.task` is
+answered at once, once durable, with `{"task": {...}}`; `tasks/get` is the task, `tasks/result`
+waits for the tool result, `tasks/cancel` answers the task after the cancel.
+
 Only the request's caller (or an admin) sees its task; anyone else is told it does not exist,
 as `GET /reach/requests/{id}` does. A task is kept as long as its request: until Temporal's
 retention after it closes (`ttlMs` is null: Reach sets no shorter life).
@@ -35,6 +41,10 @@ from reach.errors import ReachError
 from reach.security.tokens import Principal
 
 EXTENSION: Final = "io.modelcontextprotocol/tasks"
+TASKS_2025: Final = "2025-11-25"  # the handshake version whose core protocol has tasks
+RELATED_TASK_META: Final = "io.modelcontextprotocol/related-task"
+# What a 2025-11-25 server says it can do with tasks (initialize's capabilities.tasks).
+CAPABILITY_2025: Final[dict[str, Any]] = {"cancel": {}, "requests": {"tools": {"call": {}}}}
 TASK_AFTER_S = 1.0
 POLL_MS = 1000
 CANCEL_WAIT_S = 2.0
@@ -71,9 +81,32 @@ def created(request_id: str) -> dict[str, Any]:
     }
 
 
+def created_2025(request_id: str) -> dict[str, Any]:
+    """2025-11-25's `CreateTaskResult`: the task under `task`, its fields named as then."""
+    task = created(request_id)
+    return {
+        "task": {
+            "taskId": request_id,
+            "status": "working",
+            "statusMessage": task["statusMessage"],
+            "createdAt": task["createdAt"],
+            "lastUpdatedAt": task["lastUpdatedAt"],
+            "ttl": None,
+            "pollInterval": POLL_MS,
+        },
+        "_meta": task["_meta"],
+    }
+
+
+def asked_2025(message: wire.Message, version: str) -> bool:
+    """Whether a 2025-11-25 tools/call asks to run as a task (`params.task`)."""
+    return version == TASKS_2025 and isinstance(message.params.get("task"), dict)
+
+
 class Tasks:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, *, modern: bool = True) -> None:
         self.gateway = gateway
+        self.modern = modern  # False: 2025-11-25's tasks (ttl, pollInterval; tasks/result)
 
     def reader(self, headers: dict[str, str]) -> Principal | None:
         guard = self.gateway.guard
@@ -88,7 +121,10 @@ class Tasks:
             if message.method == "tasks/get":
                 return await self.get(task_id, principal)
             if message.method == "tasks/cancel":
-                return await self.cancel(task_id, principal)
+                await self.cancel(task_id, principal)
+                return {} if self.modern else await self.get(task_id, principal)
+            if message.method == "tasks/result" and not self.modern:
+                return await self.result(task_id, principal)
         except ReachError as exc:
             raise _task_error(exc, task_id) from None
         except RPCError as exc:
@@ -102,13 +138,14 @@ class Tasks:
         handle = self.gateway.engine.handle(task_id)
         desc = await handle.describe(rpc_timeout=self.gateway.rpc_timeout)
         task: dict[str, Any] = {
-            "resultType": "complete",
             "taskId": task_id,
             "createdAt": _iso(desc.start_time),
             "lastUpdatedAt": _iso(desc.close_time or desc.start_time),
-            "ttlMs": None,
-            "pollIntervalMs": POLL_MS,
         }
+        if self.modern:
+            task.update(resultType="complete", ttlMs=None, pollIntervalMs=POLL_MS)
+        else:
+            task.update(ttl=None, pollInterval=POLL_MS)
         if response.status in _WORKING:
             task["status"] = "working"
         elif response.status == "canceled" or was_cancelled(response):
@@ -117,10 +154,20 @@ class Tasks:
                 task["statusMessage"] = response.error.message
         else:
             task["status"] = "completed"
-            task["result"] = call_result(response, modern=True)
+            if self.modern:  # 2025-11-25 reads the result with tasks/result
+                task["result"] = call_result(response, modern=True)
         return task
 
-    async def cancel(self, task_id: str, principal: Principal | None) -> dict[str, Any]:
+    async def result(self, task_id: str, principal: Principal | None) -> dict[str, Any]:
+        """2025-11-25's tasks/result: the tool result once the request ended (waited for)."""
+        await self.gateway.requests.status(task_id, principal)  # its caller's only
+        engine = self.gateway.engine
+        response = await engine.outcome(engine.handle(task_id))
+        out = call_result(response, modern=False)
+        out["_meta"][RELATED_TASK_META] = {"taskId": task_id}
+        return out
+
+    async def cancel(self, task_id: str, principal: Principal | None) -> None:
         current = await self.gateway.requests.status(task_id, principal)
         if current.status not in _WORKING:
             raise wire.RpcError(
@@ -141,7 +188,6 @@ class Tasks:
                 await engine.outcome(engine.handle(task_id))
         except TimeoutError:
             pass
-        return {"resultType": "complete"}
 
 
 def _task_error(exc: ReachError, task_id: str) -> wire.RpcError:

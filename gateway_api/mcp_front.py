@@ -5,8 +5,8 @@
     ping              {}
     tools/list        every routable capability.operation the caller's rules allow
     tools/call        one durable invoke through the door (`Door.invoke`), like POST /reach/invoke
-    tasks/get|cancel  the tasks extension: a long call as a task whose id is its RequestID
-                      (2026-07-28; `gateway_api._mcp_tasks`)
+    tasks/get|cancel  a long call as a task whose id is its RequestID: the tasks extension
+                      (2026-07-28), 2025-11-25's own tasks (`gateway_api._mcp_tasks`)
 
 Both protocol generations on one endpoint (`gateway_api._mcp_wire`): a request that carries
 its version in `params._meta` is the stateless protocol, anything else the handshake one,
@@ -267,13 +267,13 @@ class McpFront:
         if method == "tools/call":
             active = tracing.tracer
             if active is None:
-                return await self._call(message, headers, identity.caller, modern, send)
+                return await self._call(message, headers, identity.caller, version, send)
             # Read leniently here: the door refuses an invalid traceparent, as over HTTP.
             said = message.meta.get("traceparent")
             traceparent = headers.get("traceparent") or (said if isinstance(said, str) else None)
             attributes = {"rpc.system": "jsonrpc", "rpc.method": method, "url.path": PATH}
             with tracing.server_span(active, "MCP tools/call", traceparent, attributes) as span:
-                reply = await self._call(message, headers, identity.caller, modern, send)
+                reply = await self._call(message, headers, identity.caller, version, send)
                 request_id = ((reply or {}).get("_meta") or {}).get(wire.REQUEST_ID_META)
                 if request_id:
                     span.set_attribute("reach.request_id", request_id)
@@ -282,7 +282,9 @@ class McpFront:
         if method == "initialize" and not modern:
             out = {
                 "protocolVersion": version,
-                "capabilities": CAPABILITIES,
+                "capabilities": {**CAPABILITIES, "tasks": tasks.CAPABILITY_2025}
+                if version == tasks.TASKS_2025
+                else CAPABILITIES,
                 "serverInfo": SERVER_INFO,
                 "instructions": INSTRUCTIONS,
                 "_headers": {"mcp-session-id": wire.new_session(version, identity.caller)},
@@ -294,6 +296,10 @@ class McpFront:
             out = {"completion": {"values": [], "hasMore": False}}
         elif method in ("tasks/get", "tasks/cancel", "tasks/update") and modern:
             out = await tasks.Tasks(self.gateway).handle(message, headers)
+        elif method in ("tasks/get", "tasks/cancel", "tasks/result") and (
+            version == tasks.TASKS_2025
+        ):
+            return await tasks.Tasks(self.gateway, modern=False).handle(message, headers)
         elif method == "server/discover":
             out = {
                 "supportedVersions": [*wire.MODERN, *wire.HANDSHAKE],
@@ -309,6 +315,9 @@ class McpFront:
             except ReachError as exc:
                 raise rpc_error_of(exc, None) from None
             out = {"tools": tools}
+            if version == tasks.TASKS_2025:  # any tool may run as a task
+                for tool in tools:
+                    tool["execution"] = {"taskSupport": "optional"}
             if modern:
                 out.update(cacheScope="private", ttlMs=0)
         else:
@@ -325,9 +334,10 @@ class McpFront:
         message: wire.Message,
         headers: dict[str, str],
         caller: str,
-        modern: bool,
+        version: str,
         send: Send,
     ) -> dict[str, Any] | None:
+        modern = version in wire.MODERN
         params = message.params
         name = params.get("name")
         if not isinstance(name, str) or not name:
@@ -362,10 +372,17 @@ class McpFront:
         front = _Call()
         invoke = self.gateway.door.invoke(metadata, Bytes(raw), front)
         as_task = modern and tasks.wanted(message)
+        asked = tasks.asked_2025(message, version)
         streams = wire.accepts(headers, "text/event-stream")
-        if not as_task and not streams:  # awaited here: no timer, no task of its own
+        if not as_task and not asked and not streams:  # awaited here: no timer, no task
             return await _outcome(invoke, front, modern)
         task = asyncio.ensure_future(invoke)
+        if asked:  # the client asked for a task: one, as soon as the request is durable
+            await self._durable(task, front)
+            if not task.done() or task.exception() is None:
+                assert front.request_id is not None
+                self._keep(task)
+                return tasks.created_2025(front.request_id)
         if as_task and await self._durable_and_running(task, front):
             assert front.request_id is not None
             self._keep(task)  # the door waits for the verdict, and accounts it, meanwhile
@@ -377,16 +394,20 @@ class McpFront:
                 return None
         return await _outcome(task, front, modern)
 
-    async def _durable_and_running(
-        self, task: asyncio.Future[InvokeResponse], front: _Call
-    ) -> bool:
-        """Whether the call is durable and still running `TASK_AFTER_S` later (a task then)."""
+    async def _durable(self, task: asyncio.Future[InvokeResponse], front: _Call) -> None:
+        """Until the call is durable, or ended (refused, or answered) before it said so."""
         durable = asyncio.ensure_future(front.durable.wait())
         try:
             either: set[asyncio.Future[Any]] = {task, durable}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             durable.cancel()
+
+    async def _durable_and_running(
+        self, task: asyncio.Future[InvokeResponse], front: _Call
+    ) -> bool:
+        """Whether the call is durable and still running `TASK_AFTER_S` later (a task then)."""
+        await self._durable(task, front)
         if task.done():
             return False
         done, _ = await asyncio.wait({task}, timeout=tasks.TASK_AFTER_S)

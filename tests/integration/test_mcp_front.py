@@ -403,3 +403,24 @@ async def test_a_long_call_is_streamed_naming_its_request(mcp: Mcp) -> None:
     assert events[-1]["id"] == 9
     assert events[-1]["result"]["structuredContent"] == {"slept": 3}
     assert events[-1]["result"]["_meta"]["reach/requestId"] == request_id
+
+
+async def test_2025_11_25_tasks_on_a_session(mcp: Mcp) -> None:
+    """The handshake protocol's own tasks: declared at initialize, asked for with params.task,
+    the result waited for with tasks/result."""
+    init = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t"}}
+    r = await rpc(mcp, "initialize", init)
+    assert r.json()["result"]["capabilities"]["tasks"]["requests"] == {"tools": {"call": {}}}
+    session = {"Mcp-Session-Id": r.headers["mcp-session-id"], "MCP-Protocol-Version": "2025-11-25"}
+    tools = (await rpc(mcp, "tools/list", headers=session)).json()["result"]["tools"]
+    assert {t["execution"]["taskSupport"] for t in tools} == {"optional"}
+    call = {"name": f"{mcp.capability}.slow", "arguments": {"s": 1}, "task": {"ttl": 60000}}
+    created = (await rpc(mcp, "tools/call", call, headers=session)).json()["result"]
+    task_id = created["task"]["taskId"]
+    assert created["task"]["status"] == "working"
+    result = (await rpc(mcp, "tasks/result", {"taskId": task_id}, headers=session)).json()
+    assert result["result"]["structuredContent"] == {"slept": 1}
+    assert result["result"]["_meta"]["io.modelcontextprotocol/related-task"] == {"taskId": task_id}
+    task = (await rpc(mcp, "tasks/get", {"taskId": task_id}, headers=session)).json()["result"]
+    assert task["status"] == "completed"
+    assert task["pollInterval"] == 1000
