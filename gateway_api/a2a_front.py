@@ -11,11 +11,13 @@ beside `POST /reach/invoke` in the same app (docs/a2a-front.md).
 (`Door.invoke`), with the HTTP headers for its metadata: the same tokens, rules, limits,
 audit, traces and metrics, and no policy here. The task id is the RequestID, so a task is read
 or cancelled through any gateway of the deployment, after restarts too: it is all in Temporal.
+Push configs are `_a2a_push`, the cards `_a2a_cards`, the methods `_a2a_calls`.
 
 **Parsing.** The JSON-RPC envelope is checked here (-32700, -32600, -32601), the params are
 parsed into the a2a-sdk's own request types, strictly (an unknown field is -32602 naming it),
-and their required fields checked by the SDK. A request whose `A2A-Version` header names
-another major version than 1 is refused (VersionNotSupported); no header is read as 1.0.
+and their REQUIRED fields checked as the SDK checks them (`_a2a_required`). A request whose
+`A2A-Version` header names another major version than 1 is refused (VersionNotSupported); no
+header is read as 1.0.
 Reach's errors become the JSON-RPC errors the A2A spec names (`_a2a_tasks.rpc_error_of`).
 """
 
