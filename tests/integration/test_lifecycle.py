@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,17 @@ def body(capability: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+@pytest.fixture(scope="module")
+async def served(gateway: GatewayProcess) -> AsyncIterator[str]:
+    """A capability with one plain live agent, for the whole module: the tests that take it
+    follow requests of their own (their own RequestIDs, every call a success)."""
+    capability = f"cap-{uuid.uuid4().hex[:8]}"
+    agents = await start_agents(gateway, capability, 1)
+    yield capability
+    for agent in agents:
+        agent.proc.stop()
+
+
 async def read(http: httpx.AsyncClient, gateway: GatewayProcess, rid: str) -> dict[str, Any]:
     r = await http.get(f"{gateway.url}/reach/requests/{rid}")
     data: dict[str, Any] = r.json()
@@ -47,11 +59,11 @@ async def read(http: httpx.AsyncClient, gateway: GatewayProcess, rid: str) -> di
 
 
 async def test_result_is_final_while_the_callback_is_still_retried(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: str
 ) -> None:
     """Before: the request read `running` for the whole retry window (up to an hour), a late
     answer was accepted and dropped, and a sync repeat waited for an invented 504."""
-    await start_agents(gateway, capability, 1)
+    capability = served
     async with CallbackReceiver(fail_first=10**9, fail_status=503) as receiver:
         rid = f"req-{uuid.uuid4().hex}"
         r = await http.post(
@@ -95,9 +107,9 @@ async def test_result_is_final_while_the_callback_is_still_retried(
 
 
 async def test_delivered_and_given_up_deliveries_are_visible(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: str
 ) -> None:
-    await start_agents(gateway, capability, 1)
+    capability = served
     async with CallbackReceiver() as ok, CallbackReceiver(fail_first=5, fail_status=410) as gone:
         ids = {}
         for name, receiver in (("ok", ok), ("gone", gone)):
@@ -125,11 +137,11 @@ async def test_delivered_and_given_up_deliveries_are_visible(
 
 
 async def test_a_repeat_must_be_the_same_request(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: str
 ) -> None:
     """Before: a repeat that added a callback got 202 and never a callback; a repeat with
     another payload silently got the first one's result."""
-    await start_agents(gateway, capability, 1)
+    capability = served
     rid = f"req-{uuid.uuid4().hex}"
     first = await http.post(f"{gateway.url}/reach/invoke", json=body(capability, request_id=rid))
     assert first.status_code == 200, first.text
@@ -488,11 +500,11 @@ async def test_a_request_ended_before_delivery_reads_given_up_not_pending(
 
 
 async def test_a_reused_request_id_gets_its_callback_despite_an_old_delivery(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: str
 ) -> None:
     """After retention the invoke of a RequestID is gone, but its (later) delivery may linger:
     the new request's delivery must not collide with it (before: 'already started', lost)."""
-    await start_agents(gateway, capability, 1)
+    capability = served
     rid = f"req-{uuid.uuid4().hex}"
     client = await _client(gateway)
     old = await client.start_workflow(
