@@ -6,12 +6,13 @@ import asyncio
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import CallbackReceiver, GatewayProcess, start_agents, wait_until
+from tests.helpers import Agent, CallbackReceiver, GatewayProcess, start_agents, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -26,10 +27,20 @@ def body(capability: str, **extra: object) -> dict[str, object]:
     }
 
 
+@pytest.fixture(scope="module")
+async def served(gateway: GatewayProcess) -> AsyncIterator[tuple[str, Agent]]:
+    """A capability and its one plain live agent, for the whole module: the tests that take it
+    make requests of their own, each a success or refused before any call."""
+    capability = f"cap-{uuid.uuid4().hex[:8]}"
+    [agent] = await start_agents(gateway, capability, 1)
+    yield capability, agent
+    agent.proc.stop()
+
+
 async def test_sync_invoke_returns_the_standard_envelope(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: tuple[str, Agent]
 ) -> None:
-    agents = await start_agents(gateway, capability, 1)
+    capability, agent = served
     r = await http.post(f"{gateway.url}/reach/invoke", json=body(capability))
     assert r.status_code == 200, r.text
     data = r.json()
@@ -37,11 +48,11 @@ async def test_sync_invoke_returns_the_standard_envelope(
     assert data["request_id"].startswith("req-")
     assert r.headers["X-Reach-Request-Id"] == data["request_id"]
     assert isinstance(data["duration_ms"], int)
-    assert data["instance_id"] == agents[0].instance_id
+    assert data["instance_id"] == agent.instance_id
     # The RequestID reached the agent (R3) and the agent's own log lines carry it (R24).
     assert data["result"]["request_id"] == data["request_id"]
     await wait_until(
-        lambda: _true(f"[{data['request_id']}] knowledge_retriever" in agents[0].proc.output()), 5
+        lambda: _true(f"[{data['request_id']}] knowledge_retriever" in agent.proc.output()), 5
     )
 
 
@@ -89,9 +100,9 @@ async def test_deadline_answers_504_on_time(
 
 
 async def test_async_invoke_delivers_the_callback_exactly_once(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: tuple[str, Agent]
 ) -> None:
-    await start_agents(gateway, capability, 1)
+    capability, _ = served
     async with CallbackReceiver() as receiver:
         rid = f"req-{uuid.uuid4().hex}"
         r = await http.post(
@@ -286,9 +297,9 @@ JSON = {"Content-Type": "application/json"}
 
 
 async def test_payload_over_the_limit_is_413(
-    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient, served: tuple[str, Agent]
 ) -> None:
-    await start_agents(gateway, capability, 1)
+    capability, _ = served
     big = {"text": "x" * (4 * 1024 * 1024 + 10)}
     r = await http.post(f"{gateway.url}/reach/invoke", json=body(capability, payload=big))
     assert r.status_code == 413
