@@ -235,12 +235,17 @@ class FileTokenStore(TokenStore):
         return [r for r in parsed if r is not None]
 
     def write(self, record: TokenRecord) -> None:
+        self.write_many([record])
+
+    def write_many(self, written: Iterable[TokenRecord]) -> None:
+        """Merge `written` into the file one way (`merge`): a record the file holds revoked
+        stays revoked, whoever writes an older copy of it (a gateway writing back what it
+        read before an operator revoked it)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lock = self.path.with_name(self.path.name + ".lock")
         with open(lock, "a") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
-            records = {r.id: r for r in self.read()}
-            records[record.id] = record
+            records = merge(self.read(), written)
             body = {"tokens": [r.model_dump(mode="json") for r in records.values()]}
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -255,6 +260,9 @@ class FileTokenStore(TokenStore):
 
     async def save(self, record: TokenRecord) -> None:
         await asyncio.to_thread(self.write, record)
+
+    async def save_many(self, records: list[TokenRecord]) -> None:
+        await asyncio.to_thread(self.write_many, records)
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -324,12 +332,24 @@ class SharedTokenStore(TokenStore):
         await self.store.hash_set(HASH_KEY, record.id, record.model_dump_json())
         await self.store.publish(CHANNEL, record.id)
 
+    async def revoke(self, token_id: str, now: float | None = None) -> TokenRecord:
+        """Revoke it, and write the revocation into the shared store also when only the
+        mirror held it (an older copy was written over it there): revoking again repairs."""
+        record = await super().revoke(token_id, now)
+        shared = {r.id: r for r in await self.load_shared()}
+        if shared.get(token_id) != record:
+            await self.save(record)
+        return record
+
     async def keep(self, record: TokenRecord) -> None:
         """Write `record` into the mirror (a mirror that fails is logged, never fatal)."""
-        if self.mirror is None:
+        await self.keep_many([record])
+
+    async def keep_many(self, records: list[TokenRecord]) -> None:
+        if self.mirror is None or not records:
             return
         try:
-            await self.mirror.save(record)
+            await self.mirror.save_many(records)
         except (OSError, ReachError) as exc:
             self._mirror_trouble(exc)
 
@@ -369,7 +389,7 @@ class TokenCache:
         # Unreadable at start: refuse to start (an empty book would leave the door open).
         self.book = TokenBook(await self.store.load())
         self.loaded_at = time.time()
-        await self._reassert(self.book.records)
+        self._take(await self._reassert(self.book.records))
         self._stop = await self.store.watch(self.changed)
         self._resync = asyncio.get_running_loop().create_task(self._resync_forever())
 
@@ -406,32 +426,50 @@ class TokenCache:
                 "(restore the store, or restart the gateway to start afresh)",
                 lost,
             )
+        self._take(known)
+        self.loaded_at = time.time()
+        self._take(await self._reassert(known))
+
+    def _take(self, known: dict[str, TokenRecord]) -> None:
         if known != self.book.records:
             self.book = TokenBook(known.values())
-        self.loaded_at = time.time()
-        await self._reassert(known)
 
-    async def _reassert(self, known: dict[str, TokenRecord]) -> None:
-        """Write into the shared store (and the mirror) what they lack of `known`."""
+    async def _reassert(self, known: dict[str, TokenRecord]) -> dict[str, TokenRecord]:
+        """Write into the shared store (and the mirror) what they lack of `known`; returns
+        `known` with what they hold now merged in. They are read again first, and what is
+        written back is merged with that, so a revocation made since `known` was read is
+        never overwritten by the older copy; the store's writes come before the mirror's
+        (its fsync), so a revocation landing meanwhile has the narrowest window to race."""
         store = self.store
         if not isinstance(store, SharedTokenStore):
-            return
+            return known
         try:
             shared = {r.id: r for r in await store.load_shared()}
             mirrored = {r.id: r for r in await store.load_mirror()}
-            for record in known.values():
-                if store.mirror is not None and mirrored.get(record.id) != record:
-                    await store.keep(record)
-                if shared.get(record.id) != record:
-                    log.warning(
-                        "token %s (%s): the shared store %s; writing this gateway's copy back",
-                        record.id,
-                        record.state(time.time()),
-                        "had lost it" if record.id not in shared else "held an older copy",
-                    )
-                    await store.save(record)
+            known = merge(known.values(), shared.values(), mirrored.values())
+            behind = [r for r in known.values() if shared.get(r.id) != r]
+            for record in behind:
+                log.warning(
+                    "token %s (%s): the shared store %s; writing this gateway's copy back",
+                    record.id,
+                    record.state(time.time()),
+                    "had lost it" if record.id not in shared else "held an older copy",
+                )
+                await store.store.hash_set(HASH_KEY, record.id, record.model_dump_json())
+            if behind:
+                # A revocation may have landed between the read and these writes, and been
+                # overwritten: its writer mirrors it before it writes the store, so it is in
+                # the mirror (one on this host), read again; what became revoked is written.
+                written = known
+                known = merge(written.values(), await store.load_mirror())
+                for record in known.values():
+                    if record != written[record.id]:
+                        await store.store.hash_set(HASH_KEY, record.id, record.model_dump_json())
+                await store.store.publish(CHANNEL, behind[0].id)
+            await store.keep_many([r for r in known.values() if mirrored.get(r.id) != r])
         except (ReachError, OSError) as exc:
             log.warning("could not write the tokens back into the shared store: %s", exc)
+        return known
 
     async def _resync_forever(self) -> None:
         while True:
