@@ -46,6 +46,11 @@ log = logging.getLogger("reach.remote")
 DISCOVER_TIMEOUT_S = 10.0
 """How long a registration waits for the instance to say what it serves."""
 
+MAX_REGISTRATIONS_PER_PRINCIPAL = 1000
+"""Most instances one agent token's principal registers by URL: every gateway probes each of
+them every interval, so one token could otherwise take all `MAX_REGISTRATIONS` (nobody else
+could register) and a gateway's CPU with their probes."""
+
 
 class Remote:
     """Registration by URL for one gateway, over its `Agents` (connectors, guard, registry)."""
@@ -157,6 +162,14 @@ class Remote:
                 retry_after_s=60,
             )
         owner = principal.name if principal is not None and principal.kind == "agent" else None
+        if held is None and owner is not None:
+            mine = sum(1 for r in registrations.values() if r.principal == owner)
+            if mine >= MAX_REGISTRATIONS_PER_PRINCIPAL:
+                raise Unavailable(
+                    f"principal {owner!r} has registered {mine} instances by URL, the most one "
+                    "agent token's principal may; remove some (reach agents remove ID) first",
+                    retry_after_s=60,
+                )
         registration = Registration(
             instance_id=instance_id,
             capability=body.capability,

@@ -13,6 +13,7 @@ import connectors
 from connectors.base import Connector
 from gateway_api.live import Live
 from gateway_api.prober import MAX_PROBES_IN_FLIGHT, MAX_PROBES_PER_OWNER, Prober, owner_of
+from gateway_api.services import remote
 from gateway_api.services.agents import Agents
 from reach import acceptance
 from reach.config import ReachSettings, UrlAgentSettings
@@ -458,3 +459,23 @@ async def test_one_owner_s_hanging_instances_hold_a_share_of_the_slots() -> None
     outcomes = await first
     assert set(outcomes.values()) == {"ok"}
     await prober.aclose()
+
+
+async def test_one_principal_registers_a_bounded_number_of_instances(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(remote, "MAX_REGISTRATIONS_PER_PRINCIPAL", 2)
+    agents, _, _ = gateway_parts()
+    alice = Principal("alice", "agent", "t1", frozenset({"planner"}))
+    bob = Principal("bob", "agent", "t2", frozenset({"planner"}))
+    for url in ("fake://a1", "fake://a2", "fake://a3", "fake://b1"):
+        FakeUrlConnector.ANSWERS[url] = served("v1", "a")
+    first = await agents.remote.register(body("fake://a1"), alice)
+    await agents.remote.register(body("fake://a2"), alice)
+    with pytest.raises(Unavailable, match="principal 'alice' has registered 2 instances"):
+        await agents.remote.register(body("fake://a3"), alice)
+    await agents.remote.register(body("fake://a1"), alice)  # its own again: not a new one
+    await agents.remote.register(body("fake://b1"), bob)  # another principal's are its own
+    await agents.remote.register(body("fake://a3"), None)  # an admin's are not counted
+    assert await agents.leave(first.instance_id, alice)
+    await agents.remote.register(body("fake://a3", instance_id="alice-3"), alice)
