@@ -33,6 +33,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
 
 from reach.errors import Unavailable
+from reach.store import _redis_scripts as lua
 from reach.store.base import (
     GROUP_FIELD,
     GroupScan,
@@ -45,141 +46,6 @@ from reach.store.base import (
 from reach.store.redis_connect import RedisClient, close_client, cluster_prefix, connect
 
 log = logging.getLogger("reach.store")
-
-_HELPERS = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function group_of(flat)
-  for i = 1, #flat, 2 do
-    if flat[i] == '_group' then return flat[i + 1] end
-  end
-  return nil
-end
-"""
-
-# KEYS: record, new group's index, groups. ARGV: group-key prefix, id, group, ttl ms,
-# group ttl ms, field/value pairs...
-_PUT = (
-    _HELPERS
-    + """
-local previous = redis.call('HGETALL', KEYS[1])
-local old = group_of(previous)
-if old and old ~= ARGV[3] then redis.call('SREM', ARGV[1] .. old, ARGV[2]) end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], '_group', ARGV[3], unpack(ARGV, 6))
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('SADD', KEYS[2], ARGV[2])
-redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[5]), ARGV[3])
-return previous
-"""
-)
-
-# KEYS: record, groups. ARGV: group-key prefix, id, ttl ms, group ttl ms, field/value pairs...
-_UPDATE = (
-    _HELPERS
-    + """
-local previous = redis.call('HGETALL', KEYS[1])
-if #previous == 0 then return previous end
-if #ARGV >= 5 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-local group = group_of(previous)
-if group then
-  redis.call('SADD', ARGV[1] .. group, ARGV[2])
-  redis.call('ZADD', KEYS[2], now_ms() + tonumber(ARGV[4]), group)
-end
-return previous
-"""
-)
-
-# KEYS: record. ARGV: group-key prefix, id.
-_DELETE = (
-    _HELPERS
-    + """
-local previous = redis.call('HGETALL', KEYS[1])
-if #previous == 0 then return previous end
-redis.call('DEL', KEYS[1])
-local group = group_of(previous)
-if group then redis.call('SREM', ARGV[1] .. group, ARGV[2]) end
-return previous
-"""
-)
-
-# KEYS: the group's index. ARGV: record-key prefix, group. Returns {{id, fields...}, evicted}.
-_SCAN = (
-    _HELPERS
-    + """
-local live, evicted = {}, {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local flat = redis.call('HGETALL', ARGV[1] .. id)
-  if #flat > 0 and group_of(flat) == ARGV[2] then
-    table.insert(live, id)
-    table.insert(live, flat)
-  elseif redis.call('SREM', KEYS[1], id) == 1 and #flat == 0 then
-    table.insert(evicted, id)
-  end
-end
-return {live, evicted}
-"""
-)
-
-# KEYS: the group's index. ARGV: record-key prefix, group. Returns the ids pruned.
-_PRUNE = (
-    _HELPERS
-    + """
-local evicted = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local group = redis.call('HGET', ARGV[1] .. id, '_group')
-  if not group then
-    if redis.call('SREM', KEYS[1], id) == 1 then table.insert(evicted, id) end
-  elseif group ~= ARGV[2] then
-    redis.call('SREM', KEYS[1], id)
-  end
-end
-return evicted
-"""
-)
-
-# KEYS: groups. ARGV: group.
-_KNOWN = (
-    _HELPERS
-    + """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if score and tonumber(score) > now_ms() then return 1 end
-return 0
-"""
-)
-
-# KEYS: groups.
-_GROUPS = _HELPERS + "return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms(), '+inf')"
-
-# KEYS: groups. ARGV: group-key prefix.
-_EXPIRE = (
-    _HELPERS
-    + """
-local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms())
-for _, group in ipairs(gone) do
-  redis.call('DEL', ARGV[1] .. group)
-  redis.call('ZREM', KEYS[1], group)
-end
-return gone
-"""
-)
-
-# KEYS: counter. ARGV: ttl ms (0: none).
-_INCR = """
-local n = redis.call('INCR', KEYS[1])
-if tonumber(ARGV[1]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
-return n
-"""
-
-# KEYS: hash. ARGV: field. The value it held (nil: none), removed.
-_HASH_DELETE = """
-local v = redis.call('HGET', KEYS[1], ARGV[1])
-if v then redis.call('HDEL', KEYS[1], ARGV[1]) end
-return v
-"""
 
 
 @contextlib.contextmanager
@@ -216,6 +82,10 @@ def _pairs(fields: Mapping[str, str]) -> list[str]:
     return [part for item in fields.items() for part in item]
 
 
+SCAN_COUNT = 100
+"""Members a page of a group's scan asks Redis for (SSCAN's COUNT, a hint)."""
+
+
 def _record(found: Sequence[str] | Mapping[str, str]) -> Record | None:
     """A record from HGETALL: a dict from redis-py, a flat list from a script."""
     if not found:
@@ -239,16 +109,16 @@ class RedisStore(Store):
         self._groups = self._k("groups")
         # register_script runs EVALSHA and reloads the script after NOSCRIPT (a restarted
         # or flushed Redis), so a restart costs one extra round trip, not an error.
-        self._put = client.register_script(_PUT)
-        self._update = client.register_script(_UPDATE)
-        self._delete = client.register_script(_DELETE)
-        self._scan = client.register_script(_SCAN)
-        self._prune = client.register_script(_PRUNE)
-        self._known = client.register_script(_KNOWN)
-        self._list = client.register_script(_GROUPS)
-        self._expire = client.register_script(_EXPIRE)
-        self._incr = client.register_script(_INCR)
-        self._hash_delete = client.register_script(_HASH_DELETE)
+        self._put = client.register_script(lua.PUT)
+        self._update = client.register_script(lua.UPDATE)
+        self._delete = client.register_script(lua.DELETE)
+        self._scan = client.register_script(lua.SCAN)
+        self._prune = client.register_script(lua.PRUNE)
+        self._known = client.register_script(lua.KNOWN)
+        self._list = client.register_script(lua.GROUPS)
+        self._expire = client.register_script(lua.EXPIRE)
+        self._incr = client.register_script(lua.INCR)
+        self._hash_delete = client.register_script(lua.HASH_DELETE)
         # Heartbeats are most of the store's traffic: those that arrive while a batch is on
         # the wire go together in the next one (one pipeline, one round trip).
         self._updates = _GroupCommit(client, self._update)
@@ -324,14 +194,30 @@ class RedisStore(Store):
         return [_record(values) for values in found]
 
     async def scan_group(self, group: str) -> GroupScan:
-        live, evicted = await self._run(self._scan, [self._grp(group)], [self._rec(""), group])
-        records = {live[i]: _record(live[i + 1]) for i in range(0, len(live), 2)}
-        return GroupScan({i: r for i, r in sorted(records.items()) if r is not None}, evicted)
+        scan = GroupScan()
+        keys, cursor = [self._grp(group)], "0"
+        while True:
+            cursor, live, evicted = await self._run(
+                self._scan, keys, [self._rec(""), group, cursor, SCAN_COUNT]
+            )
+            for i in range(0, len(live), 2):
+                record = _record(live[i + 1])
+                if record is not None:
+                    scan.live[live[i]] = record
+            scan.evicted.extend(evicted)
+            if str(cursor) == "0":
+                return scan
 
     async def prune_group(self, group: str) -> list[str]:
-        return cast(
-            list[str], await self._run(self._prune, [self._grp(group)], [self._rec(""), group])
-        )
+        pruned: list[str] = []
+        keys, cursor = [self._grp(group)], "0"
+        while True:
+            cursor, evicted = await self._run(
+                self._prune, keys, [self._rec(""), group, cursor, SCAN_COUNT]
+            )
+            pruned.extend(evicted)
+            if str(cursor) == "0":
+                return pruned
 
     async def group_known(self, group: str) -> bool:
         return bool(await self._run(self._known, [self._groups], [group]))
