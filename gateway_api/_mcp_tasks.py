@@ -27,6 +27,7 @@ retention after it closes (`ttlMs` is null: Reach sets no shorter life).
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -38,6 +39,7 @@ from gateway_api.engine import was_cancelled
 from gateway_api.errors import reach_error_of_rpc
 from gateway_api.gateway import Gateway
 from reach.errors import ReachError
+from reach.messages import REQUEST_ID_PATTERN
 from reach.security.tokens import Principal
 
 EXTENSION: Final = "io.modelcontextprotocol/tasks"
@@ -49,6 +51,7 @@ TASK_AFTER_S = 1.0
 POLL_MS = 1000
 CANCEL_WAIT_S = 2.0
 _WORKING = frozenset({"running", "accepted"})
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)  # a task id is a RequestID
 
 
 def wanted(message: wire.Message) -> bool:
@@ -116,6 +119,8 @@ class Tasks:
         task_id = message.params.get("taskId")
         if not isinstance(task_id, str) or not task_id:
             raise wire.RpcError(wire.INVALID_PARAMS, "params.taskId is the task's id (a string)")
+        if _REQUEST_ID.fullmatch(task_id) is None:  # never sent on to Temporal (a 500 was)
+            raise wire.RpcError(wire.INVALID_PARAMS, f"no task {task_id[:100]!r}")
         try:
             principal = self.reader(headers)
             if message.method == "tasks/get":

@@ -208,7 +208,13 @@ def session_version(session: str, caller: str) -> str | None:
 
 
 def encode(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    """JSON as UTF-8; a string UTF-8 cannot carry (a lone surrogate, which JSON's `\\ud800`
+    escape lets a client send, in the request id an answer repeats) is written escaped."""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":")).encode()
 
 
 def result(key: RequestKey, value: dict[str, Any]) -> dict[str, Any]:

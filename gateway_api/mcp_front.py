@@ -149,6 +149,7 @@ class McpFront:
         if scope["method"] not in ("GET", "HEAD"):
             await http.respond_json(send, 405, None, {"allow": "GET"})
             return
+        self._check_host(metadata_of(scope))  # it names the Host: not any name's (cached)
         document = {
             "resource": self._base(scope) + PATH,
             "bearer_methods_supported": ["header"],
@@ -178,11 +179,16 @@ class McpFront:
         public = http.hostname(settings.public_url, url=True) if settings.public_url else None
         return host is not None and (host in names or host == public)
 
-    def _identify(self, scope: Scope, headers: dict[str, str]) -> Identity:
+    def _check_host(self, headers: dict[str, str]) -> str | None:
+        """The request's host name, or the 403 `Answer` when it is not this gateway's."""
         host = http.hostname(headers.get("host", ""))
         if not self._host_allowed(host):
             said = f"Host {headers.get('host', '')[:100]!r} is not this gateway's name"
             raise http.Answer(403, http.refusal("forbidden", said), {})
+        return host
+
+    def _identify(self, scope: Scope, headers: dict[str, str]) -> Identity:
+        host = self._check_host(headers)
         origin = headers.get("origin")
         if origin is not None and http.hostname(origin, url=True) not in (_LOOPBACK | {host}):
             said = f"Origin {origin[:100]!r} may not call this gateway"

@@ -424,3 +424,22 @@ async def test_2025_11_25_tasks_on_a_session(mcp: Mcp) -> None:
     task = (await rpc(mcp, "tasks/get", {"taskId": task_id}, headers=session)).json()["result"]
     assert task["status"] == "completed"
     assert task["pollInterval"] == 1000
+
+
+async def test_hostile_ids_and_hosts_are_clear_refusals(mcp: Mcp) -> None:
+    # A lone surrogate (JSON lets `\ud800` through) in the id an answer repeats: was a 500.
+    r = await rpc(mcp, "", raw=b'{"jsonrpc": "2.0", "id": "\\ud800", "method": "ping"}')
+    assert r.status_code == 200, r.text
+    assert r.content == b'{"jsonrpc":"2.0","id":"\\ud800","result":{}}'
+    # A task id that cannot be a RequestID is no task, never sent on to Temporal (a 500 was).
+    for task_id in ("\ud800", "x" * 300_000, "a\x00b"):
+        params, headers = modern("tasks/get", taskId=task_id)
+        r = await rpc(mcp, "tasks/get", params, headers=headers)
+        assert r.status_code == 400, r.text[:300]
+        assert r.json()["error"]["code"] == -32602
+        assert len(r.content) < 1000
+    # The protected-resource metadata names the Host: only this gateway's (it is cached).
+    async with httpx.AsyncClient(trust_env=False) as http:
+        where = f"{mcp.gateway.url}/.well-known/oauth-protected-resource"
+        assert (await http.get(where, headers={"Host": "evil.example"})).status_code == 403
+        assert (await http.get(where)).json()["resource"] == mcp.url
