@@ -304,6 +304,20 @@ def reply_of_send(result: Any, endpoint: Endpoint, url: str, limit: int) -> Repl
     )
 
 
-def reply_of_get(result: Any, endpoint: Endpoint, url: str, limit: int) -> Reply:
-    task = parse(result, Task(), "task", f"agent {endpoint.instance_id}")
+def reply_of_get(
+    result: Any, endpoint: Endpoint, url: str, limit: int, task_id: str | None = None
+) -> Reply:
+    """The Reply of a `GetTask` result about `task_id`: an answer about another task (whose
+    id the follow handle would then take, and whose result would be this request's) is an
+    agent_error, its outcome unknown (the task asked about may have run)."""
+    where = f"agent {endpoint.instance_id}"
+    task = parse(result, Task(), "task", where)
+    if task_id is not None and task.id != task_id:
+        exc = AgentError(
+            f"{where} answered GetTask {task_id[:100]} about another task, "
+            f"{task.id[:100]!r}; task {task_id[:100]} may have run",
+            retryable=False,
+        )
+        exc.outcome_unknown = True
+        raise exc
     return reply_of_task(task, endpoint, url, limit)

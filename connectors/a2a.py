@@ -57,6 +57,7 @@ from reach.security.netguard import DEFAULT_PORTS, AddressGuard, host_port
 __all__ = [
     "A2AConnector",
     "discovery_of",
+    "reply_of_get",
     "reply_of_send",
     "reply_of_task",
     "result_of",
@@ -298,7 +299,7 @@ class A2AConnector(PooledConnector):
                 )
                 exc.outcome_unknown = True
             raise
-        return reply_of_get(result, endpoint, url, limit)
+        return reply_of_get(result, endpoint, url, limit, task_id)
 
     async def cancel(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> None:
         """Ask the agent to cancel the task `handle` names (a task already ended is fine)."""

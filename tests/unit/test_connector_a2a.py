@@ -9,6 +9,7 @@ from google.protobuf import json_format, struct_pb2
 
 from connectors.a2a import (
     discovery_of,
+    reply_of_get,
     reply_of_send,
     reply_of_task,
     result_of,
@@ -125,3 +126,13 @@ def test_the_common_answer_is_read_as_the_sdk_reads_it_and_anything_odd_by_the_s
         reply_of_send(odd, EP, "u", 99)
     with pytest.raises(AgentError, match="not standard JSON"):
         reply_of_send({"message": {"parts": [{"data": {"n": float("nan")}}]}}, EP, "u", 99)
+
+
+def test_a_get_task_answer_about_another_task_is_refused_its_outcome_unknown() -> None:
+    asked = json_format.MessageToDict(task(TaskState.TASK_STATE_COMPLETED, data({"x": 1})))
+    assert reply_of_get(asked, EP, "u", 1 << 20, "t1").result == {"x": 1}
+    other = {**asked, "id": "someone-elses"}  # a lying agent: its result would be this one's
+    with pytest.raises(AgentError, match="about another task") as refused:
+        reply_of_get(other, EP, "u", 1 << 20, "t1")
+    assert refused.value.outcome_unknown
+    assert not refused.value.retryable
