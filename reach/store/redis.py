@@ -83,7 +83,11 @@ def _pairs(fields: Mapping[str, str]) -> list[str]:
 
 
 SCAN_COUNT = 100
-"""Members a page of a group's scan asks Redis for (SSCAN's COUNT, a hint)."""
+"""Members a page of a group's scan asks Redis for (SSCAN's COUNT, a hint): each is a record
+parsed in Python, ~30 us."""
+
+PRUNE_COUNT = 1000
+"""The same for a prune, whose answer is only the ids it removed (Redis: ~1 us a member)."""
 
 
 def _record(found: Sequence[str] | Mapping[str, str]) -> Record | None:
@@ -213,7 +217,7 @@ class RedisStore(Store):
         keys, cursor = [self._grp(group)], "0"
         while True:
             cursor, evicted = await self._run(
-                self._prune, keys, [self._rec(""), group, cursor, SCAN_COUNT]
+                self._prune, keys, [self._rec(""), group, cursor, PRUNE_COUNT]
             )
             pruned.extend(evicted)
             if str(cursor) == "0":
