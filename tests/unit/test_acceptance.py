@@ -124,6 +124,22 @@ def test_any_heartbeat_is_a_report_or_a_typed_refusal(body: dict[str, Any]) -> N
     assert len(dumps(report.checks)) <= 16 * 1024
 
 
+@given(st.dictionaries(st.sampled_from(["status", "checks", "inflight", "x"]), json_values))
+def test_a_heartbeat_read_as_values_is_judged_as_its_body_is(body: dict[str, Any]) -> None:
+    # The gRPC front's reports: the same report, or the same refusal, as the HTTP body.
+    raw = dumps(body)
+    outcomes = []
+    for check in (
+        lambda: acceptance.health_report(raw, LIMITS),
+        lambda: acceptance.health_report_values(body, raw, LIMITS),
+    ):
+        try:
+            outcomes.append(check())
+        except (InvalidRequest, PayloadTooLarge) as exc:
+            outcomes.append((type(exc), exc.message))
+    assert outcomes[0] == outcomes[1]
+
+
 @given(
     st.dictionaries(
         st.sampled_from(["status", "result", "error_type", "error_message", "instance_id"]),
