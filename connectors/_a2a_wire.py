@@ -59,6 +59,8 @@ JSONRPC_ERRORS: dict[int, str] = {
     -32009: "version_not_supported",
 }
 TASK_NOT_FOUND = -32001
+# The longest task or context id taken from an agent (A2A's are UUIDs: 36).
+MAX_ID_CHARS = 1024
 
 STATE_NAMES: dict[int, str] = {
     TaskState.TASK_STATE_SUBMITTED: "submitted",
@@ -214,6 +216,12 @@ def reply_of_task(task: Task, endpoint: Endpoint, url: str, limit: int) -> Reply
     where = f"agent {endpoint.instance_id}"
     if not task.id:
         raise AgentError(f"{where} answered a task without an id", retryable=False)
+    if len(task.id) > MAX_ID_CHARS or len(task.context_id) > MAX_ID_CHARS:
+        # The follow handle holding them is in every look's input in the request's history.
+        raise AgentError(
+            f"{where} answered a task whose id or context id is over {MAX_ID_CHARS} characters",
+            retryable=False,
+        )
     state = task.status.state
     name = STATE_NAMES.get(state, "unspecified")
     words = _words(task.status.message if task.status.HasField("message") else None)

@@ -136,3 +136,15 @@ def test_a_get_task_answer_about_another_task_is_refused_its_outcome_unknown() -
         reply_of_get(other, EP, "u", 1 << 20, "t1")
     assert refused.value.outcome_unknown
     assert not refused.value.retryable
+
+
+def test_a_task_id_past_1024_characters_is_refused() -> None:
+    # Its follow handle is in every look's input and result: ~2 MB of history a look for a 1 MB id.
+    long = Task(
+        id="t" * 1025, context_id="c1", status=TaskStatus(state=TaskState.TASK_STATE_WORKING)
+    )
+    with pytest.raises(AgentError, match="over 1024 characters"):
+        reply_of_task(long, EP, "u", 1 << 20)
+    long.context_id, long.id = long.id, "t1"
+    with pytest.raises(AgentError, match="over 1024 characters"):
+        reply_of_task(long, EP, "u", 1 << 20)
