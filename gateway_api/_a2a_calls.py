@@ -351,18 +351,20 @@ class Call:
         return original.operation, {**payload, "_a2a": payload.get("_a2a") or handle}
 
     async def _only_operation(self) -> str:
-        self.reader()  # what a capability serves is for token holders only, as its card is
+        # What a capability serves is for token holders only, as its card is, and only what
+        # their rules let them call: to a denied caller it serves nothing, known or not.
+        allowed = cards.allowed_for(self.gateway.guard, self.who(self.reader()))
         registry = self.gateway.registry
         instances = await registry.instances(self.capability)
-        if not instances and not await registry.known(self.capability):
+        if allowed is None and not instances and not await registry.known(self.capability):
             raise UnknownCapability(f"no agent has registered capability {self.capability!r}")
-        operations = sorted(cards.operations_of(instances))
+        operations = sorted(cards.operations_of(instances, self.capability, allowed))
         if len(operations) == 1:
             return operations[0]
         raise a2a_error(
             InvalidParamsError,
-            f"capability {self.capability!r} serves {len(operations)} operations "
-            f"({', '.join(operations) or 'none yet'}): name the skill in the message's "
+            f"capability {self.capability!r} serves {len(operations)} operations you may call "
+            f"({', '.join(operations) or 'none'}): name the skill in the message's "
             "metadata, as `operation` (or `skill`)",
         )
 

@@ -6,13 +6,15 @@
 - one for the gateway, at `/.well-known/agent-card.json`: a skill per capability, naming its
   card, and each capability's binding among the interfaces.
 
+Both show only what the caller's rules let it call (`Allowed`), as the MCP front's tools/list.
+
 URLs are the gateway's public URL (`public_url`, else its listen address), never the request's
 Host header.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from a2a.types import (
     AgentCapabilities,
@@ -27,10 +29,13 @@ from a2a.utils.constants import AGENT_CARD_WELL_KNOWN_PATH, PROTOCOL_VERSION_1_0
 
 import reach
 from reach.registry.models import InstanceRecord
+from reach.security.guard import Guard
 
 PREFIX = "/a2a"
 BEARER = "bearer"
 INPUT_MODES = ["application/json", "text/plain"]
+# (capability, operation) -> may the caller call it: its rules, as the door decides them.
+Allowed = Callable[[str, str], bool]
 OUTPUT_MODES = ["application/json"]
 
 
@@ -72,9 +77,20 @@ def _common(card: AgentCard, tokens_required: bool) -> AgentCard:
     return card
 
 
-def operations_of(instances: Sequence[InstanceRecord]) -> dict[str, str]:
+def allowed_for(guard: Guard | None, caller: str) -> Allowed | None:
+    """What the caller's rules let it call, as the door decides it (None: no rules)."""
+    if guard is None or not len(guard.rules):
+        return None
+    rules = guard.rules
+    return lambda capability, operation: rules.decide(caller, capability, operation).allowed
+
+
+def operations_of(
+    instances: Sequence[InstanceRecord], capability: str = "", allowed: Allowed | None = None
+) -> dict[str, str]:
     """Operation -> its description, over the routable instances (else all): the first
-    description any of them declares."""
+    description any of them declares. With `allowed`, only the operations of `capability`
+    the caller may call (a denied caller learns nothing of what exists)."""
     serving = [i for i in instances if i.routable] or list(instances)
     found: dict[str, str] = {}
     for instance in serving:
@@ -84,13 +100,19 @@ def operations_of(instances: Sequence[InstanceRecord]) -> dict[str, str]:
             if not found.get(name) and described:
                 found[name] = described
             found.setdefault(name, "")
+    if allowed is not None:
+        found = {name: text for name, text in found.items() if allowed(capability, name)}
     return dict(sorted(found.items()))
 
 
 def capability_card(
-    base: str, capability: str, instances: Sequence[InstanceRecord], tokens_required: bool
+    base: str,
+    capability: str,
+    instances: Sequence[InstanceRecord],
+    tokens_required: bool,
+    allowed: Allowed | None = None,
 ) -> AgentCard:
-    operations = operations_of(instances)
+    operations = operations_of(instances, capability, allowed)
     card = AgentCard(
         name=capability,
         description=f"Capability {capability!r} through Agent-Reach: each message is one "

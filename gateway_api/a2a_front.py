@@ -63,7 +63,7 @@ from temporalio.service import RPCError
 from gateway_api import _a2a_cards as cards
 from gateway_api import _a2a_push as push
 from gateway_api._a2a_calls import Call
-from gateway_api._a2a_cards import capability_card, gateway_card, operations_of
+from gateway_api._a2a_cards import allowed_for, capability_card, gateway_card, operations_of
 from gateway_api._a2a_required import missing
 from gateway_api._a2a_tasks import (
     BEARER_CHALLENGE,
@@ -81,6 +81,7 @@ from gateway_api._a2a_tasks import (
 from gateway_api.errors import BodyLimit, CatchBugs, error_response, reach_error_of_rpc
 from gateway_api.gateway import Gateway
 from gateway_api.steps.identify import AUTHORIZATION, CALLER, IDEMPOTENCY_KEY, TRACEPARENT
+from reach import acceptance
 from reach.errors import InvalidRequest, ReachError, UnknownCapability
 
 __all__ = [
@@ -161,6 +162,8 @@ def parse_call(raw: bytes) -> tuple[str | int | None, str, Proto, dict[str, Any]
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise parse_error(str(exc)) from None
+    except RecursionError:  # nested past Python's stack (within the body limit): not a bug
+        raise parse_error("nested too deeply") from None
     if isinstance(body, list):
         raise a2a_error(InvalidRequestError, "batch requests are not supported: send one object")
     if not isinstance(body, dict):
@@ -226,10 +229,13 @@ class A2AFront:
     async def gateway_card(self, request: Request) -> Response:
         gateway: Gateway = request.app.state.gateway
         try:
-            _reader(gateway, request)
+            allowed = allowed_for(gateway.guard, _reader(gateway, request))
             names = []
             for name in await gateway.registry.capabilities():
-                if any(i.routable for i in await gateway.registry.instances(name)):
+                instances = await gateway.registry.instances(name)
+                if any(i.routable for i in instances) and (
+                    allowed is None or operations_of(instances, name, allowed)
+                ):
                     names.append(name)
         except ReachError as exc:
             return _refused(exc)
@@ -240,14 +246,18 @@ class A2AFront:
         gateway: Gateway = request.app.state.gateway
         capability = request.path_params["capability"]
         try:
-            _reader(gateway, request)
+            allowed = allowed_for(gateway.guard, _reader(gateway, request))
             instances = await gateway.registry.instances(_capability(capability))
-            if not instances and not await gateway.registry.known(capability):
+            unknown = not instances and not await gateway.registry.known(capability)
+            # A capability the caller may call nothing of is, to it, one that does not exist.
+            if unknown or (
+                allowed is not None and not operations_of(instances, capability, allowed)
+            ):
                 raise UnknownCapability(f"no agent has registered capability {capability!r}")
         except ReachError as exc:
             return _refused(exc)
         base = gateway.settings.gateway_url
-        card = capability_card(base, capability, instances, _tokens(gateway))
+        card = capability_card(base, capability, instances, _tokens(gateway), allowed)
         return JSONResponse(json_format.MessageToDict(card))
 
     # -- JSON-RPC -----------------------------------------------------------------------------
@@ -306,9 +316,14 @@ def _capability(name: str) -> str:
     return name
 
 
-def _reader(gateway: Gateway, request: Request) -> None:
-    if gateway.guard is not None:
-        gateway.guard.auth.anyone(request.headers.get(AUTHORIZATION))
+def _reader(gateway: Gateway, request: Request) -> str:
+    """The caller reading a card (any valid token, as `GET /reach/capabilities` asks), named
+    as the door names it: the token's principal, else `X-Reach-Caller`."""
+    guard, headers = gateway.guard, request.headers
+    principal = guard.auth.anyone(headers.get(AUTHORIZATION)) if guard is not None else None
+    if principal is not None:
+        return principal.name
+    return acceptance.caller_header(headers.get(CALLER)) or "anonymous"
 
 
 def _tokens(gateway: Gateway) -> bool:

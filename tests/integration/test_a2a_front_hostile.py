@@ -1,0 +1,140 @@
+"""The A2A front against a hostile caller, on a real gateway with tokens and rules: its cards
+and a message that names no skill show only what the caller's rules let it call (as the MCP
+front's tools/list; a denied caller learns nothing of what exists), and a body nested past
+Python's stack is a JSON-RPC parse error, not the gateway's 500."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from agent_reach_sdk import AgentRuntime
+from gateway_api.a2a_front import RpcError, parse_call
+from reach.security.tokens import FileTokenStore, issue
+from tests.conftest import new_stack
+from tests.helpers import ROOT, GatewayProcess
+
+pytestmark = [pytest.mark.integration]
+
+
+@dataclass
+class Env:
+    gateway: GatewayProcess
+    capability: str  # alice may call all but `secret`
+    hidden: str  # no rule allows anyone anything
+    tokens: dict[str, str]
+
+    async def get(self, path: str, who: str) -> httpx.Response:
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+            auth = {"Authorization": f"Bearer {self.tokens[who]}"}
+            return await http.get(f"{self.gateway.url}{path}", headers=auth)
+
+    async def post(self, capability: str, who: str, body: bytes) -> httpx.Response:
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+            headers = {"Authorization": f"Bearer {self.tokens[who]}"}
+            return await http.post(
+                f"{self.gateway.url}/a2a/{capability}", content=body, headers=headers
+            )
+
+
+@pytest.fixture(scope="module")
+async def env(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]:
+    tmp = tmp_path_factory.mktemp("a2a-hostile")
+    capability = f"hx-{uuid.uuid4().hex[:8]}"
+    hidden = f"{capability}-hidden"
+    config = yaml.safe_load((ROOT / "reach.yaml").read_text())
+    config["reach"]["rules"] = [
+        {
+            "name": "alice",
+            "caller": "alice",
+            "target_capability": capability,
+            "allowed_operations": ["*"],
+            "denied_operations": ["secret"],
+        },
+    ]
+    (tmp / "reach.yaml").write_text(yaml.safe_dump(config))
+    store = FileTokenStore(tmp / "tokens.json")
+    tokens = {}
+    for name, kind in [("alice", "caller"), ("bob", "caller"), ("agent", "agent")]:
+        token, record = issue(name, kind, ["*"] if kind == "agent" else [])  # type: ignore[arg-type]
+        store.write(record)
+        tokens[name] = token
+    stack = new_stack(temporal_server, tmp, extra={"REACH_CONFIG": str(tmp / "reach.yaml")})
+    runtimes = []
+    for name in (capability, hidden):
+        runtime = AgentRuntime(
+            name,
+            protocol="http",
+            service_address="127.0.0.1:0",
+            heartbeat_interval=0.5,
+            token=tokens["agent"],
+        )
+        for operation in ("echo", "secret"):
+            runtime.operation(operation)(lambda payload: {"echo": payload})
+        runtimes.append(runtime)
+    async with GatewayProcess(stack) as gateway:
+        for runtime in runtimes:
+            runtime.reach_url = gateway.url
+        async with runtimes[0], runtimes[1]:
+            yield Env(gateway, capability, hidden, tokens)
+
+
+def send(**metadata: Any) -> bytes:
+    message = {
+        "messageId": uuid.uuid4().hex,
+        "role": "ROLE_USER",
+        "parts": [{"data": {"x": 1}}],
+        "metadata": metadata,
+    }
+    body = {"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": {"message": message}}
+    return json.dumps(body).encode()
+
+
+def skills(card: httpx.Response) -> list[str]:
+    assert card.status_code == 200, card.text
+    return [skill["id"] for skill in card.json().get("skills", [])]
+
+
+async def test_cards_show_only_what_the_callers_rules_allow(env: Env) -> None:
+    assert skills(await env.get("/.well-known/agent-card.json", "alice")) == [env.capability]
+    assert skills(await env.get("/.well-known/agent-card.json", "bob")) == []
+    card = f"/a2a/{env.capability}/.well-known/agent-card.json"
+    assert skills(await env.get(card, "alice")) == ["echo"]  # not the denied `secret`
+    # A capability the caller may call nothing of is, to it, an unknown one.
+    for who, capability in [("bob", env.capability), ("alice", env.hidden), ("bob", "nope")]:
+        refused = await env.get(f"/a2a/{capability}/.well-known/agent-card.json", who)
+        assert refused.status_code == 404, refused.text
+        assert refused.json()["error"]["type"] == "unknown_capability"
+        assert refused.json()["error"]["message"] == (
+            f"no agent has registered capability {capability!r}"
+        )
+
+
+async def test_a_message_naming_no_skill_takes_the_only_one_the_caller_may_call(env: Env) -> None:
+    answer = (await env.post(env.capability, "alice", send())).json()
+    assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", answer
+    for capability in (env.capability, env.hidden, "nope"):
+        error = (await env.post(capability, "bob", send())).json()["error"]
+        assert error["code"] == -32602, error
+        assert "0 operations you may call (none)" in error["message"]
+        assert "echo" not in error["message"]
+        assert "secret" not in error["message"]
+    denied = (await env.post(env.capability, "alice", send(operation="secret"))).json()["error"]
+    assert denied["data"][0]["reason"] == "REACH_FORBIDDEN", denied  # the door's 403, audited
+
+
+async def test_a_body_nested_past_the_stack_is_a_parse_error(env: Env) -> None:
+    nested = b"[" * 200_000 + b"]" * 200_000  # within the body limit
+    with pytest.raises(RpcError) as raised:
+        parse_call(nested)
+    assert raised.value.code == -32700
+    answer = await env.post(env.capability, "alice", nested)
+    assert answer.status_code == 200, answer.text  # not the 500 of a bug in Reach
+    assert answer.json()["error"]["code"] == -32700
