@@ -235,3 +235,39 @@ async def test_trace_of_a_request_refused_at_the_door_says_so(
     )
     assert done.returncode == 1
     assert "a request the door refused never started and has no timeline" in done.stderr
+
+
+def _first_python_block(page: str) -> str:
+    found = re.search(r"```python\n(.*?)```\n", (ROOT / "docs" / page).read_text(), re.S)
+    assert found is not None, page
+    return found.group(1)
+
+
+async def test_the_front_pages_client_programs_run_as_copied(
+    gateway: GatewayProcess, capability: str, tmp_path: Path
+) -> None:
+    """The MCP and A2A front pages open with a client program; a newcomer copies it into a file
+    and runs it beside `make up`. It used top-level `await` and an undefined `token`, so it
+    ran nowhere as written."""
+    await start_agents(gateway, capability, 1)
+    no_proxy = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    expected = {
+        "mcp-front.md": [f"'{capability}.query'", "'passages'", "req-"],  # tools, result, id
+        "a2a-front.md": ["TASK_STATE_SUBMITTED", "TASK_STATE_COMPLETED", "passages"],
+    }
+    for page, said in expected.items():
+        program = tmp_path / f"{page}.py"
+        code = _first_python_block(page)  # only the address and the capability are this test's
+        code = code.replace("http://127.0.0.1:7600", gateway.url)
+        program.write_text(code.replace("knowledge-retriever", capability))
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, str(program)],
+            env=no_proxy,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, f"{page}: {done.stderr}"
+        assert all(word in done.stdout for word in said), f"{page}: {done.stdout}"
