@@ -189,13 +189,21 @@ class HttpConnector(PooledConnector):
         # once per new connection. A connector built without security settings (tests,
         # embedding code) has no guard; Reach's processes always pass theirs (ConnectorSet).
         guard = AddressGuard(self.security.allow_networks) if security is not None else None
+        # Without mTLS, one default TLS context for every agent's clients: building one reads
+        # the CA bundle (~15 ms of CPU), and each agent's shards built their own (~60 ms of a
+        # gateway's CPU for each agent address it called first, or again after an idle close).
+        plain: ssl.SSLContext | None = None
 
         def make_client(address: str) -> _Client:
+            nonlocal plain
             # mTLS: Reach's certificate and CA; each request names the agent to verify (SNI).
             url = base_url(address)
-            verify: ssl.SSLContext | bool = True
             if self.tls.enabled:
                 url, verify = tls_base_url(address) or url, self.tls.context()
+            else:
+                if plain is None:
+                    plain = httpx.create_ssl_context(trust_env=False)
+                verify = plain
 
             def shard(size: int) -> httpx.AsyncClient:
                 limits = httpx.Limits(
