@@ -254,7 +254,12 @@ async def http_refusal(response: httpx.Response, where: str, *, had_session: boo
     fault = AgentFault(type="http_error", message=text, status=code)
     said = f" HTTP {code}" + (f": {text}" if text else "")
     if code == 404:
-        return AgentError(f"{where}: no MCP endpoint here;{said}", retryable=False, fault=fault)
+        return AgentError(
+            f"{where}: no MCP endpoint here (register the server's Streamable HTTP endpoint "
+            f"itself, often .../mcp);{said}",
+            retryable=False,
+            fault=fault,
+        )
     if 300 <= code < 400:  # never followed: the registered URL should be the endpoint itself
         to = response.headers.get("location", "")[:200]
         return AgentError(

@@ -162,6 +162,11 @@ class A2AConnector(PooledConnector):
                         if response.status_code == 304 and known is not None:
                             return known
                         code = response.status_code
+                        if code == 404:  # most often a URL that is not the base URL
+                            raise InvalidRequest(
+                                f"{where}: answered HTTP 404; register the agent's base URL, "
+                                "the one its card is under (/.well-known/agent-card.json)"
+                            )
                         if 400 <= code < 500 and code not in (408, 429):
                             raise InvalidRequest(f"{where}: answered HTTP {code}")
                         if code != 200:

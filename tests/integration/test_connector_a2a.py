@@ -251,8 +251,9 @@ async def test_no_card_at_the_url_is_refused_and_nobody_there_is_unavailable(
     server = path_server(serve)
     await server.start()
     try:
-        with pytest.raises(InvalidRequest, match="answered HTTP 404"):
-            await connector.discover(f"http://127.0.0.1:{server.port}")
+        with pytest.raises(InvalidRequest, match="answered HTTP 404") as refused:
+            await connector.discover(f"http://127.0.0.1:{server.port}/mcp")  # not its base URL
+        assert "register the agent's base URL" in refused.value.message
     finally:
         await server.close()
     with pytest.raises(Unavailable, match="cannot reach"):

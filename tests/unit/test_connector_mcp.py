@@ -164,6 +164,7 @@ async def test_refusals_over_http() -> None:
     no_endpoint = await w.http_refusal(httpx.Response(404), WHERE, had_session=False)
     assert isinstance(no_endpoint, AgentError)
     assert "no MCP endpoint" in no_endpoint.message
+    assert "register the server's Streamable HTTP endpoint itself" in no_endpoint.message
     old = httpx.Response(
         400,
         content=b'{"error":{"code":-32600,"message":"Bad Request: Unsupported protocol version"}}',
