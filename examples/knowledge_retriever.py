@@ -53,8 +53,14 @@ CORPUS = [
 ]
 
 
+def _stem(word: str) -> str:
+    """A plural's singular, roughly: "retries" is "retry", "instances" is "instance"."""
+    word = word.strip(".,;:!?\"'()")
+    return word[:-3] + "y" if word.endswith("ies") else word.rstrip("s")
+
+
 def _words(text: str) -> set[str]:
-    return {w.strip(".,;:!?\"'()").rstrip("s") for w in text.lower().split()}
+    return {_stem(w) for w in text.lower().split()}
 
 
 def rank(text: str, top_k: int) -> list[dict[str, Any]]:
