@@ -10,6 +10,10 @@ from urllib.parse import urlsplit
 from starlette.types import Receive, Send
 
 from gateway_api import _mcp_wire as wire
+from reach.config import ReachSettings
+
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+_EVERY_ADDRESS = ("0.0.0.0", "::")
 
 
 class Answer(Exception):
@@ -26,6 +30,32 @@ def hostname(value: str, *, url: bool = False) -> str | None:
         return urlsplit(value if url else f"//{value}").hostname
     except ValueError:
         return None
+
+
+def host_allowed(settings: ReachSettings, host: str | None) -> bool:
+    """DNS rebinding: a gateway that listens on loopback (or one address) answers only to
+    loopback names, that address and its `public_url`'s name; one listening on every address
+    to any name."""
+    if settings.listen_host in _EVERY_ADDRESS:
+        return True
+    names = LOOPBACK | {settings.listen_host.strip("[]").lower()}
+    public = hostname(settings.public_url, url=True) if settings.public_url else None
+    return host is not None and (host in names or host == public)
+
+
+def origin_allowed(
+    settings: ReachSettings, origin: str | None, host: str | None, *, tokens: bool
+) -> bool:
+    """Whether a web page from `origin` (its host name) may call: from loopback, from the
+    `public_url`'s name, or from the very Host it sent to; not the last on a gateway that
+    listens on every address without tokens, where any name is its Host (a name rebound to
+    the gateway's address sends Origin = Host), so a page anywhere could drive it."""
+    if origin is None:
+        return False
+    public = hostname(settings.public_url, url=True) if settings.public_url else None
+    if origin in LOOPBACK or origin == public:
+        return True
+    return origin == host and (tokens or settings.listen_host not in _EVERY_ADDRESS)
 
 
 def refusal(kind: str, message: str) -> dict[str, Any]:

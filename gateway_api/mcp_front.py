@@ -30,7 +30,8 @@ and the same call repeated with `_meta["reach/requestId"]` set to that id attach
 is 401 with `WWW-Authenticate: Bearer resource_metadata="..."`, pointing at the RFC 9728
 protected-resource metadata served at `/.well-known/oauth-protected-resource` (and `/mcp`
 appended, the path-inserted form). A request with an `Origin` header that is neither loopback
-nor the `Host` it was sent to is refused (403): a web page must not drive a local gateway.
+nor the `Host` it was sent to is refused (403): a web page must not drive a local gateway
+(the rules, DNS rebinding's included: `gateway_api._mcp_http.host_allowed`, `origin_allowed`).
 
 **Errors.** Malformed JSON-RPC is -32700 or -32600 (400), a batch -32600 (400), an unknown method
 -32601, bad params (an unknown tool, arguments that are not an object, deeper than 64 levels
@@ -54,6 +55,7 @@ import reach
 from gateway_api import _mcp_http as http
 from gateway_api import _mcp_tasks as tasks
 from gateway_api import _mcp_wire as wire
+from gateway_api._mcp_http import host_allowed, origin_allowed
 from gateway_api._mcp_tools import Catalog, call_result, rpc_error_of
 from gateway_api.errors import CatchBugs, reach_error_of_rpc
 from gateway_api.front import Bytes
@@ -77,7 +79,6 @@ INSTRUCTIONS = (
 # A tool call still running after this long is answered as an SSE stream (when accepted).
 SSE_AFTER_S = 2.0
 KEEPALIVE_S = 15.0
-_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 # Logging and completions are declared so that clients may use them: Reach sends no log
 # messages (agents have no way to) and completes nothing (it has no prompts or resources).
 CAPABILITIES: dict[str, Any] = {"tools": {"listChanged": False}, "logging": {}, "completions": {}}
@@ -168,21 +169,10 @@ class McpFront:
 
     # -- POST /mcp ---------------------------------------------------------------------------
 
-    def _host_allowed(self, host: str | None) -> bool:
-        """DNS rebinding: a gateway that listens on loopback answers only to loopback names
-        (and to its `public_url`'s); one listening on every address to any name (its tokens
-        are required then)."""
-        settings = self.gateway.settings
-        if settings.listen_host in ("0.0.0.0", "::"):
-            return True
-        names = _LOOPBACK | {settings.listen_host.strip("[]").lower()}
-        public = http.hostname(settings.public_url, url=True) if settings.public_url else None
-        return host is not None and (host in names or host == public)
-
     def _check_host(self, headers: dict[str, str]) -> str | None:
         """The request's host name, or the 403 `Answer` when it is not this gateway's."""
         host = http.hostname(headers.get("host", ""))
-        if not self._host_allowed(host):
+        if not host_allowed(self.gateway.settings, host):
             said = f"Host {headers.get('host', '')[:100]!r} is not this gateway's name"
             raise http.Answer(403, http.refusal("forbidden", said), {})
         return host
@@ -190,10 +180,13 @@ class McpFront:
     def _identify(self, scope: Scope, headers: dict[str, str]) -> Identity:
         host = self._check_host(headers)
         origin = headers.get("origin")
-        if origin is not None and http.hostname(origin, url=True) not in (_LOOPBACK | {host}):
+        guard = self.gateway.guard
+        required = guard is not None and guard.auth.required
+        if origin is not None and not origin_allowed(
+            self.gateway.settings, http.hostname(origin, url=True), host, tokens=required
+        ):
             said = f"Origin {origin[:100]!r} may not call this gateway"
             raise http.Answer(403, http.refusal("forbidden", said), {})
-        guard = self.gateway.guard
         try:
             return identify(headers, guard.auth if guard is not None else None)
         except ReachError as exc:
