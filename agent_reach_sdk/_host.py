@@ -25,6 +25,11 @@ Step = Callable[[], Coroutine[Any, Any, None]]
 def run(serve: Step) -> None:
     """`serve()` on a new event loop, with the SDK's log format; Ctrl-C ends it quietly."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    # httpx logs each request at INFO: a line per heartbeat, every few seconds, saying nothing
+    # the SDK's own lines do not (a failed heartbeat is its WARNING). Unless set otherwise.
+    requests = logging.getLogger("httpx")
+    if requests.level == logging.NOTSET:
+        requests.setLevel(logging.WARNING)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve())
 

@@ -455,6 +455,8 @@ async def test_sigterm_stops_an_agent_whose_plain_handler_never_returns(
         )
     )
     await until(lambda: f"[{rid}] blocking" in proc.output(), 10)
+    assert "joined Reach" in proc.output()
+    assert "HTTP Request:" not in proc.output()  # httpx's line per join and heartbeat
     proc.popen.send_signal(signal.SIGTERM)
     started = time.monotonic()
     code = await asyncio.to_thread(proc.popen.wait, 30)
