@@ -5,6 +5,7 @@ streams carry beside the answers)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
@@ -18,6 +19,13 @@ MAX_DISCOVERY_BYTES = 20 * 1024 * 1024
 # And the notifications (or answers to other ids) their streams may carry: parsing 20 MiB of
 # progress notifications is seconds of a gateway's CPU for every probe.
 MAX_SKIPPED_MESSAGES = 1024
+# What a tool call's stream may carry beside its answer before it is read at a pace: lines and
+# messages that are not the answer (progress, pings, comments) come at most this many a
+# second past a burst of `PACE_BURST`. Parsing one costs ~40 us, so a server flooding its
+# stream for a call's whole deadline burned a core of the gateway for it; read slower, it is
+# held back by TCP instead, and a tool's progress (a few a second) is never slowed.
+PACE_BURST = 5000
+PACE_PER_S = 1000.0
 
 
 def too_much(where: str, limit: int) -> AgentError:
@@ -56,6 +64,28 @@ class Budget:
             )
 
 
+class Pace:
+    """Paces what a stream carries beside its answer (`PACE_PER_S` past `PACE_BURST`)."""
+
+    __slots__ = ("count", "since")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.since = 0.0
+
+    async def tick(self) -> None:
+        self.count += 1
+        if self.count < PACE_BURST:
+            return
+        now = asyncio.get_running_loop().time()
+        if self.count == PACE_BURST:
+            self.since = now
+            return
+        wait = self.since + (self.count - PACE_BURST) / PACE_PER_S - now
+        if wait > 0.001:
+            await asyncio.sleep(wait)
+
+
 async def _chunks(
     response: httpx.Response, budget: Budget | None, where: str
 ) -> AsyncIterator[bytes]:
@@ -77,11 +107,15 @@ async def limited(
 
 
 async def sse_messages(
-    response: httpx.Response, limit: int, where: str, budget: Budget | None = None
+    response: httpx.Response,
+    limit: int,
+    where: str,
+    budget: Budget | None = None,
+    pace: Pace | None = None,
 ) -> AsyncIterator[bytes]:
     """The `data` of each SSE event (its lines joined), as they arrive. Each event is bounded
     by `limit`, not the stream: a long call may send progress for as long as its deadline
-    allows (a `budget`, when given, bounds the stream)."""
+    allows (a `budget`, when given, bounds the stream; a `pace` paces its other lines)."""
     buffer = bytearray()
     scanned = 0  # how much of the buffer holds no newline
     data: list[bytes] = []
@@ -98,6 +132,8 @@ async def sse_messages(
             line = bytes(buffer[:end]).rstrip(b"\r")
             del buffer[: end + 1]
             scanned = 0
+            if pace is not None and not line.startswith(b"data:"):
+                await pace.tick()
             if not line:
                 joined = b"\n".join(data)
                 data, size = [], 0

@@ -25,7 +25,7 @@ import httpx
 
 from connectors._mcp_stream import MAX_DISCOVERY_BYTES as MAX_DISCOVERY_BYTES
 from connectors._mcp_stream import Budget as Budget
-from connectors._mcp_stream import limited, sse_messages
+from connectors._mcp_stream import Pace, limited, sse_messages
 from reach.acceptance import check_json, parse_json
 from reach.errors import (
     AgentError,
@@ -172,7 +172,8 @@ async def read_answer(
     `budget`: what the whole response may read (else only each message is bounded)."""
     kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind == "text/event-stream":
-        async for data in sse_messages(response, limit, where, budget):
+        pace = Pace()
+        async for data in sse_messages(response, limit, where, budget, pace):
             message = _parsed(data, where)
             if isinstance(message, dict):
                 if "method" not in message and (
@@ -184,6 +185,7 @@ async def read_answer(
                     on_notification(message)
             if budget is not None:
                 budget.skip(where)
+            await pace.tick()
         raise TransportError(
             f"{where} closed its event stream before answering", outcome_unknown=True
         )

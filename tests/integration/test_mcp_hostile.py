@@ -18,7 +18,9 @@ import pytest
 from connectors.mcp import McpConnector
 from connectors.mcp import wire_rules as w
 from reach.config import SecuritySettings
-from reach.errors import InvalidRequest
+from reach.errors import DeadlineExceeded, InvalidRequest
+from reach.invocation import Endpoint
+from tests.helpers import message
 
 pytestmark = pytest.mark.integration
 
@@ -144,3 +146,27 @@ async def test_a_server_s_client_builds_no_tls_context_of_its_own() -> None:
             await conn.discover(f"{url}/{i}")  # each path another server, another client
         spent = time.process_time() - started
     assert spent < 40 * 0.010, f"{spent / 40 * 1000:.1f} ms of CPU per server"
+
+
+async def test_a_tool_call_s_flooded_stream_is_read_at_a_pace() -> None:
+    """A server that floods a call's stream with notifications until its deadline: read at
+    `PACE_PER_S` past a burst (TCP holds the server back), not parsed as fast as it sends
+    (a gateway's core for the call's whole deadline)."""
+
+    async def flood(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.write(head(200, "text/event-stream"))
+        progress = b'data: {"jsonrpc":"2.0","method":"notifications/progress","params":{}}\n\n'
+        chunk = b"%x\r\n%s\r\n" % (len(progress), progress)
+        while True:  # never the answer
+            writer.write(chunk * 64)
+            await writer.drain()
+
+    async with serving(flood) as (url, _), connector() as conn:
+        ep = Endpoint(instance_id="flood", capability="c", protocol="mcp", address=url)
+        started, cpu = time.monotonic(), time.process_time()
+        with pytest.raises(DeadlineExceeded):
+            await conn.invoke(ep, message("tool", {}), 3.0)
+        spent = time.process_time() - cpu
+        assert time.monotonic() - started < 6
+    # The burst, then PACE_PER_S messages a second: well under a core for the call's 3 s.
+    assert spent < 1.0, f"{spent:.2f} s of CPU in a 3 s call"
