@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 from temporalio.client import Client
 
 import reach
-from gateway_api import a2a_front, grpc_front
+from gateway_api import a2a_front, browsers, grpc_front
 from gateway_api.a2a_front import A2AFastPath, is_a2a_call
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath, is_invoke
@@ -55,6 +55,10 @@ class ReachApp(FastAPI):
     a2a: A2AFastPath | None = None  # POST /a2a/{capability}: the A2A front's calls, likewise
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        said = self._from_a_page(scope)
+        if said is not None:  # a web page driving a gateway that requires no tokens
+            await browsers.refuse(send, said)
+            return
         fast = self.fast
         if fast is not None and is_invoke(scope) and not self._framework_telemetry():
             await fast(scope, receive, send)
@@ -64,6 +68,17 @@ class ReachApp(FastAPI):
             await self.a2a(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
+
+    def _from_a_page(self, scope: Scope) -> str | None:
+        """Why a request is refused as a web page's (`gateway_api.browsers`), else None; the
+        MCP front answers its own (as JSON-RPC errors)."""
+        gateway = getattr(self.state, "gateway", None)
+        if gateway is None or scope["type"] != "http" or is_mcp(scope):
+            return None
+        guard = gateway.guard
+        if guard is not None and guard.auth.required:
+            return None
+        return browsers.refusal(gateway.settings, scope)
 
     def _framework_telemetry(self) -> bool:
         native = getattr(self, "_native_telemetry", None)  # FastAPI's, where it has one
