@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from temporalio.contrib.pydantic import pydantic_data_converter
 
@@ -126,8 +126,15 @@ def test_any_heartbeat_is_a_report_or_a_typed_refusal(body: dict[str, Any]) -> N
 
 @given(st.dictionaries(st.sampled_from(["status", "checks", "inflight", "x"]), json_values))
 def test_a_heartbeat_read_as_values_is_judged_as_its_body_is(body: dict[str, Any]) -> None:
-    # The gRPC front's reports: the same report, or the same refusal, as the HTTP body.
-    raw = dumps(body)
+    # The gRPC front's reports: the same report, or the same refusal, as the HTTP body. The
+    # body is written as the front writes it (a lone surrogate escaped; NaN it refuses first).
+    try:
+        try:
+            raw = dumps(body)
+        except UnicodeEncodeError:
+            raw = json.dumps(body, separators=(",", ":")).encode()
+    except ValueError:
+        assume(False)
     outcomes = []
     for check in (
         lambda: acceptance.health_report(raw, LIMITS),
