@@ -58,7 +58,7 @@ from gateway_api.gateway import Gateway
 from gateway_api.steps.identify import AUTHORIZATION, CALLER, TRACEPARENT, Metadata
 from gateway_api.steps.wait import SYNC_GRACE_S
 from reach import acceptance
-from reach.errors import ReachError, UnknownCapability
+from reach.errors import ReachError, Unavailable, UnknownCapability
 from reach.invocation import InvokeInput
 from reach.listing import DEFAULT_LIMIT, MAX_LIMIT
 from reach.messages import REQUEST_ID_PATTERN, InvokeResponse, dumps
@@ -88,6 +88,10 @@ CANCEL_WAIT_S = 10.0
 # Timeline events a stream does not repeat: the task itself says accepted, the end is final.
 NOT_PROGRESS = frozenset({"accepted", "result", "timeout", "ended"})
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+STOPPING = (
+    "the gateway is stopping: the task goes on; follow it with SubscribeToTask or GetTask "
+    "(through any gateway)"
+)
 
 
 def _json(message: Proto, **kw: Any) -> dict[str, Any]:
@@ -140,6 +144,7 @@ class Call:
         self.jobs = jobs
         self.request_id: str | None = None
         self.raw: dict[str, Any] = {}  # the params as sent (numbers as the caller wrote them)
+        self.draining: asyncio.Event | None = None  # set when the server stops (http_limits)
 
     # -- who reads ----------------------------------------------------------------------------
 
@@ -210,12 +215,20 @@ class Call:
         body: dict[str, Any] | None,
     ) -> AsyncIterator[str]:
         """The task, a working status per step of its timeline as it happens (routed, sent,
-        attempts, backoffs), then its result as an artifact and its final status."""
+        attempts, backoffs), then its result as an artifact and its final status; or, when the
+        server stops first, an `unavailable` error (the task goes on)."""
         yield sse(rpc_id, StreamResponse(task=first))
         seen, every = 0, POLL_S
+        draining = asyncio.ensure_future((self.draining or asyncio.Event()).wait())
+        waits: set[asyncio.Future[Any]] = {final, draining}
         try:
             while not final.done():
-                await asyncio.wait({final}, timeout=every)
+                await asyncio.wait(waits, timeout=every)
+                if draining.done() and not final.done():  # else the server waits for its end
+                    yield sse(
+                        rpc_id, None, rpc_error_of(Unavailable(STOPPING, retry_after_s=1), rid)
+                    )
+                    return
                 every = min(every * 1.5, POLL_MAX_S)
                 events, seen = await self._progress(rid, seen)
                 for event in events:
@@ -243,6 +256,7 @@ class Call:
             status.metadata.CopyFrom(task.metadata)
             yield sse(rpc_id, StreamResponse(status_update=status))
         finally:
+            draining.cancel()
             if owned and not final.done():
                 final.cancel()
 

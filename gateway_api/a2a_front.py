@@ -80,6 +80,7 @@ from gateway_api._a2a_tasks import (
 )
 from gateway_api.errors import BodyLimit, CatchBugs, error_response, reach_error_of_rpc
 from gateway_api.gateway import Gateway
+from gateway_api.http_limits import DRAINING
 from gateway_api.steps.identify import AUTHORIZATION, CALLER, IDEMPOTENCY_KEY, TRACEPARENT
 from reach import acceptance
 from reach.errors import InvalidRequest, ReachError, UnknownCapability
@@ -271,6 +272,7 @@ class A2AFront:
         headers = request.headers
         metadata = {name: headers[name] for name in _HEADERS if name in headers}
         call = Call(gateway, capability, metadata, self.jobs)
+        call.draining = request.scope.get("state", {}).get(DRAINING)
         rpc_id: str | int | None = None
         try:
             raw = await request.body()

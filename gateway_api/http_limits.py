@@ -16,6 +16,8 @@ the bounds live in uvicorn's own h11 protocol, subclassed (`bounded_h11`):
 - **connection cap** (`transport.max_connections`): a request on a connection past the cap is
   answered 503 `unavailable` in the envelope, with Retry-After, and the connection closed.
   uvicorn's own `limit_concurrency` would answer a bare text/plain 503.
+- **draining** (`DRAINING`): when the server stops, an event in the app's state is set, so that
+  a stream ends itself instead of holding the shutdown until its task ends.
 
 The idle keep-alive bound is uvicorn's (`transport.http_keep_alive_s`, set in
 `gateway_api.cli`). The gRPC front has its own transport and is not covered here.
@@ -39,6 +41,10 @@ from reach.messages import dumps
 log = logging.getLogger("reach.gateway")
 
 RETRY_AFTER_S = 1
+# The key, in the app's state (each request's `scope["state"]`), of an `asyncio.Event` set when
+# the server starts to stop: uvicorn then waits for every response still being sent, so a
+# response that lasts (a stream) ends itself when it is set.
+DRAINING = "reach.draining"
 
 
 def bounded_h11(transport: TransportSettings) -> type[H11Protocol]:
@@ -66,6 +72,8 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Before the connection's first request, whose state is a copy of the app's.
+        self.app_state.setdefault(DRAINING, asyncio.Event())
         if len(self.connections) > self.max_connections:
             # Served no further than its refusal: the app is never called on it.
             self.app = _refusal(len(self.connections) - 1, self.max_connections)
@@ -84,6 +92,14 @@ class BoundedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        """The server stops (uvicorn calls this for every connection): responses still being
+        sent are told (`DRAINING`)."""
+        draining = self.app_state.get(DRAINING)
+        if draining is not None:
+            draining.set()
+        super().shutdown()
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._disarm()  # the connection is the WebSocket protocol's from here on

@@ -1,11 +1,16 @@
 """The A2A front against a hostile caller, on a real gateway with tokens and rules: its cards
 and a message that names no skill show only what the caller's rules let it call (as the MCP
-front's tools/list; a denied caller learns nothing of what exists), and a body nested past
-Python's stack is a JSON-RPC parse error, not the gateway's 500."""
+front's tools/list; a denied caller learns nothing of what exists), a body nested past
+Python's stack is a JSON-RPC parse error, not the gateway's 500; and an open stream ends when
+its gateway stops."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -138,3 +143,57 @@ async def test_a_body_nested_past_the_stack_is_a_parse_error(env: Env) -> None:
     answer = await env.post(env.capability, "alice", nested)
     assert answer.status_code == 200, answer.text  # not the 500 of a bug in Reach
     assert answer.json()["error"]["code"] == -32700
+
+
+async def test_a_stream_ends_when_the_gateway_stops(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """uvicorn waits for every response still being sent before it stops: an open stream of a
+    long task held a stopping gateway until the task ended (its deadline: up to a day)."""
+    tmp = tmp_path_factory.mktemp("a2a-stops")
+    capability = f"hx-stops-{uuid.uuid4().hex[:6]}"
+    runtime = AgentRuntime(
+        capability, protocol="http", service_address="127.0.0.1:0", heartbeat_interval=0.5
+    )
+
+    @runtime.operation("slow")
+    async def slow(payload: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(60)
+        return {}
+
+    gateway = GatewayProcess(new_stack(temporal_server, tmp))
+    try:
+        runtime.reach_url = (await gateway.ready()).url
+        async with runtime, httpx.AsyncClient(trust_env=False, timeout=30) as http:
+            url = f"{gateway.url}/a2a/{capability}"
+            params = json.loads(send(operation="slow", timeout_ms=120_000))["params"]
+            body = {"jsonrpc": "2.0", "id": 7, "method": "SendStreamingMessage", "params": params}
+            async with http.stream("POST", url, json=body) as stream:
+                lines = stream.aiter_lines()
+                first = json.loads((await anext(aiter_data(lines)))["data"])
+                assert first["result"]["task"]["status"]["state"] == "TASK_STATE_SUBMITTED"
+                stopping = time.monotonic()
+                os.killpg(gateway.proc.popen.pid, signal.SIGTERM)
+                last = [event async for event in aiter_data(lines)][-1]
+            assert time.monotonic() - stopping < 10  # not the task's 60 s
+        # (The agent gone, its call in flight fails: the worker's shutdown waits for that.)
+        assert last["event"] == "error", last
+        error = json.loads(last["data"])["error"]
+        assert error["data"][0]["reason"] == "REACH_UNAVAILABLE", error
+        assert "the gateway is stopping" in error["message"]
+        await asyncio.to_thread(gateway.proc.popen.wait, 30)
+    finally:
+        gateway.proc.stop()
+
+
+async def aiter_data(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, str]]:
+    """Server-sent events as {"event": ..., "data": ...}."""
+    event: dict[str, str] = {"event": "message"}
+    async for line in lines:
+        if not line:
+            if "data" in event:
+                yield event
+            event = {"event": "message"}
+        elif ":" in line:
+            name, _, value = line.partition(":")
+            event[name] = value.strip()
