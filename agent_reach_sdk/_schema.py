@@ -10,7 +10,10 @@ description=...)` wins):
   422 `invalid_request` naming the field, before the handler runs), a `TypedDict` (fields may
   be `Annotated[int, Field(ge=1, description=...)]`; before Python 3.12, `typing_extensions`'
   TypedDict, which pydantic reads), or a `dict[str, T]`. A bare `dict`,
-  `dict[str, Any]`, `Any` or no annotation says nothing: the payload is then any JSON object.
+  `dict[str, Any]`, `Any` or no annotation says nothing: the payload is then any JSON object;
+  so does a model or TypedDict with a field JSON Schema cannot describe (an arbitrary class, a
+  callable). A recursive one's root definition is written at the schema's root, beside its
+  `$defs` (pydantic writes a bare `$ref` there, which is not an object's schema).
 
 Read once at registration, from the handler's own annotations (the strings that
 `from __future__ import annotations` leaves are resolved in its module), so serving a request
@@ -69,17 +72,32 @@ def schema_of(annotation: Any) -> dict[str, Any] | None:
     if annotation is None or annotation is Any or annotation is dict:
         return None
     model = model_of(annotation)
-    if model is not None:
-        return model.model_json_schema()
     origin = typing.get_origin(annotation)
-    if is_typeddict(annotation) or origin is dict:
-        try:
-            schema = TypeAdapter(annotation).json_schema()
-        except PydanticUserError:  # typing.TypedDict before Python 3.12 (typing_extensions' is)
-            return None
-        # dict[str, Any] says no more than a bare dict: any object.
-        return None if schema in _ANY_OBJECT else schema
-    return None
+    if model is None and not is_typeddict(annotation) and origin is not dict:
+        return None
+    try:
+        if model is not None:
+            return _inlined(model.model_json_schema())
+        schema = TypeAdapter(annotation).json_schema()
+    except PydanticUserError:
+        # A type JSON Schema cannot say (an arbitrary class, a callable: the model still
+        # validates), or typing.TypedDict before Python 3.12 (typing_extensions' is read).
+        return None
+    # dict[str, Any] says no more than a bare dict: any object.
+    return None if schema in _ANY_OBJECT else _inlined(schema)
+
+
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """A schema whose root is only a reference into its `$defs` (what pydantic writes for a
+    recursive model or TypedDict) with that definition at its root, `$defs` kept beside it so
+    the references inside still resolve: the root must say `"type": "object"`."""
+    ref = schema.get("$ref")
+    defs = schema.get("$defs")
+    prefix = "#/$defs/"
+    if set(schema) != {"$ref", "$defs"} or not isinstance(ref, str) or not isinstance(defs, dict):
+        return schema
+    root = defs.get(ref[len(prefix) :]) if ref.startswith(prefix) else None
+    return {**root, "$defs": defs} if isinstance(root, dict) else schema
 
 
 def checked(schema: dict[str, Any], name: str) -> dict[str, Any]:

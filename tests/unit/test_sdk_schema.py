@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypedDict
 
 from agent_reach_sdk import AgentRuntime
@@ -145,3 +145,36 @@ def test_a_long_docstring_is_cut_to_what_the_registry_takes() -> None:
     long.__doc__ = "word " * 2000
     runtime.operation("long")(long)
     assert len(declared(runtime, "long")["description"]) == models.MAX_DESCRIPTION_CHARS
+
+
+class Tree(BaseModel):
+    label: str
+    children: list[Tree] = []
+
+
+class Opaque:
+    pass
+
+
+class Holder(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    thing: Opaque | None = None
+
+
+def test_a_recursive_model_is_an_object_schema_and_an_unsayable_one_declares_nothing() -> None:
+    runtime = AgentRuntime("trees")
+
+    @runtime.operation("grow")  # a recursive model's root was a bare $ref: a ValueError
+    async def grow(payload: Tree) -> dict[str, Any]:
+        return {}
+
+    @runtime.operation("hold")  # a field JSON Schema cannot say was a pydantic error
+    async def hold(payload: Holder) -> dict[str, Any]:
+        return {}
+
+    schema = declared(runtime, "grow")["input_schema"]
+    assert schema["type"] == "object"
+    assert schema["properties"]["children"]["items"] == {"$ref": "#/$defs/Tree"}
+    assert "Tree" in schema["$defs"]
+    models.OperationDeclaration(name="grow", input_schema=schema)  # Reach takes it at Join
+    assert "hold" in runtime._dispatcher.join_operations()  # its name alone: any object
