@@ -67,7 +67,7 @@ with workflow.unsafe.imports_passed_through():
         refine_plan,
         timed_out,
     )
-    from workflows._failures import Failed, StaleRoute, error_of
+    from workflows._failures import Failed, StaleRoute, cancelled, error_of
     from workflows._following import TaskFollowing
     from workflows._following import capability_queue as capability_queue  # invoke.py's
 
@@ -120,6 +120,8 @@ class AttemptLoop(TaskFollowing):
         self._door_used = False  # whether the call to the instance chosen at the door began
         self._slept = False  # whether this request has waited on a durable timer
         self._history_at_attempt = 0  # the history's length when the current attempt began
+        self._calling: str | None = None  # the instance the current attempt's call went to
+        self._cancel_said: str | None = None  # set when a cancel asked an agent's task to stop
 
     def _now_ms(self) -> int:
         return int(workflow.now().timestamp() * 1000)
@@ -181,6 +183,13 @@ class AttemptLoop(TaskFollowing):
         self._slept = True
         await workflow.sleep(delay_s)
 
+    def _cancelled(self, inp: InvokeInput) -> InvokeResponse:
+        """The envelope of a request its caller cancelled (`workflows._failures.cancelled`)."""
+        earlier = self._tries.unknown  # an earlier attempt whose outcome nobody knows
+        instance_id = self._calling if self._in_flight else getattr(earlier, "instance_id", None)
+        error = cancelled(self._in_flight, earlier is not None, instance_id, self._cancel_said)
+        return self._envelope(inp, "canceled", error=error, instance_id=instance_id)
+
     async def _attempts_until_done(self, inp: InvokeInput) -> InvokeResponse:
         # Attempt 1's instance when the door chose it; then the pin of any re-run of attempt 1.
         first = inp.endpoint
@@ -203,6 +212,7 @@ class AttemptLoop(TaskFollowing):
                     return self._answered_late(inp, failed.instance_id)
                 sent = self._in_flight or self._lost_before()
                 failure = Failure(failed.error, failed.instance_id, sent=sent)
+                self._in_flight = False  # that call is over (a cancel from here finds none)
             step, self._tries = after_failure(
                 self._plan,
                 tries,
@@ -426,6 +436,7 @@ class AttemptLoop(TaskFollowing):
         sent_before = self._sent
         if name == ACTIVITY_CALL:
             self._sent = self._in_flight = True
+            self._calling = arg.endpoint.instance_id if isinstance(arg, CallInput) else None
             # The call takes the door's in-flight count over as it begins, whatever follows.
             self._door_used = self._door_used or (isinstance(arg, CallInput) and arg.check_first)
         try:

@@ -1,9 +1,13 @@
 """What the attempt loop makes of a failed step: `Failed` (a Reach error, and the instance it
 was sent to, if any), `StaleRoute` (nothing was sent), and `error_of`, which reads an
-activity's failure as the `ErrorInfo` the policy decides on."""
+activity's failure as the `ErrorInfo` the policy decides on — or, when the failure is the
+request's own cancel (a workflow cancel: A2A CancelTask, MCP tasks/cancel, an operator), raises
+`asyncio.CancelledError`, as a cancelled timer does, so the request ends `canceled`
+(`InvokeWorkflow.run`) rather than reading the cancelled activity as a bug in Reach."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from temporalio import workflow
@@ -13,6 +17,7 @@ from temporalio.exceptions import (
     FailureError,
     TimeoutError,
     TimeoutType,
+    is_cancelled_exception,
 )
 
 with workflow.unsafe.imports_passed_through():
@@ -31,7 +36,21 @@ class StaleRoute(Exception):
     """The instance chosen at the door left before anything was sent."""
 
 
+# Requests accepted before a cancel of theirs ended them `canceled` read a cancelled activity
+# as `internal` and ended cancelled (no result) on a timer; their histories replay so.
+PATCH_CALLER_CANCEL = "caller-cancel-ends-canceled"
+
+
+def cancel_requested() -> bool:
+    """Whether the request's workflow was asked to stop and follows the rule that ends it
+    `canceled` (its patch marker is recorded the first time a cancel is seen)."""
+    return workflow.cancellation_reason() is not None and workflow.patched(PATCH_CALLER_CANCEL)
+
+
 def error_of(exc: FailureError, instance_id: str | None) -> Failed:
+    if is_cancelled_exception(exc) and cancel_requested():
+        # The workflow's cancel cancelled the activity: the request ends canceled.
+        raise asyncio.CancelledError(workflow.cancellation_reason()) from exc
     # Regular activities fail with ActivityError(cause=...); local ones with the cause itself.
     cause = exc.cause if isinstance(exc, ActivityError) else exc
     if isinstance(cause, TimeoutError):
@@ -61,3 +80,26 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
     else:
         info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
     return Failed(info, instance_id)
+
+
+def cancelled(
+    in_flight: bool, earlier_unknown: bool, instance_id: str | None, said: str | None
+) -> ErrorInfo:
+    """The error of a `canceled` request: who asked (the cancel's reason), and whether an agent
+    may have run it — a call in flight (or accepted, or a task followed: `said` tells what the
+    agent's task was asked), or an earlier attempt whose outcome nobody knows."""
+    reason = workflow.cancellation_reason() or "no reason given"
+    message = f"the request was cancelled by its caller ({reason}) before it had a result"
+    if in_flight:
+        message += f"; agent {instance_id} had it and may have run it in part or whole"
+    elif earlier_unknown:
+        message += f"; an earlier attempt to {instance_id} may have run it"
+    if said is not None:
+        message += f" ({said})"
+    unknown = in_flight or earlier_unknown
+    return ErrorInfo(
+        type="request_closed",
+        message=message,
+        retryable=False,
+        outcome_unknown=True if unknown else None,
+    )

@@ -17,7 +17,10 @@ process from 10 ms apart growing to a second, and returns as soon as the task ha
   after `UNREACHABLE_S` without one the request ends `transport_error`, its outcome unknown;
 - a final look ends the request: success, `input_required`, `canceled`, or the agent's error;
 - when the deadline passes first, the agent is asked to stop (`reach.cancel_task`) and the
-  request ends `timeout`, its outcome unknown (the agent may have done some or all of it).
+  request ends `timeout`, its outcome unknown (the agent may have done some or all of it);
+- when the request is cancelled (a workflow cancel), the agent is asked to stop likewise, in a
+  shielded step the cancel cannot reach, before the request ends `canceled`
+  (`workflows._failures`; requests accepted before that rule end as they did).
 
 Nothing here is retried by the policy: the request was delivered once, and its work is the
 agent's. Requests recorded before follow handles existed never reach this code (their replies
@@ -26,6 +29,7 @@ carry none), so no history needs a patch for it.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import contextlib
 from datetime import timedelta
@@ -46,7 +50,7 @@ with workflow.unsafe.imports_passed_through():
         LateAnswer,
     )
     from reach.messages import ErrorInfo, InvokeResponse, Reply, RequestStatus
-    from workflows._failures import error_of
+    from workflows._failures import cancel_requested, error_of
 
 FIRST_WAIT_S = 1.0
 GROWTH = 1.5
@@ -74,6 +78,7 @@ class TaskFollowing:
     _late: LateAnswer | None
     _deadline_ms: int
     _plan: CallPlan
+    _cancel_said: str | None  # what became of the agent's task when the request was cancelled
 
     def _now_ms(self) -> int:
         raise NotImplementedError
@@ -100,6 +105,19 @@ class TaskFollowing:
         return self._envelope(inp, status, result=reply.result or {}, instance_id=instance_id)
 
     async def _follow_task(
+        self, inp: InvokeInput, endpoint: Endpoint, handle: dict[str, Any]
+    ) -> InvokeResponse:
+        try:
+            return await self._follow_loop(inp, endpoint, handle)
+        except asyncio.CancelledError:
+            # The request was cancelled: ask the agent to stop its task before the request ends
+            # canceled, in a step of its own that no cancel reaches.
+            if cancel_requested():
+                said = await asyncio.shield(self._send_cancel(inp, endpoint, handle))
+                self._cancel_said = f"{said} for its task {handle.get('task_id')}"
+            raise
+
+    async def _follow_loop(
         self, inp: InvokeInput, endpoint: Endpoint, handle: dict[str, Any]
     ) -> InvokeResponse:
         instance_id = endpoint.instance_id
@@ -176,13 +194,33 @@ class TaskFollowing:
         self, inp: InvokeInput, endpoint: Endpoint, handle: dict[str, Any]
     ) -> InvokeResponse:
         """Ask the agent to stop, then end `timeout` (whatever the cancel's own outcome)."""
+        said = await self._send_cancel(inp, endpoint, handle)
+        task = handle.get("task_id")
+        return self._envelope(
+            inp,
+            "timeout",
+            error=ErrorInfo(
+                type="timeout",
+                message=f"no answer within timeout_ms={self._plan.timeout_ms}: agent "
+                f"{endpoint.instance_id}'s task {task} was still {handle.get('state', 'working')}"
+                f" ({said}); it may have run in part or whole",
+                retryable=False,
+                outcome_unknown=True,
+            ),
+            instance_id=endpoint.instance_id,
+        )
+
+    async def _send_cancel(
+        self, inp: InvokeInput, endpoint: Endpoint, handle: dict[str, Any]
+    ) -> str:
+        """Ask the agent to stop the task `handle` names (`Connector.cancel`): what became of
+        the ask, for the request's error message."""
         arg = FollowTaskInput(
             endpoint=endpoint,
             handle=handle,
             timeout_ms=int(CANCEL_TIMEOUT.total_seconds() * 1000),
             request_id=inp.request_id,
         )
-        said = "CancelTask was sent"
         try:
             if inp.plan.mode == "queue":
                 await workflow.execute_activity(
@@ -203,18 +241,5 @@ class TaskFollowing:
                 )
         except (ActivityError, ApplicationError, TimeoutError) as exc:
             workflow.logger.warning("CancelTask failed: %s", exc)
-            said = "CancelTask failed"
-        task = handle.get("task_id")
-        return self._envelope(
-            inp,
-            "timeout",
-            error=ErrorInfo(
-                type="timeout",
-                message=f"no answer within timeout_ms={self._plan.timeout_ms}: agent "
-                f"{endpoint.instance_id}'s task {task} was still {handle.get('state', 'working')}"
-                f" ({said}); it may have run in part or whole",
-                retryable=False,
-                outcome_unknown=True,
-            ),
-            instance_id=endpoint.instance_id,
-        )
+            return "CancelTask failed"
+        return "CancelTask was sent"

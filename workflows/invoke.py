@@ -22,6 +22,7 @@ fast path); in `queue` mode they run on task queue `reach-cap-<capability>`, ser
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
@@ -62,7 +63,7 @@ with workflow.unsafe.imports_passed_through():
         follows,
     )
     from workflows._attempts import capability_queue as capability_queue  # worker.py's
-    from workflows._failures import Failed
+    from workflows._failures import Failed, cancel_requested
     from workflows.callback import DeliverCallbackWorkflow, deliver
 
 SA_CALLER = SearchAttributeKey.for_keyword("ReachCaller")
@@ -174,6 +175,13 @@ class InvokeWorkflow(AttemptLoop):
             response = await self._invoke(inp)
         except workflow.NondeterminismError:
             raise  # a code or deploy problem: its task is retried until the code is fixed
+        except asyncio.CancelledError:
+            # Its caller cancelled it (a workflow cancel: A2A CancelTask, MCP tasks/cancel, an
+            # operator): it ends `canceled`, its callback told so. Those accepted before this
+            # rule end cancelled, without a result, as they did (workflows._failures).
+            if not cancel_requested():
+                raise
+            response = self._cancelled(inp)
         except Exception as exc:
             # A bug, or an input no check foresaw: end with a typed result, never a workflow
             # task that fails and is retried forever.

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from temporalio import activity
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.worker import Worker
 
 from gateway_api.devserver import DevServer, free_port
@@ -132,6 +133,11 @@ async def follow_task(inp: FollowTaskInput) -> Reply:
     return Reply(status="ok", result={"answer": 42})
 
 
+@activity.defn(name="reach.cancel_task")
+async def cancel_task(inp: FollowTaskInput) -> bool:
+    return True
+
+
 @activity.defn(name="reach.deliver_callback")
 async def deliver_callback(inp: CallbackInput) -> int:
     return 1
@@ -141,6 +147,8 @@ def _input(name: str, operation: str, **kw: Any) -> InvokeInput:
     now = int(time.time() * 1000)
     timeout = kw.pop("timeout_ms", 5000)
     plan = CallPlan(timeout_ms=timeout, idempotent=True, max_retries=2)
+    if kw.pop("queue_mode", False):  # its call waits on a queue no worker here serves
+        plan.mode = "queue"
     if kw.pop("queue", False):
         bucket = BucketPlan(key=f"cap:{name}", per_minute=60, capacity=1)
         plan.queue = QueuePlan(buckets=[bucket], wait_until_ms=now + timeout)
@@ -187,7 +195,31 @@ CASES = {
     "failed-timeout": ("slow", {"timeout_ms": 300}),
     # An A2A task followed by its handle: a look, a timer, a look that finds it done.
     "a2a-task": ("task", {**DOOR, "timeout_ms": 10_000}),
+    # A workflow cancel (A2A CancelTask, MCP tasks/cancel) while the request waits: on a
+    # queue-mode call, and on the timer between two looks at an A2A task (the agent is asked
+    # to stop); both end canceled. The `-before` ones were recorded with the code before that
+    # rule (the call read as internal; cancelled on a timer, no result) and keep that path
+    # honest: re-recording them today would record the new path.
+    "cancel-queued-call": ("query", {**DOOR, "queue_mode": True}),
+    "cancel-a2a-task": ("task", {**DOOR, "timeout_ms": 10_000}),
 }
+# Each cancel case: the event it waits for before it cancels.
+CANCEL_AT = {
+    "cancel-queued-call": "EVENT_TYPE_ACTIVITY_TASK_SCHEDULED",
+    "cancel-a2a-task": "EVENT_TYPE_TIMER_STARTED",
+}
+
+
+async def cancel_at(handle: Any, event_type: str) -> None:
+    """Cancel the workflow as soon as its history holds an `event_type` event."""
+    wanted = getattr(EventType, event_type)
+    for _ in range(200):
+        async for event in handle.fetch_history_events():
+            if event.event_type == wanted:
+                await handle.cancel(reason="recorded cancel")
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {event_type} to cancel at")
 
 
 async def main(names: list[str]) -> None:
@@ -201,6 +233,7 @@ async def main(names: list[str]) -> None:
             task_queue=QUEUE,
             workflows=[InvokeWorkflow, DeliverCallbackWorkflow],
             activities=[
+                cancel_task,
                 follow_task,
                 resolve,
                 call,
@@ -212,11 +245,13 @@ async def main(names: list[str]) -> None:
             ],
         ):
             for name in names:
-                operation, extra = CASES[name]
+                operation, extra = CASES[name.removesuffix("-before")]
                 inp = _input(name, operation, **extra)
                 handle = await client.start_workflow(
                     InvokeWorkflow.run, inp, id=inp.request_id, task_queue=QUEUE
                 )
+                if name.removesuffix("-before") in CANCEL_AT:
+                    await cancel_at(handle, CANCEL_AT[name.removesuffix("-before")])
                 if operation == "defer":
                     await asyncio.sleep(0.3)
                     await handle.execute_update(
@@ -227,9 +262,9 @@ async def main(names: list[str]) -> None:
                     result = await handle.result()
                 except WorkflowFailureError as exc:
                     carries = failed_outcome(exc.cause)
-                    if carries is None:
+                    if carries is None and not isinstance(exc.cause, CancelledError):
                         raise
-                    result = carries
+                    result = carries or Reply(status="canceled")
                 history = await handle.fetch_history()
                 (HERE / f"{name}.json").write_text(history.to_json())
                 print(f"{name}: {result.status}")

@@ -26,6 +26,9 @@ def test_there_are_histories_to_replay() -> None:
     # Today's paths, beside the ones requests accepted by older versions still take.
     assert {"late-answer-update", "callback-workflow"} <= names
     assert {"door-routed", "door-stale", "door-retry", "door-deadline"} <= names
+    # A caller's cancel ends it canceled; before that rule, internal or without a result.
+    assert {"cancel-queued-call", "cancel-a2a-task"} <= names
+    assert {"cancel-queued-call-before", "cancel-a2a-task-before"} <= names
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
