@@ -59,7 +59,6 @@ from gateway_api.steps.identify import AUTHORIZATION, CALLER, TRACEPARENT, Metad
 from gateway_api.steps.wait import SYNC_GRACE_S
 from reach import acceptance
 from reach.errors import ReachError, Unavailable, UnknownCapability
-from reach.invocation import InvokeInput
 from reach.listing import DEFAULT_LIMIT, MAX_LIMIT
 from reach.messages import REQUEST_ID_PATTERN, InvokeResponse, dumps
 from reach.security.tokens import Principal
@@ -435,14 +434,10 @@ class Call:
         current = await self.gateway.requests.status(rid, principal)
         if current.status not in UNDER_WAY:
             raise a2a_error(TaskNotCancelableError, f"task {rid} already ended ({current.status})")
+        # Whatever it waits on (a timer, a call in flight, an A2A agent's task it follows, which
+        # is asked to stop), the cancelled request ends `canceled` (workflows._failures).
         who = self.who(principal)
         engine, guard = self.gateway.engine, self.gateway.guard
-        original = await engine.original(engine.handle(rid))
-        instances = await self.gateway.registry.instances(original.target) if original else []
-        why_not = not_cancelable(original, {i.protocol for i in instances})
-        if why_not is not None:
-            message = f"task {rid} {why_not}; it ends by its deadline"
-            raise a2a_error(TaskNotCancelableError, message)
         if guard is not None:
             guard.audit.record("cancel_requested", request_id=rid, principal=who, front="a2a")
         try:
@@ -462,26 +457,6 @@ class Call:
 
 _SUBMITTED = TaskState.TASK_STATE_SUBMITTED
 _WORKING = TaskState.TASK_STATE_WORKING
-
-
-def not_cancelable(original: InvokeInput | None, protocols: set[str]) -> str | None:
-    """Why a request cannot be cancelled honestly, or None (`protocols`: its capability's
-    instances'). A workflow cancel ends a request cancelled while it waits on a timer, for a
-    late answer or on an inline call in flight; but the attempt loop reads a cancelled activity
-    as an internal error (workflows/_failures.error_of), and a queue-mode call and the following
-    of an A2A agent's task wait in one: the request would end `internal` (a bug in Reach), the
-    agent's task left running."""
-    if original is None:
-        return "cannot be read"
-    if original.plan.mode == "queue":
-        return "runs in queue mode, where a cancel would end it as an internal error"
-    routed = original.endpoint.protocol if original.endpoint is not None else None
-    if routed == "a2a" or "a2a" in protocols:
-        return (
-            "may be following an A2A agent's task, where a cancel would end it as an internal "
-            "error and leave the agent's task running"
-        )
-    return None
 
 
 def _valid_id(value: str) -> bool:

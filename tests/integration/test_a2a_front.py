@@ -41,11 +41,13 @@ from a2a.utils.errors import (
 )
 from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct, Value
+from temporalio.api.enums.v1 import PendingActivityState
+from temporalio.client import Client as TemporalClient
 
 from reach.security.tokens import FileTokenStore, issue, mirror_path
 from tests.a2a_agents import A2AAgentProcess
 from tests.conftest import new_stack
-from tests.helpers import Agent, CallbackReceiver, GatewayProcess, wait_until
+from tests.helpers import Agent, CallbackReceiver, GatewayProcess, Worker, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +63,8 @@ class Front:
     a: GatewayProcess
     b: GatewayProcess  # no worker: it only reads, from Temporal
     tokens: dict[str, str]
+    behind: A2AAgentProcess
+    temporal: str
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -80,7 +84,7 @@ async def front(
         key_prefix=module_redis_prefix,
         extra={
             "REACH_SECURITY__WEBHOOK_KEY": WEBHOOK_KEY,
-            # No worker serves its queue: its requests wait there, running, until their deadline.
+            # A worker of its own serves its queue (`worker.py --capability`).
             "REACH_CAPABILITIES": json.dumps({QUEUED: {"mode": "queue"}}),
         },
     )
@@ -105,19 +109,21 @@ async def front(
         agents = [
             Agent(a, "a2a-fast-1", FAST, env=env),
             Agent(a, "a2a-slow-1", SLOW, "--delay-ms", "2500", env=env),
-            Agent(a, "a2a-queued-1", QUEUED, env=env),
+            Agent(a, "a2a-queued-1", QUEUED, "--delay-ms", "5000", env=env),
         ]
         behind = A2AAgentProcess(tmp, "behind")
+        queue_worker = Worker(stack, "--capability", QUEUED)
         for agent in agents:
             await agent.ready()
         await behind.ready()
+        await queue_worker.ready()
         async with httpx.AsyncClient(trust_env=False, headers=bearer(tokens["kr"])) as http:
             joined = await http.post(
                 f"{a.url}/reach/agents",
                 json={"capability": BEHIND, "protocol": "a2a", "service_address": behind.url},
             )
             assert joined.status_code == 200, joined.text
-        yield Front(a, b, tokens)
+        yield Front(a, b, tokens, behind, temporal_server)
     finally:
         a.proc.stop()
         b.proc.stop()
@@ -294,15 +300,37 @@ async def test_cancel_task_ends_the_request_cancelled(front: Front) -> None:
     assert status["error"]["message"].startswith("the request was cancelled"), status
 
 
-async def test_a_queue_mode_task_is_not_cancelled_as_an_internal_error(front: Front) -> None:
+async def started(front: Front, request_id: str, activity: str) -> bool:
+    """Whether a worker is running an `activity` of the request's workflow (Temporal's pending
+    activities: the history records a start only when the activity ends)."""
+    client = await TemporalClient.connect(front.temporal)
+    described = await client.get_workflow_handle(request_id).describe()
+    return any(
+        pending.activity_type.name == activity
+        and pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+        for pending in described.raw_description.pending_activities
+    )
+
+
+def reach_error(task: Task) -> dict[str, Any]:
+    return json_format.MessageToDict(task.metadata)["reach"]["error"]  # type: ignore[no-any-return]
+
+
+async def test_a_queue_mode_task_cancelled_mid_call_ends_canceled(front: Front) -> None:
+    """Its call is an activity on the capability's queue, taken by that worker: the cancel
+    ends the request canceled, its outcome unknown (the agent had it)."""
     token = front.tokens["orchestrator"]
     client, http = await client_of(front.a, QUEUED, token, streaming=False, polling=True)
     async with aclosing(http):
-        [event] = await events_of(client, message(timeout_ms=5000))
-        with pytest.raises(TaskNotCancelableError, match="queue mode"):
-            await client.cancel_task(CancelTaskRequest(id=event.task.id))
-        task = await client.get_task(GetTaskRequest(id=event.task.id))
-    assert task.status.state == TaskState.TASK_STATE_WORKING
+        [event] = await events_of(client, message(timeout_ms=20000))
+        rid = event.task.id
+        await wait_until(lambda: started(front, rid, "reach.call"), 15, every_s=0.1)
+        cancelled = await client.cancel_task(CancelTaskRequest(id=rid))
+    assert cancelled.status.state == TaskState.TASK_STATE_CANCELED, cancelled
+    error = reach_error(cancelled)
+    assert error["type"] == "request_closed", error
+    assert error["outcome_unknown"] is True, error
+    assert "cancelled by its caller (CancelTask from orchestrator" in error["message"], error
 
 
 def error_of(response: httpx.Response) -> dict[str, Any]:
@@ -475,12 +503,21 @@ async def test_a_stream_follows_an_a2a_agents_long_task(front: Front) -> None:
     assert last.status_update.status.state == COMPLETED
 
 
-async def test_a_task_following_an_a2a_agents_task_is_not_cancelled_dishonestly(
+async def test_cancel_task_while_following_an_a2a_agents_task_cancels_the_agents_task(
     front: Front,
 ) -> None:
     token = front.tokens["orchestrator"]
+    before = (await front.behind.counts())["counts"]
     client, http = await client_of(front.a, BEHIND, token, streaming=False, polling=True)
     async with aclosing(http):
-        [event] = await events_of(client, message({"seconds": 2}, operation="slow"))
-        with pytest.raises(TaskNotCancelableError, match="following an A2A agent's task"):
-            await client.cancel_task(CancelTaskRequest(id=event.task.id))
+        [event] = await events_of(client, message({"seconds": 30}, operation="slow"))
+        rid = event.task.id
+        # Followed: the call came back with the agent's task, and a look at it was taken.
+        await wait_until(lambda: started(front, rid, "reach.follow_task"), 15, every_s=0.1)
+        cancelled = await client.cancel_task(CancelTaskRequest(id=rid))
+    assert cancelled.status.state == TaskState.TASK_STATE_CANCELED, cancelled
+    error = reach_error(cancelled)
+    assert "CancelTask was sent for its task" in error["message"], error
+    after = (await front.behind.counts())["counts"]
+    assert after["slow"] == before.get("slow", 0) + 1  # sent once
+    assert after.get("canceled", 0) == before.get("canceled", 0) + 1  # and told to stop
