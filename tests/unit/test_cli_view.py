@@ -87,7 +87,8 @@ def test_config_summary_names_the_essentials() -> None:
     summary = dict(cli_view.summary(ReachSettings()))
     assert summary["gateway"] == "http://127.0.0.1:7600 (gRPC front: 7601)"
     assert summary["registry"].startswith("memory, heartbeat every 5s, evicted after 30s")
-    assert summary["auth"] == "auto, 0 rules"
+    assert summary["auth"].startswith("auto, 0 rules, tokens in ")
+    assert summary["auth"].endswith("tokens.json (auth.tokens_file)")
     assert "history encryption off" in summary["security"]
 
 

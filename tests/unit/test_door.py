@@ -127,9 +127,12 @@ class Guard:
     def __init__(self, rules: list[dict[str, Any]]) -> None:
         from reach.config import RuleSettings
 
+        from reach.security.refusals import DoorRefusals
+
         self.rules = RuleBook([RuleSettings.model_validate(r) for r in rules])
         self.audit = Audit()
         self.auth = None
+        self.refusals = DoorRefusals()
 
     def decide(
         self, caller: str, capability: str, operation: str, request_id: str | None = None
