@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable
 from typing import Any
 
@@ -79,6 +80,7 @@ INSTRUCTIONS = (
 # A tool call still running after this long is answered as an SSE stream (when accepted).
 SSE_AFTER_S = 2.0
 KEEPALIVE_S = 15.0
+_HOST = re.compile(r"[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](:[0-9]{1,5})?")
 # Logging and completions are declared so that clients may use them: Reach sends no log
 # messages (agents have no way to) and completes nothing (it has no prompts or resources).
 CAPABILITIES: dict[str, Any] = {"tools": {"listChanged": False}, "logging": {}, "completions": {}}
@@ -164,7 +166,9 @@ class McpFront:
         public = self.gateway.settings.public_url
         if public:
             return public.rstrip("/")
-        host = metadata_of(scope).get("host") or self.gateway.settings.gateway_url.split("//")[1]
+        host = metadata_of(scope).get("host", "")
+        if not _HOST.fullmatch(host):  # only a name and port are written into the answer
+            host = self.gateway.settings.gateway_url.split("//")[1]
         return f"{scope.get('scheme', 'http')}://{host}"
 
     # -- POST /mcp ---------------------------------------------------------------------------

@@ -3,9 +3,13 @@ settings: the live checks are tests/integration/test_mcp_front.py's."""
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from gateway_api.mcp_front import host_allowed, origin_allowed
+import httpx
+import pytest
+from starlette.datastructures import State
+
+from gateway_api.mcp_front import McpFront, host_allowed, origin_allowed
 from reach.config import ReachSettings
 
 
@@ -41,3 +45,18 @@ def test_a_page_from_its_own_host_is_refused_on_an_open_gateway_on_every_address
     assert origin_allowed(settings("127.0.0.1"), "localhost", "127.0.0.1", tokens=False)
     assert not origin_allowed(settings("127.0.0.1"), "evil.example", "127.0.0.1", tokens=False)
     assert not origin_allowed(settings("127.0.0.1"), None, "127.0.0.1", tokens=False)
+
+
+async def test_the_metadata_names_a_host_only_when_it_is_a_host() -> None:
+    # On every address any Host is served; one that is not a name and port is not written into
+    # the document (nor into the 401's WWW-Authenticate) as it came.
+    wide = settings("0.0.0.0")
+    front = McpFront(State({"gateway": SimpleNamespace(settings=wide, guard=None)}), 1 << 20)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=front), base_url="http://gw"
+    ) as http:
+        path = "/.well-known/oauth-protected-resource"
+        named = await http.get(path, headers={"Host": "reach.example.com:7600"})
+        assert named.json()["resource"] == "http://reach.example.com:7600/mcp"
+        odd = await http.get(path, headers={"Host": 'a", error="x'})
+        assert odd.json()["resource"] == f"{wide.gateway_url}/mcp"
