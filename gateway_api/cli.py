@@ -178,6 +178,11 @@ def _banner(
 """
 
 
+# How long `reach up` waits for the demo agents before it says it is still waiting (they join
+# in about 5 s on a loaded 2-core box).
+ANNOUNCE_PATIENCE_S = 15.0
+
+
 async def _announce_when_ready(
     settings: ReachSettings,
     ui_port: int | None,
@@ -186,14 +191,18 @@ async def _announce_when_ready(
     headers: Callable[[], dict[str, str]],
 ) -> None:
     """The banner, once the demo agents are routable (read with their token, if they hold one:
-    with tokens required an anonymous read is 401)."""
+    with tokens required an anonymous read is 401). Until then it waits, and says so once
+    after `ANNOUNCE_PATIENCE_S`: it gave up silently after 60 s, the banner never shown."""
     import asyncio
     import contextlib
+    import time
 
     import httpx
 
+    said = False
+    started = time.monotonic()
     async with httpx.AsyncClient(base_url=settings.gateway_url, trust_env=False) as client:
-        for _ in range(600):
+        while True:
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
                 r = await client.get("/reach/capabilities", headers=headers())
                 caps = {c["name"]: c["routable"] for c in r.json()["capabilities"]}
@@ -201,6 +210,16 @@ async def _announce_when_ready(
                     required = bool(headers())  # the demo agents hold a token only then
                     print(_banner(settings, ui_port, agents, log_dir, required), flush=True)
                     return
+            waited = time.monotonic() - started
+            if not said and waited >= ANNOUNCE_PATIENCE_S:
+                said = True
+                print(
+                    f"\n  still waiting for the {agents} demo agents to join "
+                    f"({waited:.0f} s so far); the gateway is up at {settings.gateway_url}. "
+                    f"The lines above say why a Join is refused; the agents' own logs are in "
+                    f"{log_dir}/\n",
+                    flush=True,
+                )
             await asyncio.sleep(0.1)
 
 

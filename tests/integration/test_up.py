@@ -124,3 +124,26 @@ async def test_up_runs_the_stack_stops_cleanly_and_keeps_history(tmp_path: Path)
         assert r.json()["status"] == "success"
     finally:
         await second.interrupt()
+
+
+@pytest.mark.slow  # 15 s of waiting before it says so
+async def test_up_says_it_is_still_waiting_for_demo_agents_that_cannot_join(
+    tmp_path: Path,
+) -> None:
+    """With loopback refused (`allow_networks: []`), the demo agents never join: `reach up`
+    waited 60 s for them and then said nothing more, its banner never shown."""
+    up = Up(tmp_path, up_env(tmp_path, REACH_SECURITY__ALLOW_NETWORKS="[]"))
+    try:
+
+        async def said() -> bool:
+            assert up.proc.poll() is None, up.output()
+            return "still waiting for the 2 demo agents to join" in up.output()
+
+        await wait_until(said, 60, every_s=0.2)
+        output = up.output()
+        assert "127.0.0.1 is a loopback address; allow it in security.allow_networks" in output
+        assert "Agent-Reach is up." not in output
+    finally:
+        code = await up.interrupt()
+    assert code == 0, up.output()
+    assert "stopped." in up.output()
