@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import re
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -62,7 +63,7 @@ from temporalio.service import RPCError
 
 from gateway_api import _a2a_cards as cards
 from gateway_api import _a2a_push as push
-from gateway_api._a2a_calls import Call
+from gateway_api._a2a_calls import POLL_MAX_S, Call
 from gateway_api._a2a_cards import allowed_for, capability_card, gateway_card, operations_of
 from gateway_api._a2a_required import missing
 from gateway_api._a2a_tasks import (
@@ -83,9 +84,10 @@ from gateway_api.gateway import Gateway
 from gateway_api.http_limits import DRAINING
 from gateway_api.steps.identify import AUTHORIZATION, CALLER, IDEMPOTENCY_KEY, TRACEPARENT
 from reach import acceptance
-from reach.errors import InvalidRequest, ReachError, UnknownCapability
+from reach.errors import InvalidRequest, RateLimited, ReachError, UnknownCapability
 
 __all__ = [
+    "MAX_STREAMS_PER_CALLER",
     "SERVER_ERROR",
     "STATES",
     "A2AFastPath",
@@ -110,6 +112,10 @@ log = logging.getLogger("reach.gateway")
 VERSION_HEADER = "a2a-version"
 _CAPABILITY = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")  # reach.messages.CapabilityName's
 _HEADERS = (AUTHORIZATION, CALLER, TRACEPARENT, IDEMPOTENCY_KEY)
+# Open streams one caller may hold on one gateway: each costs a Temporal history read every
+# POLL_MAX_S and a long poll for its end (200 of them: ~14% of a core here). Past it, 429.
+MAX_STREAMS_PER_CALLER = 64
+MAX_STREAM_CALLERS = 1024  # callers with streams tracked before the empty ones are dropped
 
 Handler = Callable[[Call, Any], Awaitable[dict[str, Any]]]
 Streamer = Callable[[Call, str | int | None, Any], Awaitable[AsyncIterator[str]]]
@@ -213,6 +219,22 @@ class A2AFront:
         # Invokes the door still waits on after their caller had its answer (returnImmediately,
         # streams): held here so that they run to their verdict and are accounted.
         self.jobs: set[asyncio.Task[Any]] = set()
+        # Each caller's open streams (SendStreamingMessage, SubscribeToTask), by its name.
+        self.streams: dict[str, weakref.WeakSet[AsyncIterator[str]]] = {}
+
+    def _streams_of(self, caller: str) -> weakref.WeakSet[AsyncIterator[str]]:
+        """The caller's open streams on this gateway, with room for one more (else 429)."""
+        if len(self.streams) > MAX_STREAM_CALLERS:  # callers' names are the callers' choice
+            self.streams = {name: held for name, held in self.streams.items() if held}
+        held = self.streams.setdefault(caller, weakref.WeakSet())
+        if len(held) >= MAX_STREAMS_PER_CALLER:
+            raise RateLimited(
+                f"caller {caller!r} holds {len(held)} open streams on this gateway, its most "
+                f"(each reads its task's history every {POLL_MAX_S:g} s): nothing was started; "
+                "close one, or follow tasks with GetTask",
+                retry_after_s=1,
+            )
+        return held
 
     def routes(self) -> list[Route]:
         return [
@@ -281,7 +303,9 @@ class A2AFront:
             _capability(call.capability)
             streamer = STREAMERS.get(method)
             if streamer is not None:
+                held = self._streams_of(call.who(call.reader()))
                 events = await streamer(call, rpc_id, params)
+                held.add(events)  # until the response lets go of it (ended, or disconnected)
                 return StreamingResponse(
                     events,
                     media_type="text/event-stream",

@@ -1,12 +1,13 @@
 """The A2A front against a hostile caller, on a real gateway with tokens and rules: its cards
 and a message that names no skill show only what the caller's rules let it call (as the MCP
 front's tools/list; a denied caller learns nothing of what exists), a body nested past
-Python's stack is a JSON-RPC parse error, not the gateway's 500; and an open stream ends when
-its gateway stops."""
+Python's stack is a JSON-RPC parse error, not the gateway's 500; a caller holds at most so many
+open streams; and an open stream ends when its gateway stops."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,10 +22,10 @@ import pytest
 import yaml
 
 from agent_reach_sdk import AgentRuntime
-from gateway_api.a2a_front import RpcError, parse_call
+from gateway_api.a2a_front import MAX_STREAMS_PER_CALLER, RpcError, parse_call
 from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
-from tests.helpers import ROOT, GatewayProcess
+from tests.helpers import ROOT, GatewayProcess, wait_until
 
 pytestmark = [pytest.mark.integration]
 
@@ -83,12 +84,18 @@ async def env(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) ->
         )
         for operation in ("echo", "secret"):
             runtime.operation(operation)(lambda payload: {"echo": payload})
+        runtime.operation("slow")(slow)
         runtimes.append(runtime)
     async with GatewayProcess(stack) as gateway:
         for runtime in runtimes:
             runtime.reach_url = gateway.url
         async with runtimes[0], runtimes[1]:
             yield Env(gateway, capability, hidden, tokens)
+
+
+async def slow(payload: dict[str, Any]) -> dict[str, Any]:
+    await asyncio.sleep(float(payload.get("s", 0)))
+    return {}
 
 
 def send(**metadata: Any) -> bytes:
@@ -111,7 +118,7 @@ async def test_cards_show_only_what_the_callers_rules_allow(env: Env) -> None:
     assert skills(await env.get("/.well-known/agent-card.json", "alice")) == [env.capability]
     assert skills(await env.get("/.well-known/agent-card.json", "bob")) == []
     card = f"/a2a/{env.capability}/.well-known/agent-card.json"
-    assert skills(await env.get(card, "alice")) == ["echo"]  # not the denied `secret`
+    assert skills(await env.get(card, "alice")) == ["echo", "slow"]  # not the denied `secret`
     # A capability the caller may call nothing of is, to it, an unknown one.
     for who, capability in [("bob", env.capability), ("alice", env.hidden), ("bob", "nope")]:
         refused = await env.get(f"/a2a/{capability}/.well-known/agent-card.json", who)
@@ -122,9 +129,9 @@ async def test_cards_show_only_what_the_callers_rules_allow(env: Env) -> None:
         )
 
 
-async def test_a_message_naming_no_skill_takes_the_only_one_the_caller_may_call(env: Env) -> None:
-    answer = (await env.post(env.capability, "alice", send())).json()
-    assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", answer
+async def test_a_message_naming_no_skill_is_told_only_what_the_caller_may_call(env: Env) -> None:
+    error = (await env.post(env.capability, "alice", send())).json()["error"]
+    assert "2 operations you may call (echo, slow)" in error["message"], error
     for capability in (env.capability, env.hidden, "nope"):
         error = (await env.post(capability, "bob", send())).json()["error"]
         assert error["code"] == -32602, error
@@ -143,6 +150,44 @@ async def test_a_body_nested_past_the_stack_is_a_parse_error(env: Env) -> None:
     answer = await env.post(env.capability, "alice", nested)
     assert answer.status_code == 200, answer.text  # not the 500 of a bug in Reach
     assert answer.json()["error"]["code"] == -32700
+
+
+async def test_a_caller_holds_at_most_so_many_streams(env: Env) -> None:
+    """Each open stream reads its task's history every 2 s: one token could hold as many as
+    the gateway takes connections (1,000), ~500 history reads a second."""
+    params = json.loads(send(operation="slow", timeout_ms=60_000))["params"]
+    params["message"]["parts"] = [{"data": {"s": 20}}]
+    params["configuration"] = {"returnImmediately": True}
+    body = {"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": params}
+    answer = (await env.post(env.capability, "alice", json.dumps(body).encode())).json()
+    subscribe = {"jsonrpc": "2.0", "id": 2, "method": "SubscribeToTask"}
+    subscribe["params"] = {"id": answer["result"]["task"]["id"]}
+    limits = httpx.Limits(max_connections=MAX_STREAMS_PER_CALLER + 4)
+    headers = {"Authorization": f"Bearer {env.tokens['alice']}"}
+    url = f"{env.gateway.url}/a2a/{env.capability}"
+    async with (
+        httpx.AsyncClient(trust_env=False, timeout=30, limits=limits, headers=headers) as http,
+        contextlib.AsyncExitStack() as streams,
+    ):
+
+        async def stream() -> httpx.Response:
+            response = await streams.enter_async_context(http.stream("POST", url, json=subscribe))
+            assert response.headers["content-type"].startswith("text/event-stream")
+            return response
+
+        held = await asyncio.gather(*(stream() for _ in range(MAX_STREAMS_PER_CALLER)))
+        refused = await http.post(url, json=subscribe)
+        error = refused.json()["error"]
+        assert error["data"][0]["reason"] == "REACH_RATE_LIMITED", error
+        assert f"holds {MAX_STREAMS_PER_CALLER} open streams" in error["message"]
+        assert refused.headers["retry-after"] == "1"
+        await held[0].aclose()  # one let go of: room for one more
+
+        async def room() -> bool:
+            async with http.stream("POST", url, json=subscribe) as again:
+                return again.headers["content-type"].startswith("text/event-stream")
+
+        await wait_until(room, timeout_s=10)
 
 
 async def test_a_stream_ends_when_the_gateway_stops(
