@@ -18,6 +18,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities._sent import NotSent, claim_send, idempotent
 from activities.telemetry import traced_call
 from agent_reach_proto import wire
 from connectors import ConnectorSet, GuardedTransport, refusal_in
@@ -235,6 +236,8 @@ class ReachActivities:
                     fresh=inp.first_run or not _runs_local(),
                 )
             connector = self.connectors.get(endpoint.protocol)
+            if not connector.deduplicates and not idempotent(self.policy.settings, inp):
+                await claim_send(self.policy.state, inp)
             if self.metrics is not None and header.attempt > 1:
                 self.metrics.retry(endpoint.capability)
             called = time.perf_counter()
@@ -249,6 +252,9 @@ class ReachActivities:
             outcome = "success"
         except StaleRoute as stale:
             raise ApplicationError(str(stale), type=STALE_ROUTE, non_retryable=True) from stale
+        except NotSent as refused:  # not the agent's fault: nothing is recorded against it
+            outcome = refused.err.type
+            raise to_application_error(refused.err) from None
         except ReachError as err:
             outcome = err.type
             if inp.judge_timeouts or not isinstance(err, DeadlineExceeded):

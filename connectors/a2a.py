@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from agent_reach_proto import wire
 from connectors._a2a_card import MAX_CARD_BYTES, card_url, discovery_of
 from connectors._a2a_wire import (
     A2A_VERSION,
@@ -87,6 +88,7 @@ async def _read_bounded(response: httpx.Response, limit: int, what: str, where: 
 
 class A2AConnector(PooledConnector):
     protocol = "a2a"
+    deduplicates = False  # an A2A agent need not know a message sent again
     registered_by_url = True
 
     def __init__(
@@ -280,7 +282,7 @@ class A2AConnector(PooledConnector):
         url = await self._rpc_url(endpoint)
         headers = {}
         if message.header.traceparent:
-            headers["traceparent"] = message.header.traceparent
+            headers[wire.TRACEPARENT] = message.header.traceparent
         params = send_request(message)
         result = await self._call(endpoint, url, "SendMessage", params, timeout_s, headers)
         return reply_of_send(result, endpoint, url, limit)

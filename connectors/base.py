@@ -70,6 +70,13 @@ class Connector(ABC):
         that does not reach agents directly (MQTT: the broker does) has nothing to check."""
         return None
 
+    # True: this protocol's agents run a request delivered twice once (the agent contract's
+    # R8: the SDK answers a repeated RequestID from its answer cache), so a call whose outcome
+    # is unknown may be sent again to the same instance. False (A2A agents, MCP servers): a
+    # second delivery may run it twice, so the activity claims each attempt's send in the
+    # shared store first and never sends one again that a lost process may have sent.
+    deduplicates: ClassVar[bool] = True
+
     # True: this protocol's instances do not Join or heartbeat (A2A agents, MCP servers); they
     # are registered by URL (`POST /reach/agents`, `reach.yaml`, `reach agents add`), described
     # by `discover`, and kept alive by a probe that calls `discover` every heartbeat_interval.

@@ -76,6 +76,7 @@ def reach_meta(header: Header) -> dict[str, Any]:
 
 class McpConnector(PooledConnector):
     protocol = "mcp"
+    deduplicates = False  # an MCP server runs a tools/call sent twice twice
     registered_by_url = True
 
     def __init__(
