@@ -126,7 +126,6 @@ class Guard:
 
     def __init__(self, rules: list[dict[str, Any]]) -> None:
         from reach.config import RuleSettings
-
         from reach.security.refusals import DoorRefusals
 
         self.rules = RuleBook([RuleSettings.model_validate(r) for r in rules])
