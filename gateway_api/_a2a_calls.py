@@ -36,13 +36,12 @@ from a2a.utils.errors import (
 )
 from google.protobuf import json_format
 from google.protobuf.message import Message as Proto
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 
 from gateway_api import _a2a_cards as cards
 from gateway_api import listing, timeline
 from gateway_api._a2a_tasks import (
     LIST_FILTERS,
-    UNDER_WAY,
     RpcError,
     a2a_error,
     payload_of,
@@ -59,7 +58,7 @@ from gateway_api.steps.identify import AUTHORIZATION, CALLER, TRACEPARENT, Metad
 from gateway_api.steps.wait import SYNC_GRACE_S
 from reach import acceptance
 from reach.errors import ReachError, Unavailable, UnknownCapability
-from reach.listing import DEFAULT_LIMIT, MAX_LIMIT
+from reach.listing import DEFAULT_LIMIT, MAX_LIMIT, UNDER_WAY
 from reach.messages import REQUEST_ID_PATTERN, InvokeResponse, dumps
 from reach.security.tokens import Principal
 from reach.telemetry import tracing
@@ -431,26 +430,18 @@ class Call:
     async def cancel(self, params: CancelTaskRequest) -> dict[str, Any]:
         rid = self.task_id_of(params.id)
         principal = self.reader()
-        current = await self.gateway.requests.status(rid, principal)
-        if current.status not in UNDER_WAY:
-            raise a2a_error(TaskNotCancelableError, f"task {rid} already ended ({current.status})")
         # Whatever it waits on (a timer, a call in flight, an A2A agent's task it follows, which
         # is asked to stop), the cancelled request ends `canceled` (workflows._failures).
-        who = self.who(principal)
-        engine, guard = self.gateway.engine, self.gateway.guard
-        if guard is not None:
-            guard.audit.record("cancel_requested", request_id=rid, principal=who, front="a2a")
-        try:
-            await engine.cancel(rid, f"CancelTask from {who} through the A2A front")
-        except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND:
-                raise
         started = time.monotonic()
-        try:
-            async with asyncio.timeout(CANCEL_WAIT_S):
-                response = await engine.outcome(engine.handle(rid))
-        except TimeoutError:  # no worker took the cancel yet: it stays requested
-            response = await self.gateway.requests.status(rid, principal)
+        asked, response = await self.gateway.requests.cancel(
+            rid,
+            principal,
+            front="a2a",
+            reason=f"CancelTask from {self.who(principal)} through the A2A front",
+            wait_s=CANCEL_WAIT_S,
+        )
+        if not asked:
+            raise a2a_error(TaskNotCancelableError, f"task {rid} already ended ({response.status})")
         log.info("A2A CancelTask %s: %s in %.2fs", rid, response.status, time.monotonic() - started)
         return task_json(response)
 

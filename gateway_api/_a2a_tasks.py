@@ -31,7 +31,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from gateway_api.engine import was_cancelled
 from reach.errors import ReachError
-from reach.listing import RequestRow
+from reach.listing import UNDER_WAY, RequestRow
 from reach.messages import InvokeResponse
 
 # Reach's request status -> the task's state. A cancelled request (`was_cancelled`) is canceled.
@@ -47,7 +47,6 @@ STATES: dict[str, TaskState] = {
     "canceled": TaskState.TASK_STATE_CANCELED,
 }
 # The statuses of a request still under way: the others are final, whatever A2A calls them.
-UNDER_WAY = frozenset({"accepted", "running"})
 AUTH_REQUIRED = "auth-required"  # the agent's state, in an input_required result
 # A ListTasks status filter -> the listing's status.
 LIST_FILTERS: dict[int, str] = {

@@ -26,12 +26,11 @@ retention after it closes (`ttlMs` is null: Reach sets no shorter life).
 
 from __future__ import annotations
 
-import asyncio
 import re
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 
 from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_tools import call_result, rpc_error_of
@@ -39,6 +38,7 @@ from gateway_api.engine import was_cancelled
 from gateway_api.errors import reach_error_of_rpc
 from gateway_api.gateway import Gateway
 from reach.errors import ReachError
+from reach.listing import UNDER_WAY
 from reach.messages import REQUEST_ID_PATTERN
 from reach.security.tokens import Principal
 
@@ -50,7 +50,6 @@ CAPABILITY_2025: Final[dict[str, Any]] = {"cancel": {}, "requests": {"tools": {"
 TASK_AFTER_S = 1.0
 POLL_MS = 1000
 CANCEL_WAIT_S = 2.0
-_WORKING = frozenset({"running", "accepted"})
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)  # a task id is a RequestID
 
 
@@ -151,7 +150,7 @@ class Tasks:
             task.update(resultType="complete", ttlMs=None, pollIntervalMs=POLL_MS)
         else:
             task.update(ttl=None, pollInterval=POLL_MS)
-        if response.status in _WORKING:
+        if response.status in UNDER_WAY:
             task["status"] = "working"
         elif response.status == "canceled" or was_cancelled(response):
             task["status"] = "cancelled"
@@ -173,26 +172,19 @@ class Tasks:
         return out
 
     async def cancel(self, task_id: str, principal: Principal | None) -> None:
-        current = await self.gateway.requests.status(task_id, principal)
-        if current.status not in _WORKING:
+        who = principal.name if principal is not None else "anonymous"
+        # Cooperative: the workflow stops at its next step; a moment is waited to say so.
+        asked, current = await self.gateway.requests.cancel(
+            task_id,
+            principal,
+            front="mcp",
+            reason=f"tasks/cancel from {who} through the MCP front",
+            wait_s=CANCEL_WAIT_S,
+        )
+        if not asked:
             raise wire.RpcError(
                 wire.INVALID_PARAMS, f"task {task_id!r} already ended ({current.status})"
             )
-        who = principal.name if principal is not None else "anonymous"
-        engine, guard = self.gateway.engine, self.gateway.guard
-        if guard is not None:
-            guard.audit.record("cancel_requested", request_id=task_id, principal=who, front="mcp")
-        try:
-            await engine.cancel(task_id, f"tasks/cancel from {who} through the MCP front")
-        except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND:
-                raise
-        # Cooperative: the workflow stops at its next step; wait a moment to say so.
-        try:
-            async with asyncio.timeout(CANCEL_WAIT_S):
-                await engine.outcome(engine.handle(task_id))
-        except TimeoutError:
-            pass
 
 
 def _task_error(exc: ReachError, task_id: str) -> wire.RpcError:

@@ -27,6 +27,8 @@ MAX_LIMIT = 500
 ListStatus = Literal["running", "success", "error", "timeout"]
 # What a completed request's ReachStatus can say (input_required, canceled: an A2A agent's task).
 FINAL_STATUSES = frozenset({"success", "error", "timeout", "input_required", "canceled"})
+# A request's statuses before it ends (what a cancel can still stop, a task still working).
+UNDER_WAY = frozenset({"accepted", "running"})
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400}
 _SINCE = re.compile(SINCE_FILTER)
 

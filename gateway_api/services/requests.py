@@ -6,6 +6,7 @@ it does not exist (a 403 would confirm that it does).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import timedelta
 
@@ -25,6 +26,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from gateway_api.engine import Engine, InvokeHandle
 from reach.errors import Forbidden, InvalidRequest, RequestClosed, Unavailable, UnknownRequest
 from reach.invocation import DeliveryOutcome, LateAnswer, answer_key, delivery_workflow_id
+from reach.listing import UNDER_WAY
 from reach.messages import AttemptInfo, DeliveryState, InvokeResponse
 from reach.registry import Registry
 from reach.security.guard import Guard
@@ -137,6 +139,40 @@ class Requests:
         except WorkflowFailureError as exc:
             return DeliveryState(url=url, status="given_up", last_error=str(exc.cause))
         return DeliveryState(url=url, **outcome.model_dump())
+
+    async def cancel(
+        self,
+        request_id: str,
+        principal: Principal | None,
+        *,
+        front: str,
+        reason: str,
+        wait_s: float,
+    ) -> tuple[bool, InvokeResponse]:
+        """Ask a request under way (its caller's or, for an admin, anyone's) to stop: audited
+        `cancel_requested`, then its end waited for up to `wait_s` (the workflow stops at its
+        next step and ends `canceled`, `workflows._failures`). Returns whether it was under way
+        (False: it had already ended, and nothing was asked) and its state then; `reason` is
+        the cancel's, as Temporal keeps it (who asked, through which front)."""
+        current = await self.status(request_id, principal)
+        if current.status not in UNDER_WAY:
+            return False, current
+        if self.guard is not None:
+            who = principal.name if principal is not None else None
+            self.guard.audit.record(
+                "cancel_requested", request_id=request_id, principal=who, front=front
+            )
+        engine = self.engine
+        try:
+            await engine.cancel(request_id, reason)
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+        try:
+            async with asyncio.timeout(wait_s):
+                return True, await engine.outcome(engine.handle(request_id))
+        except TimeoutError:  # no worker took the cancel yet: it stays requested
+            return True, await self.status(request_id, principal)
 
     async def late_answer(
         self, request_id: str, answer: LateAnswer, principal: Principal | None = None
