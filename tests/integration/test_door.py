@@ -165,7 +165,9 @@ async def test_a_huge_declared_body_is_refused_without_reading_it(gateway: Gatew
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(
-            b"POST /reach/invoke HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            # The gateway's own Host: an open gateway refuses a foreign one first (rebinding).
+            f"POST /reach/invoke HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode()
+            + b"Content-Type: application/json\r\n"
             b"Content-Length: 1000000000\r\n\r\n" + b'{"target": "x", "payload": "'
         )
         await writer.drain()

@@ -536,7 +536,7 @@ async def test_join_declares_operations_as_the_http_api_does(
             ["stats", "query", "index", "warm"],
             {
                 "query": {"name": "query", "idempotent": True, "timeout_ms": 3000},
-                "index": {"name": "index", "idempotent": False, "timeout_ms": None},
+                "index": {"name": "index", "idempotent": False},
             },
         )
     ]

@@ -96,6 +96,28 @@ EXPECTED = {
         "attempt_succeeded",
         "result",
     ],
+    # An A2A agent's task followed by its handle until it ended.
+    "a2a-task": [*SUCCESS[:3], "attempt_accepted", "result"],
+    # Ended in error or timeout: a Failed workflow carrying the envelope (ReachFailedOutcome).
+    "failed-error": [*SUCCESS[:3], "attempt_failed", "result", "callback"],
+    "failed-timeout": [*SUCCESS[:3], "attempt_failed", "timeout"],
+    # Cancelled by its caller while following an A2A task, and while a queued call ran; the
+    # -before pair was recorded before a cancel ended a request `canceled` (it ended internal).
+    "cancel-a2a-task": [*SUCCESS[:3], "attempt_accepted", "result"],
+    "cancel-a2a-task-before": [*SUCCESS[:3], "attempt_accepted", "ended"],
+    "cancel-queued-call": ["accepted", "instance_chosen", "result"],
+    "cancel-queued-call-before": ["accepted", "instance_chosen", "result"],
+}
+# Each recording's final status (the rest: success).
+STATUS = {
+    "timeout": "timeout",
+    "door-deadline": "timeout",
+    "failed-error": "error",
+    "failed-timeout": "timeout",
+    "cancel-a2a-task": "canceled",
+    "cancel-queued-call": "canceled",
+    "cancel-a2a-task-before": "error",
+    "cancel-queued-call-before": "error",
 }
 
 
@@ -111,7 +133,7 @@ async def test_recorded_history_reads_as_its_story(name: str) -> None:
     offsets = [e.at_ms for e in timeline.events]
     assert offsets[0] == 0
     assert offsets == sorted(offsets)
-    assert timeline.status == ("timeout" if name in ("timeout", "door-deadline") else "success")
+    assert timeline.status == STATUS.get(name, "success")
     accepted = the(timeline, "accepted")
     assert accepted.detail["caller"] == "recorder"
     assert accepted.detail["capability"] == "knowledge-retriever"
