@@ -18,6 +18,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities._conversations import check_follow_up, keep_owner
 from activities._sent import NotSent, claim_send, idempotent
 from activities.telemetry import traced_call
 from agent_reach_proto import wire
@@ -236,6 +237,10 @@ class ReachActivities:
                     fresh=inp.first_run or not _runs_local(),
                 )
             connector = self.connectors.get(endpoint.protocol)
+            if connector.continues(inp.message):  # a follow-up: only to its own caller
+                await check_follow_up(
+                    self.policy.state, connector, endpoint.capability, inp.message
+                )
             if not connector.deduplicates and not idempotent(self.policy.settings, inp):
                 await claim_send(self.policy.state, inp)
             if self.metrics is not None and header.attempt > 1:
@@ -270,6 +275,10 @@ class ReachActivities:
                 seconds = time.perf_counter() - called
                 self.metrics.agent_call(endpoint.capability, endpoint.protocol, outcome, seconds)
         await self._record(inp.endpoint, ok=True)
+        if connector.conversations(reply):
+            await keep_owner(
+                self.policy.state, connector, endpoint.capability, header.caller, reply
+            )
         return reply
 
     @activity.defn(name=ACTIVITY_FOLLOW_TASK)

@@ -32,6 +32,7 @@ from agent_reach_proto import wire
 from connectors._a2a_card import MAX_CARD_BYTES, card_url, discovery_of
 from connectors._a2a_wire import (
     A2A_VERSION,
+    CONTINUE_KEY,
     TASK_NOT_FOUND,
     get_task_request,
     reply_of_get,
@@ -276,6 +277,21 @@ class A2AConnector(PooledConnector):
         if "result" not in answer:
             raise AgentError(f"{where} answered {method} with no result", retryable=False)
         return answer["result"]
+
+    def continues(self, message: Message) -> list[str]:
+        follow_up = message.payload.get(CONTINUE_KEY)
+        if not isinstance(follow_up, dict):
+            return []
+        return [str(follow_up[k]) for k in ("task_id", "context_id") if follow_up.get(k)]
+
+    def conversations(self, reply: Reply) -> list[str]:
+        if reply.follow is not None:
+            named = reply.follow
+        elif reply.status == "input_required" and reply.result is not None:
+            named = reply.result
+        else:
+            return []
+        return [str(named[k]) for k in ("task_id", "context_id") if named.get(k)]
 
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         limit = endpoint.max_message_bytes or self.transport.max_message_bytes

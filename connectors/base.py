@@ -92,6 +92,17 @@ class Connector(ABC):
         protocols."""
         raise NotImplementedError(f"{self.protocol} instances join; they are not discovered")
 
+    def continues(self, message: Message) -> list[str]:
+        """The agent's own task or context ids `message` continues (an A2A follow-up's): Reach
+        sends it only for the caller they were handed to (`activities._conversations`). The
+        default: none."""
+        return []
+
+    def conversations(self, reply: Reply) -> list[str]:
+        """The task or context ids `reply` hands to its caller to continue later. The default:
+        none."""
+        return []
+
     @abstractmethod
     async def invoke(self, endpoint: Endpoint, message: Message, timeout_s: float) -> Reply:
         """Deliver `message` to `endpoint` and return its answer within `timeout_s`."""

@@ -106,6 +106,33 @@ async def test_input_required_and_a_follow_up_that_continues_the_task(
     assert got.json()["status"] == "input_required"
 
 
+async def test_a_follow_up_continues_only_its_own_caller_s_task(
+    http: httpx.AsyncClient, gateway: GatewayProcess, cap: str, agent: A2AAgentProcess
+) -> None:
+    """Another caller naming Alice's task (or only its context) is refused before anything is
+    sent: the agent cannot tell Reach's callers apart, Reach can."""
+    alice, mallory = {"X-Reach-Caller": "alice"}, {"X-Reach-Caller": "mallory"}
+    ask = {"target": cap, "operation": "ask"}
+    r = await http.post(f"{gateway.url}/reach/invoke", json={**ask, "payload": {}}, headers=alice)
+    assert r.json()["status"] == "input_required", r.text
+    task = {k: r.json()["result"][k] for k in ("task_id", "context_id")}
+    sent = (await agent.counts())["counts"]["ask"]
+    for ids in (task, {"context_id": task["context_id"]}, {"task_id": task["task_id"]}):
+        payload = {"name": "mallory", "_a2a": ids}
+        r = await http.post(
+            f"{gateway.url}/reach/invoke", json={**ask, "payload": payload}, headers=mallory
+        )
+        assert r.status_code == 403, r.text
+        assert r.json()["error"]["type"] == "forbidden"
+        assert "another caller's task" in r.json()["error"]["message"]
+    assert (await agent.counts())["counts"]["ask"] == sent  # nothing reached the agent
+    payload = {"name": "Alice", "_a2a": task}
+    r = await http.post(
+        f"{gateway.url}/reach/invoke", json={**ask, "payload": payload}, headers=alice
+    )
+    assert r.json()["result"] == {"hello": "Alice"}, r.text
+
+
 async def test_the_agent_s_failure_and_its_cancel(
     http: httpx.AsyncClient, gateway: GatewayProcess, cap: str
 ) -> None:
