@@ -57,9 +57,11 @@ port, negative turns the front off. The bound port is logged as
 gateway on the same port fails at start-up instead of silently splitting the traffic.
 
 **Bounds.** At most `transport.grpc_max_connections` connections at once (gRPC core closes one
-past them as it is accepted), and at most `transport.grpc_max_concurrent_rpcs` Invoke, Join and
-Heartbeat calls in flight (`CallRoom`; an open Heartbeat stream is one): a call past them ends
-UNAVAILABLE with the 503 envelope naming the setting, before its message is read. A connection
+past them as it is accepted), at most `transport.grpc_max_concurrent_rpcs` Invoke and Join calls
+in flight (`CallRoom`) and, in a room of their own, as many open Heartbeat streams: a call past
+them ends UNAVAILABLE with the 503 envelope naming the setting, before its message is read. A
+Heartbeat stream that reports nothing for `registry.heartbeat_timeout` is ended
+(DEADLINE_EXCEEDED), so idle streams cannot hold the room. A connection
 must finish its handshake within `transport.http_header_timeout_s`, and one without a call for
 `transport.http_keep_alive_s` is closed (its client reconnects when it next calls).
 
@@ -139,12 +141,16 @@ def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+OPEN_BEATS = "Heartbeat streams open"
+
+
 class CallRoom:
     """The calls in flight on the front, at most `most` (`transport.grpc_max_concurrent_rpcs`,
     read at each call so a reload applies)."""
 
-    def __init__(self, most: Callable[[], int]) -> None:
+    def __init__(self, most: Callable[[], int], what: str = "calls in flight") -> None:
         self.most = most
+        self.what = what
         self.held = 0
 
     def take(self) -> None:
@@ -152,7 +158,7 @@ class CallRoom:
         most = self.most()
         if self.held >= most:
             raise Unavailable(
-                f"the gRPC front has {self.held} calls in flight, its most "
+                f"the gRPC front has {self.held} {self.what}, its most "
                 f"(transport.grpc_max_concurrent_rpcs = {most}); nothing was read, try again",
                 retry_after_s=1,
             )
@@ -173,9 +179,14 @@ class CallRoom:
 class ReachService:
     """`reach.v1.Reach` over a `Gateway`: each method is its HTTP route, told in gRPC."""
 
-    def __init__(self, gateway: Gateway, room: CallRoom | None = None) -> None:
+    def __init__(
+        self, gateway: Gateway, room: CallRoom | None = None, beats: CallRoom | None = None
+    ) -> None:
         self.gateway = gateway
         self.room = room if room is not None else CallRoom(lambda: 1_000_000)
+        # Heartbeat streams have a room of their own: agents' open streams (or a flood of
+        # idle ones) never take the calls' room.
+        self.beats = beats if beats is not None else CallRoom(lambda: 1_000_000, OPEN_BEATS)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -277,7 +288,7 @@ class ReachService:
         is open ends it with UNAUTHENTICATED, as the next HTTP heartbeat would get 401."""
         authorization = metadata_of(context).get(AUTHORIZATION_KEY)
         try:
-            self.room.take()
+            self.beats.take()
         except ReachError as exc:
             await refusal_of(exc, "Heartbeat", None).end(context)
         try:
@@ -285,14 +296,29 @@ class ReachService:
                 agent = self._agent(authorization)
             except Exception as exc:
                 await refusal_of(exc, "Heartbeat", None).end(context)
-            async for raw in requests:
+            reports = aiter(requests)
+            while True:
+                # A stream that reports nothing for a heartbeat timeout is no agent's: ended,
+                # so that idle streams cannot hold the room.
+                idle_s = self.gateway.live.settings.registry.heartbeat_timeout
+                try:
+                    async with asyncio.timeout(idle_s):
+                        raw = await anext(reports)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no heartbeat report in {idle_s:g} s (registry.heartbeat_timeout): "
+                        "the stream is closed; open a new one to report again",
+                    )
                 try:
                     agent = self._agent(authorization)
                 except ReachError as exc:
                     await refusal_of(exc, "Heartbeat", None).end(context)
                 yield await self._beat(raw, agent)
         finally:
-            self.room.release()
+            self.beats.release()
 
     def _agent(self, authorization: str | None) -> Principal | None:
         """The agent token in the call's `authorization` metadata (None: tokens are off)."""
@@ -372,7 +398,8 @@ class GrpcFront:
         self.port = port
         self.health = health.aio.HealthServicer()
         transport = settings.transport
-        self.room = CallRoom(lambda: gateway.live.settings.transport.grpc_max_concurrent_rpcs)
+        most = lambda: gateway.live.settings.transport.grpc_max_concurrent_rpcs  # noqa: E731
+        self.room, self.beats = CallRoom(most), CallRoom(most, OPEN_BEATS)
         self.server = grpc.aio.server(
             options=[
                 # A busy port is an error at start-up, never two gateways splitting the calls.
@@ -386,9 +413,10 @@ class GrpcFront:
                 ("grpc.max_connection_idle_ms", transport.http_keep_alive_s * 1000),
             ],
             # gRPC's own bound, past the room's (health and reflection calls go on meanwhile).
-            maximum_concurrent_rpcs=transport.grpc_max_concurrent_rpcs + 64,
+            maximum_concurrent_rpcs=2 * transport.grpc_max_concurrent_rpcs + 64,
         )
-        self.server.add_generic_rpc_handlers((ReachService(gateway, self.room).handler(),))
+        service = ReachService(gateway, self.room, self.beats)
+        self.server.add_generic_rpc_handlers((service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server

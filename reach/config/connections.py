@@ -165,8 +165,8 @@ class TransportSettings(Section):
         default=1000,
         ge=1,
         le=1_000_000,
-        description="Most Invoke, Join and Heartbeat calls in flight on the gRPC front at once "
-        "(an open Heartbeat stream is one); a call past them ends UNAVAILABLE with the 503 "
+        description="Most Invoke and Join calls in flight on the gRPC front at once, and as "
+        "many open Heartbeat streams apart; a call past them ends UNAVAILABLE with the 503 "
         "envelope naming this setting and grpc-retry-pushback-ms, before anything is read.",
     )
     max_inflight_bytes: int = Field(
