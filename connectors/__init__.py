@@ -30,6 +30,7 @@ from connectors._guard import (
     refusal_in,
 )
 from connectors._pools import ConnectionStats
+from connectors._tls import public_context
 from connectors.base import Connector
 from reach.config import SecuritySettings, TransportSettings
 
@@ -49,6 +50,7 @@ __all__ = [
     "guard",
     "guarded_client",
     "load",
+    "public_context",
     "refusal_in",
     "reply_for_status",
 ]

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import ssl
 from dataclasses import dataclass
+
+import httpx
 
 from reach.config import SecuritySettings
 from reach.errors import Forbidden, InternalError, InvalidRequest, TransportError
@@ -44,6 +47,15 @@ from reach.security.netguard import AddressGuard
 PROBE_TIMEOUT_S = 5.0
 # How long the probe waits for an agent's first byte after the handshake (see `probe`).
 SETTLE_S = 2.0
+
+
+@functools.cache
+def public_context() -> ssl.SSLContext:
+    """The TLS context for agents reached without Reach's mTLS (verified against the system's
+    CAs): one per process for every connector's clients. Building one reads the CA bundle
+    (~15 ms of CPU), which a context per client paid again for each agent (and each reopened
+    pool)."""
+    return httpx.create_ssl_context(trust_env=False)
 
 
 def http_poke(server_name: str) -> bytes:

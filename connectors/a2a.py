@@ -46,6 +46,7 @@ from connectors._address import check_http_address, refuse
 from connectors._answers import fault_of
 from connectors._guard import GuardedTransport
 from connectors._pools import ConnectionStats, Pools
+from connectors._tls import public_context
 from connectors.base import PooledConnector
 from connectors.http import map_httpx_exceptions
 from reach.config import SecuritySettings, TransportSettings
@@ -105,14 +106,23 @@ class A2AConnector(PooledConnector):
         expiry = self.transport.idle_timeout_s
 
         def make_client(_: str) -> httpx.AsyncClient:
+            tls = public_context()  # shared by every client (`connectors._tls`)
             limits = httpx.Limits(
                 max_connections=MAX_CONNECTIONS_PER_INSTANCE,
                 max_keepalive_connections=MAX_CONNECTIONS_PER_INSTANCE,
                 keepalive_expiry=expiry,
             )
-            guarded = None if self.guard is None else GuardedTransport(self.guard, limits=limits)
+            guarded = (
+                None
+                if self.guard is None
+                else GuardedTransport(self.guard, verify=tls, limits=limits)
+            )
             return httpx.AsyncClient(
-                limits=limits, trust_env=False, follow_redirects=False, transport=guarded
+                limits=limits,
+                trust_env=False,
+                verify=tls,
+                follow_redirects=False,
+                transport=guarded,
             )
 
         async def close(client: httpx.AsyncClient) -> None:
@@ -138,9 +148,18 @@ class A2AConnector(PooledConnector):
     def _card_client(self) -> httpx.AsyncClient:
         if self._cards is None:
             limits = httpx.Limits(max_connections=32, max_keepalive_connections=8)
-            guarded = None if self.guard is None else GuardedTransport(self.guard, limits=limits)
+            tls = public_context()
+            guarded = (
+                None
+                if self.guard is None
+                else GuardedTransport(self.guard, verify=tls, limits=limits)
+            )
             self._cards = httpx.AsyncClient(
-                limits=limits, trust_env=False, follow_redirects=False, transport=guarded
+                limits=limits,
+                trust_env=False,
+                verify=tls,
+                follow_redirects=False,
+                transport=guarded,
             )
         return self._cards
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
@@ -23,7 +22,7 @@ from connectors._address import check_http_address
 from connectors._answers import reply_for_status, too_large
 from connectors._guard import GuardedTransport, refusal_in
 from connectors._pools import ConnectionStats, Pools
-from connectors._tls import http_poke
+from connectors._tls import http_poke, public_context
 from connectors.base import PooledConnector
 from reach.config import SecuritySettings, TransportSettings
 from reach.errors import (
@@ -189,21 +188,15 @@ class HttpConnector(PooledConnector):
         # once per new connection. A connector built without security settings (tests,
         # embedding code) has no guard; Reach's processes always pass theirs (ConnectorSet).
         guard = AddressGuard(self.security.allow_networks) if security is not None else None
-        # Without mTLS, one default TLS context for every agent's clients: building one reads
-        # the CA bundle (~15 ms of CPU), and each agent's shards built their own (~60 ms of a
-        # gateway's CPU for each agent address it called first, or again after an idle close).
-        plain: ssl.SSLContext | None = None
 
         def make_client(address: str) -> _Client:
-            nonlocal plain
             # mTLS: Reach's certificate and CA; each request names the agent to verify (SNI).
+            # Without it, the one public context every client shares (`public_context`).
             url = base_url(address)
             if self.tls.enabled:
                 url, verify = tls_base_url(address) or url, self.tls.context()
             else:
-                if plain is None:
-                    plain = httpx.create_ssl_context(trust_env=False)
-                verify = plain
+                verify = public_context()
 
             def shard(size: int) -> httpx.AsyncClient:
                 limits = httpx.Limits(

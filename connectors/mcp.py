@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections import OrderedDict
 from typing import Any
 
@@ -33,6 +32,7 @@ from connectors._address import check_http_address, refuse
 from connectors._guard import GuardedTransport
 from connectors._mcp_client import McpServer, Sent
 from connectors._pools import ConnectionStats, Pools
+from connectors._tls import public_context
 from connectors.base import PooledConnector
 from connectors.http import map_httpx_exceptions
 from reach.config import SecuritySettings, TransportSettings
@@ -89,15 +89,9 @@ class McpConnector(PooledConnector):
         super().__init__(transport, stats=stats, security=security)
         guard = AddressGuard(self.security.allow_networks) if security is not None else None
         expiry = self.transport.idle_timeout_s
-        # One TLS context for every server's client: building one reads the CA bundle (~14 ms
-        # of CPU), which a client per server paid again whenever its pool was reopened (every
-        # probe of each server, with more servers registered than transport.max_pools).
-        tls: ssl.SSLContext | None = None
 
         def make(url: str) -> McpServer:
-            nonlocal tls
-            if tls is None:
-                tls = httpx.create_ssl_context(trust_env=False)
+            tls = public_context()  # shared by every client (`connectors._tls`)
             limits = httpx.Limits(
                 max_connections=MAX_CONNECTIONS_PER_SERVER,
                 max_keepalive_connections=MAX_CONNECTIONS_PER_SERVER,
