@@ -18,11 +18,34 @@ CONFIG_ENV_VAR = "REACH_CONFIG"
 
 
 def _format_errors(source: str, exc: ValidationError) -> str:
+    env = _reach_env()
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        lines.append(f"  reach.{loc}: {err['msg']}")
+        line = f"  reach.{loc}: {err['msg']}"
+        variable = _variable_for(err["loc"], env)
+        if variable:
+            line += f" (set by the environment variable {variable})"
+        lines.append(line)
     return f"invalid configuration in {source}:\n" + "\n".join(lines)
+
+
+def _reach_env() -> dict[str, str]:
+    """The REACH_* variables, upper-cased name -> name as set (pydantic reads them so)."""
+    return {key.upper(): key for key in os.environ if key.upper().startswith("REACH_")}
+
+
+def _variable_for(loc: tuple[int | str, ...], env: dict[str, str]) -> str | None:
+    """The REACH_* variable that gave the value at `loc`, or gave a section holding it.
+
+    A value set as JSON in a section's variable (REACH_POLICY='{...}') is named by that
+    variable; the deepest match wins."""
+    parts = [str(p).upper() for p in loc]
+    for depth in range(len(parts), 0, -1):
+        name = "REACH_" + "__".join(parts[:depth])
+        if name in env:
+            return env[name]
+    return None
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

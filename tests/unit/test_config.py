@@ -83,6 +83,31 @@ def test_environment_overrides_the_file(monkeypatch: pytest.MonkeyPatch) -> None
         load_settings(ROOT / "reach.yaml")
 
 
+def test_a_bad_environment_variable_is_named_in_the_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value from the environment is named by its variable, not only by its key: an operator
+    looking at reach.yaml for `listen_port: http` would not find it there."""
+    monkeypatch.setenv("REACH_LISTEN_PORT", "http")
+    monkeypatch.setenv("REACH_POLICY__NO_SUCH_KEY", "1")
+    with pytest.raises(ConfigError) as err:
+        load_settings(ROOT / "reach.yaml")
+    message = str(err.value)
+    assert "reach.listen_port" in message
+    assert "set by the environment variable REACH_LISTEN_PORT" in message
+    assert "set by the environment variable REACH_POLICY__NO_SUCH_KEY" in message
+
+
+def test_a_bad_file_value_names_no_environment_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("REACH_LISTEN_PORT", raising=False)
+    config = tmp_path / "reach.yaml"
+    config.write_text("reach:\n  listen_port: http\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(config)
+    assert "reach.listen_port" in str(err.value)
+    assert "environment variable" not in str(err.value)
+
+
 def test_capability_mode_defaults_to_inline() -> None:
     s = ReachSettings(capabilities={"content-generator": {"mode": "queue"}})  # type: ignore[arg-type]
     assert s.capability_mode("content-generator") == "queue"
