@@ -579,3 +579,51 @@ class Broker:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+BY_URL_EXAMPLES = {
+    "a2a": ("a2a_agent.py", "", "greet", {"name": "Ada"}, {"greeting": "Hello, Ada!"}),
+    "mcp": ("mcp_server.py", "/mcp", "convert", {"value": 2, "unit": "km"}, None),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BY_URL_EXAMPLES))
+async def test_each_example_registered_by_url_answers_an_invoke(
+    gateway: GatewayProcess, http: httpx.AsyncClient, kind: str, tmp_path: Path
+) -> None:
+    """examples/a2a_agent.py and examples/mcp_server.py run as their docstrings say: started
+    alone, registered by URL, invoked by capability name."""
+    script, path, operation, payload, expected = BY_URL_EXAMPLES[kind]
+    port = free_port()
+    proc = spawn(
+        [sys.executable, str(ROOT / "examples" / script), "--port", str(port)],
+        {},
+        tmp_path / "example.log",
+    )
+    capability = f"example-{kind}-{uuid.uuid4().hex[:6]}"
+    registration = {
+        "protocol": kind,
+        "service_address": f"http://127.0.0.1:{port}{path}",
+        "capability": capability,
+    }
+
+    async def registered() -> bool:
+        r = await http.post(f"{gateway.url}/reach/agents", json=registration)
+        return r.status_code in (200, 201)
+
+    try:
+        await wait_until(registered, 30)
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json={"target": capability, "operation": operation, "payload": payload},
+        )
+        assert r.status_code == 200, r.text
+        result = r.json()["result"]
+        if expected is not None:
+            assert result == expected
+        else:  # 2 km in every unit the server knows
+            assert result["m"] == 2000.0
+            assert result["km"] == 2.0
+    finally:
+        proc.popen.terminate()
+        await asyncio.to_thread(proc.popen.wait, 10)
