@@ -5,10 +5,12 @@ processes configure their own.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
@@ -20,6 +22,7 @@ from gateway_api.a2a_front import A2AFastPath, is_a2a_call
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath, is_invoke
 from gateway_api.gateway import Gateway
+from gateway_api.http_limits import DRAINING
 from gateway_api.mcp_front import McpFront, is_mcp
 from gateway_api.prober import Prober
 from gateway_api.routes import admin, agents, codec, health, invoke, metrics, requests, ui
@@ -99,7 +102,7 @@ def create_app(
     the process's (`reach gateway`), which then settles its heap once started (`settle_heap`)."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         await ensure_search_attributes(client, client.namespace)
         await announce_retention(client, client.namespace)
         services = build_services(settings)
@@ -151,6 +154,9 @@ def create_app(
         )
         if finishes is not None and services.metrics is not None:
             services.metrics.watch(results=gateway.door.verdicts.counts)
+        # Set when the server stops (http_limits): synchronous waits are then bounded.
+        stopping = asyncio.Event()
+        gateway.door.verdicts.drain(stopping, settings.transport.drain_s)
         watcher = None
         if config_path is not None:
             watcher = ConfigWatcher(guard, config_path, on_apply=gateway.reconfigure)
@@ -172,8 +178,9 @@ def create_app(
                     settings.registry.type,
                     settings.temporal.task_queue,
                 )
-                yield
+                yield {DRAINING: stopping}  # into every request's state (uvicorn copies it)
         finally:
+            gateway.door.verdicts.close()
             if finishes is not None:
                 finishes.close()
             if watcher is not None:

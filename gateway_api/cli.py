@@ -76,6 +76,9 @@ async def _serve(
         # close it first: with uvicorn's 5 s, a client reusing a pooled connection as the
         # server closed it read "cannot write request body" (bench/invoke.py, 64 in flight).
         timeout_keep_alive=settings.transport.http_keep_alive_s,
+        # A backstop past the synchronous waits' own bound (steps/wait.py): whatever still
+        # holds a connection then (a client that never reads its answer) does not hold the stop.
+        timeout_graceful_shutdown=int(settings.transport.drain_s) + 5,
     )
     server = uvicorn.Server(config)
     gone: list[str] = []

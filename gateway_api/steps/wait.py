@@ -5,6 +5,11 @@ start): its result is read from there once Temporal recorded it (`Finishes`), el
 long-polled. A verdict not in by the deadline (plus `SYNC_GRACE_S`, for the workflow's own
 timeout verdict) comes back as `running` with a retryable timeout: the request is still
 tracked, and the caller can ask again by RequestID.
+
+When the gateway stops (SIGTERM), waits in flight are let finish for `transport.drain_s` at
+most (`drain`): past it a wait still open is answered `running` the same way, naming the
+gateway's stop, so a long deadline never holds a shutdown (the request itself goes on: any
+gateway answers for it by RequestID).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from gateway_api.engine import Engine
 from gateway_api.steps.start import Started
 from gateway_api.temporal_adapter import Finish, Finishes
+from reach.errors import ErrorType
 from reach.messages import ErrorInfo, InvokeResponse
 
 # How long past its deadline a synchronous caller waits for the workflow's own verdict.
@@ -29,6 +35,30 @@ class Verdicts:
         self.finishes = finishes
         self.answered_here = 0
         self.long_polled = 0
+        self._waits: set[asyncio.Timeout] = set()
+        self._drain_by: float | None = None  # loop time past which no wait is held
+        self._drainer: asyncio.Task[None] | None = None
+
+    def drain(self, stopping: asyncio.Event, drain_s: float) -> None:
+        """Once `stopping` is set, end every wait `drain_s` later at the latest."""
+
+        async def watch() -> None:
+            await stopping.wait()
+            loop = asyncio.get_running_loop()
+            self._drain_by = loop.time() + drain_s
+            for scope in self._waits:
+                self._bound(scope)
+
+        self._drainer = asyncio.create_task(watch(), name="reach-drain-waits")
+
+    def close(self) -> None:
+        if self._drainer is not None:
+            self._drainer.cancel()
+
+    def _bound(self, scope: asyncio.Timeout) -> None:
+        when = scope.when()
+        if self._drain_by is not None and (when is None or when > self._drain_by):
+            scope.reschedule(self._drain_by)
 
     def expect(self, request_id: str) -> Finish | None:
         """Watch for the request's end before its start is sent (its first task can run
@@ -45,9 +75,12 @@ class Verdicts:
     async def verdict(self, run: Started, wait: Finish | None, now_ms: int) -> InvokeResponse:
         handle = run.handle
         budget = max(0.0, run.deadline_ms / 1000 - time.time()) + SYNC_GRACE_S
+        scope = asyncio.timeout(budget)
         try:
             # A deadline on this task, not wait_for's task per request (one loop turn less).
-            async with asyncio.timeout(budget):
+            async with scope:
+                self._waits.add(scope)
+                self._bound(scope)
                 if wait is not None and run.started:
                     payload = await wait.result(handle)
                     if payload is not None:
@@ -56,14 +89,29 @@ class Verdicts:
                 self.long_polled += 1
                 return await self.engine.outcome(handle)
         except TimeoutError:
-            return InvokeResponse(
-                request_id=handle.id,
-                status="running",
-                duration_ms=int(time.time() * 1000) - now_ms,
-                error=ErrorInfo(
-                    type="timeout",
-                    message="no verdict by the deadline (is a worker running?); the request "
-                    f"is still tracked: GET /reach/requests/{handle.id}",
-                    retryable=True,
-                ),
+            if self._drain_by is not None:
+                return _running(
+                    handle.id,
+                    now_ms,
+                    "unavailable",
+                    "this gateway is stopping before the verdict; the request goes on and any "
+                    f"gateway answers for it: GET /reach/requests/{handle.id}",
+                )
+            return _running(
+                handle.id,
+                now_ms,
+                "timeout",
+                "no verdict by the deadline (is a worker running?); the request "
+                f"is still tracked: GET /reach/requests/{handle.id}",
             )
+        finally:
+            self._waits.discard(scope)
+
+
+def _running(request_id: str, now_ms: int, kind: ErrorType, message: str) -> InvokeResponse:
+    return InvokeResponse(
+        request_id=request_id,
+        status="running",
+        duration_ms=int(time.time() * 1000) - now_ms,
+        error=ErrorInfo(type=kind, message=message, retryable=True),
+    )

@@ -125,6 +125,15 @@ class TransportSettings(Section):
     max_pools: int = Field(
         default=1024, ge=1, description="Most agent addresses with open connections at once."
     )
+    drain_s: float = Field(
+        default=20.0,
+        ge=0,
+        le=3600,
+        description="When the gateway stops (SIGTERM), synchronous waits in flight are let "
+        "finish this long at most; one still open is then answered `running` (504) with its "
+        "RequestID, and the request goes on. Keep it below the platform's stop grace "
+        "(Kubernetes: terminationGracePeriodSeconds).",
+    )
     # The gateway's own HTTP port (gateway_api.http_limits): what a connection may hold.
     http_keep_alive_s: int = Field(
         default=75,

@@ -403,6 +403,8 @@ def test_pods_read_valid_settings_that_match_their_ports(
     pause = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
     grace = gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace >= pause + max(deadlines) / 1000 + 10
+    # And the gateway's own bound on what it lets finish (transport.drain_s, plus uvicorn's 5 s).
+    assert grace >= pause + settings.transport.drain_s + 5 + 10
     for worker in workers(objects):
         worker_settings = pod_settings(overlay, objects, worker, tmp_path, monkeypatch)
         assert worker_settings.registry.type == "redis"
