@@ -19,6 +19,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities._conversations import check_follow_up, keep_owner
+from activities._progress import Recorder, recording
 from activities._sent import NotSent, claim_send, idempotent
 from activities.telemetry import traced_call
 from agent_reach_proto import wire
@@ -226,6 +227,7 @@ class ReachActivities:
         failed = False  # the agent's fault: its latency is then counted as high (routing)
         called: float | None = None  # when the connector call began (metrics)
         outcome = "cancelled"
+        recorder: Recorder | None = None
         try:
             if inp.check_first:
                 # A regular activity runs once per scheduling, so only a local one can be a
@@ -246,14 +248,17 @@ class ReachActivities:
             if self.metrics is not None and header.attempt > 1:
                 self.metrics.retry(endpoint.capability)
             called = time.perf_counter()
-            if tracing.tracer is not None:  # a client span: the agent's span is its child
-                reply = await traced_call(tracing.tracer, connector, inp, _awaited)
-            else:
-                work = connector.invoke(endpoint, inp.message, inp.timeout_ms / 1000)
-                if activity.info().is_local:
-                    reply = await work
+            if connector.reports_progress:  # its notes go to the request's timeline
+                recorder = Recorder(self.policy.state, inp)
+            with recording(recorder):
+                if tracing.tracer is not None:  # a client span: the agent's span is its child
+                    reply = await traced_call(tracing.tracer, connector, inp, _awaited)
                 else:
-                    reply = await _heartbeating(work)
+                    work = connector.invoke(endpoint, inp.message, inp.timeout_ms / 1000)
+                    if activity.info().is_local:
+                        reply = await work
+                    else:
+                        reply = await _heartbeating(work)
             outcome = "success"
         except StaleRoute as stale:
             raise ApplicationError(str(stale), type=STALE_ROUTE, non_retryable=True) from stale
@@ -271,6 +276,8 @@ class ReachActivities:
             raise _internal(f"call to {inp.endpoint.instance_id}", exc) from exc
         finally:
             self.router.inflight.end(inflight, failed=failed)
+            if recorder is not None:
+                await recorder.close()
             if called is not None and self.metrics is not None:
                 seconds = time.perf_counter() - called
                 self.metrics.agent_call(endpoint.capability, endpoint.protocol, outcome, seconds)

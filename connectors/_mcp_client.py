@@ -28,9 +28,12 @@ import httpx
 
 from connectors import _mcp_wire as w
 from reach.errors import AgentError, TransportError
+from reach.messages import dumps
 
 log = logging.getLogger("connectors.mcp")
 
+# Answers to requests a server sends mid-call (sampling, elicitation) in flight at once.
+MAX_ANSWERS = 64
 # Ids of the JSON-RPC requests this process sends (each server sees them unique per session).
 _IDS = itertools.count(1)
 
@@ -86,6 +89,7 @@ class McpServer:
         # Callers past the pool's connections wait here, not in httpcore's pool, whose work
         # grows with waiting requests times connections (connectors/http.py measured it).
         self._slots = asyncio.Semaphore(connections)
+        self._answers: set[asyncio.Task[None]] = set()  # refusals of requests sent mid-call
 
     @property
     def where(self) -> str:
@@ -129,11 +133,37 @@ class McpServer:
                 if rpc_id is None:
                     return {}, response.headers
                 result = await w.read_answer(
-                    response, rpc_id, limit, self.where, on_notification, budget
+                    response,
+                    rpc_id,
+                    limit,
+                    self.where,
+                    on_notification,
+                    budget,
+                    on_request=lambda asked: self._answer_later(negotiated, asked),
                 )
                 return result, response.headers
             finally:
                 await response.aclose()
+
+    def _answer_later(self, negotiated: Negotiated | None, asked: dict[str, Any]) -> None:
+        """Answer a request the server sent on a response stream (`_mcp_wire.refusal_of`), off
+        the stream's reader and outside the call slots (the call waiting on it holds one); at
+        most `MAX_ANSWERS` at once per server, past them a request is left unanswered."""
+        answer = w.refusal_of(asked)
+        if answer is None or len(self._answers) >= MAX_ANSWERS:
+            return
+        log.info("%s asked Reach for %s mid-call; refused", self.where, str(asked["method"])[:80])
+        task = asyncio.get_running_loop().create_task(self._send_answer(negotiated, answer))
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+
+    async def _send_answer(self, negotiated: Negotiated | None, answer: dict[str, Any]) -> None:
+        version = negotiated.version if negotiated is not None else None
+        session = negotiated.session if negotiated is not None else None
+        headers = w.request_headers(version, session, "", None)
+        headers.pop(w.H_METHOD, None)
+        with contextlib.suppress(Exception):
+            await self.http.post(self.url, content=dumps(answer), headers=headers, timeout=5.0)
 
     # -- negotiation -----------------------------------------------------------------------------
 
@@ -310,4 +340,6 @@ class McpServer:
             headers = w.request_headers(negotiated.version, negotiated.session, "", None)
             with contextlib.suppress(Exception):
                 await self.http.delete(self.url, headers=headers, timeout=1.0)
+        for task in list(self._answers):
+            task.cancel()
         await self.http.aclose()

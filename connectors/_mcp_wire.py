@@ -165,10 +165,12 @@ async def read_answer(
     where: str,
     on_notification: Callable[[dict[str, Any]], None] | None = None,
     budget: Budget | None = None,
+    on_request: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The JSON-RPC response to request `rpc_id` in `response` (a 2xx): its `result`, or the
     typed error its `error` stands for. Notifications on an SSE stream (progress) go to
-    `on_notification`; a request the server sends back (sampling, elicitation) is not served.
+    `on_notification`; a request the server sends back (sampling, elicitation, ping) to
+    `on_request`, which answers it (`refusal_of`: Reach has no model and no user to ask).
     `budget`: what the whole response may read (else only each message is bounded)."""
     kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind == "text/event-stream":
@@ -183,6 +185,8 @@ async def read_answer(
                     return outcome(message, where, response.status_code)
                 if "method" in message and on_notification is not None and "id" not in message:
                     on_notification(message)
+                elif "method" in message and on_request is not None and "id" in message:
+                    on_request(message)
             if budget is not None:
                 budget.skip(where)
             await pace.tick()
@@ -196,6 +200,26 @@ async def read_answer(
     if not isinstance(message, dict):
         raise AgentError(f"{where} answered with JSON that is not one JSON-RPC response")
     return outcome(message, where, response.status_code)
+
+
+def refusal_of(request: dict[str, Any]) -> dict[str, Any] | None:
+    """Reach's answer to a request a server sent it mid-call: a `ping` is answered; anything
+    else (sampling/createMessage, elicitation/create, roots/list) is JSON-RPC error -32601
+    naming why, so the server's tool goes on (or fails) at once rather than waiting for an
+    answer that never comes. None: an id JSON-RPC does not allow (nothing can answer it)."""
+    rpc_id = request.get("id")
+    if isinstance(rpc_id, bool) or not isinstance(rpc_id, str | int):
+        return None
+    method = str(request.get("method"))[:80]
+    if method == "ping":
+        return {"jsonrpc": "2.0", "id": rpc_id, "result": {}}
+    error = {
+        "code": METHOD_NOT_FOUND,
+        "message": f"Agent-Reach does not serve {method!r}: it calls tools on behalf of its "
+        "callers and has no model to sample and no user to ask (it declares no sampling, "
+        "elicitation or roots capability)",
+    }
+    return {"jsonrpc": "2.0", "id": rpc_id, "error": error}
 
 
 def outcome(message: dict[str, Any], where: str, status: int) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class Connector(ABC):
         self.stats = stats if stats is not None else ConnectionStats()
         # mTLS to agents and the allowed networks (reach.security); defaults: off, global only.
         self.security = security if security is not None else SecuritySettings()
+        self._watchers: list[Callable[[str], None]] = []  # `watch`
 
     @classmethod
     def check_address(cls, address: str) -> str:
@@ -77,6 +78,11 @@ class Connector(ABC):
     # shared store first and never sends one again that a lost process may have sent.
     deduplicates: ClassVar[bool] = True
 
+    # True: this protocol's agents report a call's progress (MCP's notifications/progress):
+    # the connector hands each to `reach.progress.report`, and the activity keeps a bounded
+    # record of them for the request's timeline. False: no record is set up for its calls.
+    reports_progress: ClassVar[bool] = False
+
     # True: this protocol's instances do not Join or heartbeat (A2A agents, MCP servers); they
     # are registered by URL (`POST /reach/agents`, `reach.yaml`, `reach agents add`), described
     # by `discover`, and kept alive by a probe that calls `discover` every heartbeat_interval.
@@ -91,6 +97,18 @@ class Connector(ABC):
         Called at registration and by the liveness probe; only for `registered_by_url`
         protocols."""
         raise NotImplementedError(f"{self.protocol} instances join; they are not discovered")
+
+    def watch(self, changed: Callable[[str], None]) -> None:
+        """Call `changed(address)` whenever an instance at `address` says that what it serves
+        changed (an MCP server's `notifications/tools/list_changed` on a call's stream), so
+        the prober of this process discovers it again at once rather than at its next round.
+        Only `registered_by_url` protocols ever call it."""
+        self._watchers.append(changed)
+
+    def changed(self, address: str) -> None:
+        """Tell the watchers (`watch`) that the instance at `address` changed what it serves."""
+        for watcher in self._watchers:
+            watcher(address)
 
     def continues(self, message: Message) -> list[str]:
         """The agent's own task or context ids `message` continues (an A2A follow-up's): Reach

@@ -35,6 +35,7 @@ from connectors._pools import ConnectionStats, Pools
 from connectors._tls import public_context
 from connectors.base import PooledConnector
 from connectors.http import map_httpx_exceptions
+from reach import progress
 from reach.config import SecuritySettings, TransportSettings
 from reach.errors import AgentError, DeadlineExceeded, InvalidRequest, TransportError
 from reach.invocation import Endpoint
@@ -78,6 +79,7 @@ class McpConnector(PooledConnector):
     protocol = "mcp"
     deduplicates = False  # an MCP server runs a tools/call sent twice twice
     registered_by_url = True
+    reports_progress = True  # notifications/progress, for the request's timeline
 
     def __init__(
         self,
@@ -113,7 +115,7 @@ class McpConnector(PooledConnector):
         self._pools: Pools[McpServer] = self._new_pools(make, _close)
         self._unknown: OrderedDict[str, None] = OrderedDict()
         self._cancels: set[asyncio.Task[None]] = set()
-        self.progress_seen = 0  # progress notifications read (not yet shown anywhere else)
+        self.progress_seen = 0  # progress notifications read (each to reach.progress.report)
 
     @classmethod
     def check_address(cls, address: str) -> str:
@@ -203,7 +205,7 @@ class McpConnector(PooledConnector):
                         limit=w.read_limit(limit),
                         name=header.operation,
                         meta=reach_meta(header),
-                        on_notification=self._progress,
+                        on_notification=lambda heard: self._heard(endpoint.address, heard),
                         sent=sent,
                         tasks=True,
                     )
@@ -277,10 +279,16 @@ class McpConnector(PooledConnector):
         """Ask the server to stop the task (`tasks/cancel`; cooperative: it may finish anyway)."""
         await self._task_request(endpoint, "tasks/cancel", handle, timeout_s)
 
-    def _progress(self, notification: dict[str, Any]) -> None:
-        if notification.get("method") == "notifications/progress":
+    def _heard(self, address: str, notification: dict[str, Any]) -> None:
+        """A notification on a call's stream: progress goes to the request's record (the
+        activity's sink), a changed tool list to this process's prober (`Connector.watch`)."""
+        method = notification.get("method")
+        if method == "notifications/progress":
             self.progress_seen += 1
-            log.debug("progress: %s", notification.get("params"))
+            progress.report(notification.get("params"))
+        elif method == "notifications/tools/list_changed":
+            log.info("MCP server at %s says its tools changed", address)
+            self.changed(address)
 
     def _remember(self, request_id: str) -> None:
         self._unknown[request_id] = None

@@ -22,6 +22,11 @@ probe slots, and instances whose last probe here succeeded go first: a few hundr
 registrations that accept connections and never answer no longer keep every other instance
 waiting for a slot until its record expires.
 
+An instance that says what it serves changed (an MCP server's `notifications/tools/list_changed`
+on a call's stream, read by this process's connector: `Connector.watch`) is probed again at
+once, outside the rounds, at most every `PROMPT_EVERY_S` (a server repeating it is probed once
+a second, not once a notification), and again after a probe that was already running.
+
 The first failure after a success (and the first success after a failure) is logged and
 audited (`probe_failed`, `probe_recovered`), once per transition in each gateway; every
 outcome is counted (`reach_probes_total`). An instance whose id another process joined
@@ -36,6 +41,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import connectors
 from gateway_api.services.remote import Remote
 from reach.config import ReachSettings
 from reach.errors import ReachError, UnknownInstance
@@ -57,6 +63,9 @@ MAX_PROBES_IN_FLIGHT = 32
 MAX_PROBES_PER_OWNER = MAX_PROBES_IN_FLIGHT // 4
 """Of those, what one owner's instances may hold (`owner_of`): 300 registrations that never
 answer took an instance of another capability out of routing most of the time."""
+
+PROMPT_EVERY_S = 1.0
+"""An instance that says it changed is probed at once, at most this often."""
 
 Clock = Callable[[], float]
 
@@ -103,6 +112,12 @@ class Prober:
         # on time for the others and leave it out until it ends.
         self.inflight: set[str] = set()
         self._rounds: set[asyncio.Task[dict[str, str]]] = set()
+        # What the last round read, for the connectors' word that an instance changed.
+        self._registrations: dict[str, Registration] = {}
+        self._watched: set[int] = set()  # id() of the connectors told to `watch`
+        self._soon: dict[str, asyncio.TimerHandle] = {}  # instance_id -> its prompt probe
+        self._prompted: dict[str, float] = {}  # instance_id -> loop time of its last one
+        self._prompts: set[asyncio.Task[None]] = set()
 
     @property
     def registry(self) -> Registry:
@@ -114,7 +129,10 @@ class Prober:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="reach-prober")
 
     async def aclose(self) -> None:
-        tasks = [t for t in (self._task, *self._rounds) if t is not None]
+        for handle in self._soon.values():
+            handle.cancel()
+        self._soon.clear()
+        tasks = [t for t in (self._task, *self._rounds, *self._prompts) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -122,8 +140,90 @@ class Prober:
                 await task
         self._task = None
         self._rounds.clear()
+        self._prompts.clear()
+
+    # -- an instance's own word that it changed ----------------------------------------------
+
+    def _watch(self, registrations: dict[str, Registration]) -> None:
+        self._registrations = registrations
+        for protocol in {r.protocol for r in registrations.values()}:
+            try:
+                connector = self.remote.connector(protocol)
+            except ReachError:
+                continue
+            if id(connector) not in self._watched:
+                self._watched.add(id(connector))
+                connector.watch(self.changed)
+
+    def _watch_all(self) -> None:
+        """Watch every protocol whose instances are registered by URL (at start: an instance
+        registered before the first round is watched too)."""
+        for protocol in sorted(connectors.available()):
+            try:
+                if not self.remote.agents.connector_class(protocol).registered_by_url:
+                    continue
+                connector = self.remote.connector(protocol)
+            except Exception:  # a plug-in that cannot load is the registration's to report
+                continue
+            if id(connector) not in self._watched:
+                self._watched.add(id(connector))
+                connector.watch(self.changed)
+
+    def changed(self, address: str) -> None:
+        """The instances at `address` changed what they serve: probe them soon (now, unless
+        one was prompted less than `PROMPT_EVERY_S` ago)."""
+        found = [r for r in self._registrations.values() if r.address == address]
+        if not found:  # registered since the last round: read the registrations first
+            task = asyncio.get_running_loop().create_task(self._changed_unknown(address))
+            self._prompts.add(task)
+            task.add_done_callback(self._prompts.discard)
+        for registration in found:
+            self._probe_soon(registration.instance_id)
+
+    async def _changed_unknown(self, address: str) -> None:
+        try:
+            self._registrations = await self.remote.registrations()
+        except ReachError:
+            return
+        for registration in self._registrations.values():
+            if registration.address == address:
+                self._probe_soon(registration.instance_id)
+
+    def _probe_soon(self, instance_id: str) -> None:
+        if instance_id in self._soon:
+            return  # one is due already
+        loop = asyncio.get_running_loop()
+        last = self._prompted.get(instance_id)
+        wait = 0.0 if last is None else max(0.0, last + PROMPT_EVERY_S - loop.time())
+        self._soon[instance_id] = loop.call_later(wait, self._prompt, instance_id)
+
+    def _prompt(self, instance_id: str) -> None:
+        del self._soon[instance_id]
+        loop = asyncio.get_running_loop()
+        self._prompted[instance_id] = loop.time()
+        task = loop.create_task(self._prompt_probe(instance_id))
+        self._prompts.add(task)
+        task.add_done_callback(self._prompts.discard)
+
+    async def _prompt_probe(self, instance_id: str) -> None:
+        registration = self._registrations.get(instance_id)
+        if registration is None:
+            return
+        if instance_id in self.inflight:  # it may have asked before the change: again after
+            self._probe_soon(instance_id)
+            return
+        try:
+            record = (await self.registry.get_many([instance_id]))[0]
+        except ReachError as exc:
+            log.warning("prompt probe of %s skipped: %s", instance_id, exc.message)
+            return
+        if record is not None and not record.registered_by_url:
+            return
+        outcome = await self._bounded(registration, record)
+        log.info("instance=%s said its tools changed; probed at once: %s", instance_id, outcome)
 
     async def _run(self) -> None:
+        self._watch_all()
         if self.settings.agents:
             joined = await self.remote.register_configured(self.settings.agents)
             log.info(
@@ -151,8 +251,11 @@ class Prober:
         for one another gateway probed in the last half interval, `in_flight` for one whose
         last probe here has not ended, `taken` for an id another process joined under)."""
         registrations = await self.remote.registrations()
+        self._watch(registrations)
         for gone in set(self.failing) - set(registrations):
             del self.failing[gone]
+        for gone in set(self._prompted) - set(registrations):
+            del self._prompted[gone]
         owners = {owner_of(r) for r in registrations.values()}
         for owner in set(self._owner_slots) - owners:
             if not self._owner_slots[owner].locked():

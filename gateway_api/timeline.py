@@ -27,20 +27,35 @@ from temporalio.exceptions import (
 )
 from temporalio.service import RPCError, RPCStatusCode
 
-from reach.errors import UnknownRequest
+from reach import progress
+from reach.errors import ReachError, UnknownRequest
 from reach.invocation import WORKFLOW_INVOKE, delivery_workflow_id
+from reach.policy.state import PolicyState
 from reach.security.tokens import Principal
-from reach.timeline import PENDING_ACTIVITY, HistoryEvent, Timeline, build_timeline, failure_dict
+from reach.timeline import (
+    PENDING_ACTIVITY,
+    HistoryEvent,
+    Timeline,
+    build_timeline,
+    failure_dict,
+    with_progress,
+)
 from workflows.invoke import SA_CALLER
 
 _PREFIX = "EVENT_TYPE_"
 
 
 async def read_timeline(
-    client: Client, request_id: str, principal: Principal | None, rpc_timeout: timedelta
+    client: Client,
+    request_id: str,
+    principal: Principal | None,
+    rpc_timeout: timedelta,
+    state: PolicyState | None = None,
 ) -> Timeline:
     """The request's timeline. With tokens required only its caller (or an admin) may read
-    it; to anyone else it does not exist (as GET /reach/requests/{id})."""
+    it; to anyone else it does not exist (as GET /reach/requests/{id}). `state`: the policy
+    state holding its calls' progress notes (`reach.progress`), merged in as `progress`
+    events; None: none shown."""
     handle = client.get_workflow_handle(request_id)
     desc = await _describe(client, request_id, rpc_timeout)
     if desc is None or desc.workflow_type != WORKFLOW_INVOKE:
@@ -60,7 +75,18 @@ async def read_timeline(
         # Closed in a way history did not spell out (e.g. continued as new): say how.
         name = desc.status.name.lower() if desc.status else "closed"
         timeline.status = "timeout" if name == "timed_out" else "error"
+    if state is not None:
+        timeline = await _with_progress(timeline, state, request_id)
     return timeline
+
+
+async def _with_progress(timeline: Timeline, state: PolicyState, request_id: str) -> Timeline:
+    try:
+        raw = await state.peek(progress.progress_key(request_id))
+    except ReachError:  # the store is down: the history's story still stands
+        return timeline
+    count, notes = progress.decode(raw)
+    return with_progress(timeline, count, notes)
 
 
 async def _describe(

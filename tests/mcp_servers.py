@@ -15,7 +15,9 @@ restarts; `sleep_s` holds it after), `slow` (reports progress, sleeps; a cancell
 recorded), `fail` (answers isError), `long_task` (2026-07-28 with the tasks extension
 declared: answered with a task that completes after `seconds`, followed by tasks/get and
 stopped by tasks/cancel — the SDK has no tasks receiver, so this server's own code serves the
-extension; otherwise it just runs). `GET /_seen` tells what the server received: each
+extension; otherwise it just runs), `ask_model` and `ask_user` (ask the client for sampling or
+elicitation mid-call), `grow` (adds the tool it names and sends `notifications/tools/list_changed`
+on the call's stream). `GET /_seen` tells what the server received: each
 JSON-RPC method with its `_meta` and session header, and the tool calls that were cancelled.
 
 `McpServerProcess` starts one and restarts, kills and asks it.
@@ -28,13 +30,15 @@ import asyncio
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp_types import ToolAnnotations
+from mcp_types import SamplingMessage, TextContent, ToolAnnotations, ToolListChangedNotification
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -42,6 +46,12 @@ if TYPE_CHECKING:  # the server process itself imports none of the tests' helper
     from tests.helpers import Proc
 
 SEEN: list[dict[str, Any]] = []
+
+
+class Answer(BaseModel):
+    answer: str
+
+
 CANCELLED: list[str] = []
 
 
@@ -93,6 +103,32 @@ def build(mode: str, calls: Path) -> Any:
     async def long_task(seconds: float) -> str:
         await asyncio.sleep(seconds)
         return "finished"
+
+    @server.tool(description="Ask the client's model (sampling/createMessage).")
+    async def ask_model(question: str, ctx: Context) -> str:
+        message = SamplingMessage(role="user", content=TextContent(type="text", text=question))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # sampling is deprecated from 2026-07-28 on
+            got = await ctx.session.create_message(
+                [message], max_tokens=16, related_request_id=ctx.request_id
+            )
+        return str(got.content)
+
+    @server.tool(description="Ask the user (elicitation/create).")
+    async def ask_user(question: str, ctx: Context) -> str:
+        got = await ctx.elicit(question, schema=Answer)
+        return f"{got.action}"
+
+    @server.tool(description="Add a tool, and say on the call's stream that the list changed.")
+    async def grow(name: str, ctx: Context) -> str:
+        def grown() -> str:
+            return "grown"
+
+        server.add_tool(grown, name=name, description="Added at run time.")
+        await ctx.session.send_notification(
+            ToolListChangedNotification(), related_request_id=ctx.request_id
+        )
+        return "grown"
 
     app = server.streamable_http_app(stateless_http=mode == "stateless")
 

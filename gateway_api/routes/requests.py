@@ -99,7 +99,13 @@ async def get_timeline(
     request_id: RequestIdPath, gateway: GatewayDep, reader: ReaderDep
 ) -> Timeline:
     try:
-        return await timeline.read_timeline(gateway.client, request_id, reader, gateway.rpc_timeout)
+        return await timeline.read_timeline(
+            gateway.client,
+            request_id,
+            reader,
+            gateway.rpc_timeout,
+            gateway.views.policy.state,
+        )
     except UnknownRequest:
         # Refused at this gateway's door: it never started, and the 404 says so and why.
         refused = gateway.guard.refusals.get(request_id, reader) if gateway.guard else None

@@ -384,5 +384,9 @@ class RedisPolicyState(PolicyState):
             held = await self._r.get(self._k("claim", key))
         return None if held is None else str(held)
 
+    async def put(self, key: str, value: str, ttl_s: float) -> None:
+        with unavailable_on_error(self._p):
+            await self._r.set(self._k("claim", key), value, px=ttl_ms(ttl_s))
+
     async def release(self, key: str, value: str) -> bool:
         return bool(await self._run(self._release, [self._k("claim", key)], [value]))

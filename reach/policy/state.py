@@ -112,6 +112,11 @@ class PolicyState(ABC):
         """What `key` holds now, if anything."""
 
     @abstractmethod
+    async def put(self, key: str, value: str, ttl_s: float) -> None:
+        """Set `key` to `value` whatever it holds (TTL `ttl_s`): a record one writer keeps
+        up to date (a call's progress, `reach.progress`), read with `peek`."""
+
+    @abstractmethod
     async def buckets(self, keys: Sequence[str]) -> dict[str, float]:
         """Tokens now in each bucket that exists (for display)."""
 
@@ -395,6 +400,11 @@ class MemoryPolicyState(PolicyState):
     async def peek(self, key: str) -> str | None:
         held = self._claims.get(key)
         return held[0] if held is not None and self._clock() < held[1] else None
+
+    async def put(self, key: str, value: str, ttl_s: float) -> None:
+        now = self._clock()
+        self._sweep(now)
+        self._claims[key] = (value, now + ttl_s)
 
     async def release(self, key: str, value: str) -> bool:
         held = self._claims.get(key)

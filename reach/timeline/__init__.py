@@ -16,7 +16,8 @@ and never go backwards, so a small skew between machines cannot reorder the stor
 Event kinds: accepted, instance_chosen, routing_failed, sent, waiting_for_worker,
 attempt_succeeded, attempt_accepted, attempt_failed, rerouted, backoff, redeliver, store_wait,
 wait, in_flight, rate_limited, token, idempotency, released, late_answer, result, timeout, ended,
-callback, callback_retrying, callback_pending, callback_delivered, callback_given_up.
+callback, callback_retrying, callback_pending, callback_delivered, callback_given_up; and
+progress (an agent's own report while a call ran: `reach.progress`, merged by `with_progress`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from reach.timeline._model import (
     error_of,
     failure_dict,
 )
+from reach.timeline._progress import with_progress
 
 __all__ = [
     "LOCAL_ACTIVITY_MARKER",
@@ -41,6 +43,7 @@ __all__ = [
     "build_timeline",
     "error_of",
     "failure_dict",
+    "with_progress",
 ]
 
 

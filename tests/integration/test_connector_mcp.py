@@ -85,7 +85,10 @@ async def test_tools_are_discovered_as_operations(
 ) -> None:
     found = await connector.discover(servers[mode].url)
     ops = {op.name: op for op in found.operations}
-    assert set(ops) == {"echo", "lookup", "put", "count", "slow", "fail", "long_task"}
+    assert set(ops) == {
+        *("echo", "lookup", "put", "count", "slow", "fail", "long_task"),
+        *("ask_model", "ask_user", "grow"),
+    }
     # Annotations decide: readOnlyHint or idempotentHint is idempotent, nothing else is.
     assert {name for name, op in ops.items() if op.idempotent} == {"lookup", "put"}
     assert ops["echo"].description == "Say the text back."

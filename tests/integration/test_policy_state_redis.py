@@ -28,6 +28,7 @@ from reach.policy.state import (
 )
 from reach.store import MemoryStore
 from reach.store.redis import RedisStore
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -169,6 +170,22 @@ async def test_claims_are_set_if_absent_and_released_only_by_their_holder(
     assert await state.release("k", "first")
     assert not await state.release("k", "first")
     assert await state.claim("k", "second", ttl_s=60) == "second"
+
+
+async def test_a_put_overwrites_whatever_the_key_holds_and_peek_reads_it(
+    state: PolicyState,
+) -> None:
+    assert await state.peek("progress:r") is None
+    await state.put("progress:r", "one", ttl_s=60)
+    await state.put("progress:r", "two", ttl_s=60)
+    assert await state.peek("progress:r") == "two"
+    assert await state.claim("progress:r", "three", ttl_s=60) == "two"
+    await state.put("progress:r", "gone", ttl_s=0.05)
+    await wait_until(lambda: _absent(state, "progress:r"), 5)
+
+
+async def _absent(state: PolicyState, key: str) -> bool:
+    return await state.peek(key) is None
 
 
 # --- Redis, with real (short) durations -----------------------------------------------------

@@ -34,6 +34,7 @@ from reach.registry.models import Discovery, OperationDeclaration
 from reach.security.tokens import Principal
 from reach.store import MemoryStore
 from reach.telemetry.metrics import ReachMetrics
+from tests.helpers import wait_until
 
 PROTOCOL = "fakeurl"
 
@@ -479,3 +480,34 @@ async def test_one_principal_registers_a_bounded_number_of_instances(
     await agents.remote.register(body("fake://a3"), None)  # an admin's are not counted
     assert await agents.leave(first.instance_id, alice)
     await agents.remote.register(body("fake://a3", instance_id="alice-3"), alice)
+
+
+async def test_an_instance_saying_it_changed_is_probed_at_once_and_at_most_every_second() -> None:
+    agents, registry, _ = gateway_parts(heartbeat_interval=30.0, heartbeat_timeout=120.0)
+    FakeUrlConnector.ANSWERS["fake://one"] = served("v1", "a")
+    ack = await agents.remote.register(body(), None)
+    prober = Prober(agents.remote, agents.live.settings)
+    prober.start()  # its first round is 30 s away
+    connector = agents.remote.connector(PROTOCOL)
+    try:
+        FakeUrlConnector.ANSWERS["fake://one"] = served("v2", "a", "b")
+        asked = len(FakeUrlConnector.asked)
+
+        async def rejoined() -> bool:
+            record = await registry.get(ack.instance_id)
+            return record is not None and record.operations == ["a", "b"]
+
+        await asyncio.sleep(0)  # the loop starts: it watches the connectors first
+        connector.changed("fake://one")  # before any round read the registrations
+        await wait_until(rejoined, 5)
+        assert len(FakeUrlConnector.asked) == asked + 1
+        first = time.monotonic()
+        # Said again and again: one more probe, a second after the last, not one each time.
+        for _ in range(5):
+            connector.changed("fake://one")
+        connector.changed("fake://nobody")  # not registered: nothing
+        await wait_until(lambda: len(FakeUrlConnector.asked) >= asked + 2, 10)
+        assert time.monotonic() - first >= 0.5
+        assert len(FakeUrlConnector.asked) == asked + 2
+    finally:
+        await prober.aclose()

@@ -1,0 +1,79 @@
+"""Recording a call's progress (`reach.progress`) in the shared policy state while it runs.
+
+The connector hands each progress notification to the sink this sets for the call; the notes
+are bounded (`reach.progress.MAX_NOTES`) and written at most every `WRITE_EVERY_S`, one write
+at a time, off the call's path (a store that is slow or down delays or drops the record, never
+the call), and once more when the call ends. A call that reports nothing writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from reach import progress
+from reach.errors import ReachError
+from reach.invocation import CallInput
+from reach.policy.state import PolicyState
+
+log = logging.getLogger("reach.activities")
+
+
+class Recorder:
+    """One call's record: `note` from the connector (sync), `close` at the call's end."""
+
+    def __init__(self, state: PolicyState, inp: CallInput) -> None:
+        header = inp.message.header
+        self.state = state
+        self.key = progress.progress_key(header.request_id)
+        now_ms = time.time() * 1000
+        until_ms = max(header.deadline_ms or 0, now_ms + inp.timeout_ms)
+        self.ttl_s = (until_ms - now_ms) / 1000 + progress.KEPT_S
+        self.log = progress.ProgressLog(header.attempt, time.time)
+        self.written = 0  # notes counted in the last write
+        self.last_write = 0.0  # loop time
+        self.writing: asyncio.Task[None] | None = None
+
+    def note(self, params: dict[str, Any]) -> None:
+        if not self.log.add(params):
+            return
+        loop = asyncio.get_running_loop()
+        if self.writing is None and loop.time() - self.last_write >= progress.WRITE_EVERY_S:
+            self.writing = loop.create_task(self._write())
+
+    async def _write(self) -> None:
+        self.last_write = asyncio.get_running_loop().time()
+        count, encoded = self.log.count, self.log.encode()
+        try:
+            await self.state.put(self.key, encoded, self.ttl_s)
+            self.written = count
+        except ReachError as exc:
+            log.debug("progress of %s not recorded: %s", self.key, exc.message)
+        finally:
+            self.writing = None
+
+    async def close(self) -> None:
+        """The last notes written (the store's trouble is logged, not raised)."""
+        if self.writing is not None:
+            with contextlib.suppress(Exception):
+                await self.writing
+        if self.log.count > self.written:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._write(), 2.0)
+
+
+@contextlib.contextmanager
+def recording(recorder: Recorder | None) -> Iterator[None]:
+    """The connector's `reach.progress.report` goes to `recorder` within this block."""
+    if recorder is None:
+        yield
+        return
+    token = progress.SINK.set(recorder.note)
+    try:
+        yield
+    finally:
+        progress.SINK.reset(token)

@@ -1,0 +1,39 @@
+"""Progress events: the notes an agent reported while a call ran (`reach.progress`), merged
+into a timeline by their time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reach.timeline._model import Timeline, TimelineEvent
+
+
+def _summary(note: dict[str, Any]) -> str:
+    done = f"{note['progress']:g}"
+    if note.get("total") is not None:
+        done += f" of {note['total']:g}"
+    said = f": {note['message']}" if note.get("message") else ""
+    return f"attempt {note.get('attempt', 1)} progress {done}{said}"
+
+
+def with_progress(timeline: Timeline, count: int, notes: list[dict[str, Any]]) -> Timeline:
+    """`timeline` with a `progress` event for each note, placed by its time (after the events
+    that came before it); `count` is how many came in all (the first of those kept says how
+    many earlier ones were not)."""
+    if not notes or timeline.accepted_at is None:
+        return timeline
+    base_ms = timeline.accepted_at.timestamp() * 1000
+    events = list(timeline.events)
+    dropped = max(0, count - len(notes))
+    for i, note in enumerate(sorted(notes, key=lambda n: float(n["at_ms"]))):
+        at = max(0, round(float(note["at_ms"]) - base_ms))
+        keys = ("attempt", "progress", "total", "message")
+        detail: dict[str, Any] = {k: note[k] for k in keys if k in note}
+        if i == 0 and dropped:
+            detail["earlier_not_kept"] = dropped
+        event = TimelineEvent(at_ms=at, kind="progress", summary=_summary(note), detail=detail)
+        place = len(events)
+        while place > 0 and events[place - 1].at_ms > at:
+            place -= 1
+        events.insert(place, event)
+    return timeline.model_copy(update={"events": events})

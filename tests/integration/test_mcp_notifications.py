@@ -1,0 +1,180 @@
+"""What an MCP server says mid-call, against real servers (the `mcp` package's) and a real
+gateway on the Temporal dev server: its progress shows in the request's timeline, its word that
+its tools changed has them discovered again at once, and its requests for a model or a user
+(sampling, elicitation) are refused at once instead of holding the call to its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from connectors.mcp import McpConnector
+from reach import progress
+from reach.errors import AgentError
+from reach.invocation import Endpoint
+from tests.conftest import new_stack
+from tests.helpers import GatewayProcess, message, rid, wait_until
+from tests.integration.test_connector_mcp import registered
+from tests.mcp_servers import McpServerProcess
+
+pytestmark = pytest.mark.integration
+
+MODES = ("stateless", "session")
+
+
+@pytest.fixture(scope="module")
+async def servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("mcp")
+    running = {mode: McpServerProcess(tmp, mode).start() for mode in MODES}
+    try:
+        await asyncio.gather(*(s.ready() for s in running.values()))
+        yield running
+    finally:
+        for server in running.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+async def gateway(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[GatewayProcess]:
+    """A gateway whose probes are a minute apart (records live five): a tool list found
+    changed within seconds was found by the server's word, not by a round."""
+    stack = new_stack(
+        temporal_server,
+        tmp_path_factory.mktemp("stack"),
+        heartbeat_interval=60.0,
+        heartbeat_timeout=300.0,
+    )
+    async with GatewayProcess(stack) as gw:
+        yield gw
+
+
+async def test_progress_shows_in_the_timeline_while_the_call_runs_and_after(
+    gateway: GatewayProcess,
+    http: httpx.AsyncClient,
+    servers: dict[str, McpServerProcess],
+    capability: str,
+) -> None:
+    for mode in MODES:
+        async with registered(http, gateway, servers[mode], f"{capability}-{mode}"):
+            request_id = rid()
+            body = {
+                "target": f"{capability}-{mode}",
+                "operation": "slow",
+                "payload": {"seconds": 3.0},
+                "request_id": request_id,
+            }
+            call = asyncio.create_task(http.post(f"{gateway.url}/reach/invoke", json=body))
+            url = f"{gateway.url}/reach/requests/{request_id}/timeline"
+
+            async def progress_while_running(url: str = url) -> bool:
+                r = await http.get(url)
+                if r.status_code != 200:
+                    return False
+                story = r.json()
+                kinds = [e["kind"] for e in story["events"]]
+                return story["status"] == "running" and "progress" in kinds
+
+            await wait_until(progress_while_running, 15)
+            r = await call
+            assert r.status_code == 200, r.text
+            story = (await http.get(url)).json()
+            notes = [e for e in story["events"] if e["kind"] == "progress"]
+            # The server reports every 50 ms: the last MAX_NOTES are kept, the rest counted.
+            assert len(notes) == progress.MAX_NOTES, mode
+            assert notes[0]["detail"]["earlier_not_kept"] > 0
+            assert all(n["detail"]["total"] == 3.0 for n in notes)
+            assert notes[-1]["detail"]["progress"] > notes[0]["detail"]["progress"]
+            assert notes[0]["summary"].startswith("attempt 1 progress ")
+            # Placed by time: after the call was sent, before its result.
+            kinds = [e["kind"] for e in story["events"]]
+            assert kinds.index("sent") < kinds.index("progress")
+            assert max(i for i, k in enumerate(kinds) if k == "progress") < kinds.index("result")
+
+
+async def test_a_tool_call_that_reports_nothing_leaves_no_record(
+    gateway: GatewayProcess,
+    http: httpx.AsyncClient,
+    servers: dict[str, McpServerProcess],
+    capability: str,
+) -> None:
+    async with registered(http, gateway, servers["session"], capability):
+        request_id = rid()
+        body = {
+            "target": capability,
+            "operation": "echo",
+            "payload": {"text": "hi"},
+            "request_id": request_id,
+        }
+        r = await http.post(f"{gateway.url}/reach/invoke", json=body)
+        assert r.status_code == 200, r.text
+        story = (await http.get(f"{gateway.url}/reach/requests/{request_id}/timeline")).json()
+        assert "progress" not in [e["kind"] for e in story["events"]]
+
+
+async def test_a_changed_tool_list_is_discovered_at_once_on_the_servers_word(
+    gateway: GatewayProcess,
+    http: httpx.AsyncClient,
+    servers: dict[str, McpServerProcess],
+    capability: str,
+) -> None:
+    for mode in MODES:
+        cap = f"{capability}-{mode}"
+        async with registered(http, gateway, servers[mode], cap):
+            shown = (await http.get(f"{gateway.url}/reach/capabilities/{cap}")).json()
+            new_tool = f"grown_{mode}"
+            assert new_tool not in shown["instances"][0]["declared"]
+            started = time.monotonic()
+            body = {"target": cap, "operation": "grow", "payload": {"name": new_tool}}
+            r = await http.post(f"{gateway.url}/reach/invoke", json=body)
+            assert r.status_code == 200, r.text
+
+            async def listed(cap: str = cap, new_tool: str = new_tool) -> bool:
+                got = (await http.get(f"{gateway.url}/reach/capabilities/{cap}")).json()
+                return new_tool in got["instances"][0]["declared"]
+
+            await wait_until(listed, 20)
+            # Probes are a minute apart here: this was the server's word, not a round.
+            assert time.monotonic() - started < 30
+            r = await http.post(
+                f"{gateway.url}/reach/invoke",
+                json={"target": cap, "operation": new_tool, "payload": {}},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["result"] == {"result": "grown"}
+
+
+def endpoint(server: McpServerProcess) -> Endpoint:
+    return Endpoint(
+        capability="cap", instance_id=f"mcp-{server.mode}", address=server.url, protocol="mcp"
+    )
+
+
+@pytest.mark.parametrize("tool", ["ask_model", "ask_user"])
+async def test_sampling_and_elicitation_are_refused_at_once(
+    servers: dict[str, McpServerProcess], tool: str
+) -> None:
+    """A session-based server asks on the call's stream and waits for an answer: Reach
+    answers -32601 at once (before, the call waited for its whole deadline). A 2026-07-28
+    server has no way to ask and fails the call itself."""
+    async with McpConnector() as connector:
+        for mode in MODES:
+            server = servers[mode]
+            started = time.monotonic()
+            with pytest.raises(AgentError) as caught:
+                await connector.invoke(
+                    endpoint(server), message(tool, {"question": "why?"}, deadline_s=60), 60
+                )
+            assert time.monotonic() - started < 30, mode
+            assert caught.value.retryable is False
+            if mode == "session":
+                assert "has no model to sample and no user to ask" in caught.value.message
+                seen = (await server.seen())["seen"]
+                answers = [s for s in seen if s["method"] is None and s["session"]]
+                assert answers, "the refusal went back in the call's session"
