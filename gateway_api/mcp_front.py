@@ -26,6 +26,9 @@ notification names it, when the client gave a `progressToken`), comments keep it
 request carries on in Temporal, `GET /reach/requests/{id}` reads its verdict from any gateway,
 and the same call repeated with `_meta["reach/requestId"]` set to that id attaches to it.
 
+**List changed.** `GET /mcp` (session-based generation): an SSE stream of
+`notifications/tools/list_changed` for the caller's tools (`gateway_api._mcp_listen`).
+
 **Auth.** Reach's bearer tokens. Without a valid one (when tokens are required) every request
 is 401 with `WWW-Authenticate: Bearer resource_metadata="..."`, pointing at the RFC 9728
 protected-resource metadata served at `/.well-known/oauth-protected-resource` (and `/mcp`
@@ -57,6 +60,7 @@ from gateway_api import _mcp_http as http
 from gateway_api import _mcp_tasks as tasks
 from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_http import host_allowed, origin_allowed
+from gateway_api._mcp_listen import Listeners
 from gateway_api._mcp_tools import Catalog, call_result, rpc_error_of
 from gateway_api.errors import CatchBugs, reach_error_of_rpc
 from gateway_api.front import Bytes
@@ -83,6 +87,8 @@ KEEPALIVE_S = 15.0
 _HOST = re.compile(r"[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](:[0-9]{1,5})?")
 # Logging and completions are declared so that clients may use them: Reach sends no log
 # messages (agents have no way to) and completes nothing (it has no prompts or resources).
+# `tools.listChanged` is true at `initialize` (the GET stream says so); 2026-07-28 has no
+# such stream (its subscriptions/listen is not offered).
 CAPABILITIES: dict[str, Any] = {"tools": {"listChanged": False}, "logging": {}, "completions": {}}
 
 
@@ -116,6 +122,7 @@ class McpFront:
         self.limit = limit
         self._catalog: tuple[Gateway, Catalog] | None = None
         self._calls: set[asyncio.Future[InvokeResponse]] = set()  # calls being streamed
+        self.listeners = Listeners(self.catalog, lambda: self.gateway.registry)  # GET streams
         self._app = CatchBugs(self._serve)  # a bug is the 500 envelope, not a dropped connection
 
     @property
@@ -141,8 +148,12 @@ class McpFront:
             elif scope["method"] == "DELETE":  # nothing is kept per session: nothing to end
                 self._identify(scope, metadata_of(scope))
                 await http.respond(send, 204, b"", {})
-            else:  # no server-initiated stream (GET): the specification's 405
-                await http.respond_json(send, 405, None, {"allow": "POST, DELETE"})
+            elif scope["method"] == "GET":  # the list-changed stream (`_mcp_listen`)
+                headers = metadata_of(scope)
+                caller = self._identify(scope, headers).caller
+                await self.listeners.get(scope, headers, caller, self.gateway.guard, receive, send)
+            else:
+                await http.respond_json(send, 405, None, {"allow": "GET, POST, DELETE"})
         except http.Answer as answer:
             await http.respond_json(send, answer.status, answer.body, answer.headers)
 
@@ -283,11 +294,12 @@ class McpFront:
                 return reply
         out: dict[str, Any]
         if method == "initialize" and not modern:
+            said = {**CAPABILITIES, "tools": {"listChanged": True}}  # on the GET stream
             out = {
                 "protocolVersion": version,
-                "capabilities": {**CAPABILITIES, "tasks": tasks.CAPABILITY_2025}
+                "capabilities": {**said, "tasks": tasks.CAPABILITY_2025}
                 if version == tasks.TASKS_2025
-                else CAPABILITIES,
+                else said,
                 "serverInfo": SERVER_INFO,
                 "instructions": INSTRUCTIONS,
                 "_headers": {"mcp-session-id": wire.new_session(version, identity.caller)},

@@ -1,0 +1,190 @@
+"""`GET /mcp` for the MCP front: the session-based generation's server-initiated SSE stream, on
+which Reach sends `notifications/tools/list_changed` when the tools the caller may call change.
+
+One stream is a held response and a wait: it costs no Temporal read and no store read of its
+own. While any stream is open, one watcher per gateway reads the catalog (`Catalog.tools`, its
+2 s cache: at most one registry read every 2 s however many streams) at once after a change this
+gateway made (`Registry.on_change`) and every `CATALOG_TTL_S` otherwise (another gateway's
+changes); when the catalog differs from the last one seen, every stream compares the caller's
+own list (`Catalog.listed_for`: rules applied) with the one it last had and says so when it
+differs. Each stream also checks on its own every `KEEPALIVE_S` (a reloaded rule changes a
+caller's list without changing the catalog), when it sends a keep-alive comment.
+
+Bounds: a caller holds at most `MAX_STREAMS_PER_CALLER` open streams on one gateway (past them
+429, Retry-After); a stream ends when its client goes away, and at once when the gateway starts
+to stop (`http_limits.DRAINING`): uvicorn would wait for every response still being sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+from gateway_api import _mcp_http as http
+from gateway_api import _mcp_wire as wire
+from gateway_api._mcp_tools import CATALOG_TTL_S, Catalog, Tool
+from gateway_api.http_limits import DRAINING
+from reach.errors import ReachError
+from reach.registry import Registry
+from reach.security.guard import Guard
+
+log = logging.getLogger("reach.gateway")
+
+MAX_STREAMS_PER_CALLER = 64
+"""Open GET streams one caller may hold on one gateway."""
+MAX_STREAM_CALLERS = 10_000
+"""Callers whose stream counts are kept before the idle ones are forgotten."""
+KEEPALIVE_S = 15.0
+LIST_CHANGED = {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}
+
+
+class Listeners:
+    """The GET streams of one gateway's MCP front."""
+
+    def __init__(self, catalog: Callable[[], Catalog], registry: Callable[[], Registry]) -> None:
+        self._catalog = catalog
+        self._registry = registry
+        self.open: dict[str, int] = {}  # caller -> its open streams here
+        self._tick = asyncio.Event()  # replaced (and the old one set) when the catalog changes
+        self._poke = asyncio.Event()  # a change this gateway made: read the catalog now
+        self._watcher: asyncio.Task[None] | None = None
+        self._watched: Registry | None = None
+
+    async def get(
+        self,
+        scope: Scope,
+        headers: dict[str, str],
+        caller: str,
+        guard: Guard | None,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """`GET /mcp` from an identified caller: its stream, or the `Answer` that says why
+        not. 2026-07-28 has no GET stream (405, as its spec says); a GET that does not accept
+        an event stream is 406, one naming a session that is not the caller's 404."""
+        if headers.get(wire.VERSION_HEADER) in wire.MODERN:
+            raise http.Answer(405, None, {"allow": "POST"})
+        if not wire.accepts(headers, "text/event-stream"):
+            said = "GET /mcp is an SSE stream: its Accept names text/event-stream"
+            raise http.Answer(406, http.refusal("invalid_request", said), {})
+        session = headers.get(wire.SESSION_HEADER)
+        if session is not None and wire.session_version(session, caller) is None:
+            gone = wire.RpcError(wire.SESSION_NOT_FOUND, "no such session: initialize again")
+            raise http.Answer(404, wire.error(None, gone), {})
+        self.room(caller)
+        await self.stream(caller, guard, receive, send, scope.get("state", {}).get(DRAINING))
+
+    def room(self, caller: str) -> None:
+        """Room for one more of the caller's streams, else the 429 `Answer`."""
+        if len(self.open) > MAX_STREAM_CALLERS:
+            self.open = {name: n for name, n in self.open.items() if n}
+        held = self.open.get(caller, 0)
+        if held >= MAX_STREAMS_PER_CALLER:
+            said = (
+                f"caller {caller!r} holds {held} open GET /mcp streams on this gateway, its "
+                "most: close one (each says only that the tools changed)"
+            )
+            body = http.refusal("rate_limited", said)
+            body["error"]["data"].update(status=429, retryable=True, retry_after_s=1)
+            raise http.Answer(429, body, {"retry-after": "1"})
+
+    def _start_watching(self) -> None:
+        registry = self._registry()
+        if self._watched is not registry:
+            self._watched = registry
+            registry.on_change(self._changed)
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    def _changed(self, _capability: str, _instance_id: str) -> None:
+        self._poke.set()
+
+    async def _watch(self) -> None:
+        """While streams are open: the catalog read after each local change and every TTL,
+        and the streams woken when it differs."""
+        last: dict[str, Tool] | None = None
+        while any(self.open.values()):
+            tools: dict[str, Tool] | None
+            try:
+                tools = await self._catalog().tools()
+            except ReachError as exc:  # the store's trouble: try again at the next turn
+                log.debug("MCP streams: the catalog could not be read: %s", exc.message)
+                tools = last
+            if last is not None and tools is not None and tools != last:
+                tick, self._tick = self._tick, asyncio.Event()
+                tick.set()
+            last = tools
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), CATALOG_TTL_S)
+            self._poke.clear()
+
+    async def stream(
+        self,
+        caller: str,
+        guard: Guard | None,
+        receive: Receive,
+        send: Send,
+        draining: asyncio.Event | None,
+    ) -> None:
+        """Hold one stream until the client goes away or the gateway stops (`room` first)."""
+        catalog = self._catalog()
+        seen = await _listed(catalog, caller, guard)
+        self.open[caller] = self.open.get(caller, 0) + 1
+        gone = asyncio.ensure_future(_disconnected(receive))
+        stopping = asyncio.ensure_future((draining or asyncio.Event()).wait())
+        try:
+            self._start_watching()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream"),
+                        (b"cache-control", b"no-cache, no-transform"),
+                        (b"x-accel-buffering", b"no"),
+                    ],
+                }
+            )
+            await http.chunk(send, b": listening for notifications/tools/list_changed\n\n")
+            while True:
+                tick = asyncio.ensure_future(self._tick.wait())
+                try:
+                    waits: set[asyncio.Future[Any]] = {tick, gone, stopping}
+                    done, _ = await asyncio.wait(
+                        waits, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    tick.cancel()
+                if gone in done or stopping in done:
+                    break
+                now = await _listed(catalog, caller, guard)
+                if now is not None and seen is not None and now != seen:
+                    await http.chunk(send, wire.sse_event(LIST_CHANGED))
+                elif not done:
+                    await http.chunk(send, b": keep-alive\n\n")
+                seen = now if now is not None else seen
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away mid-send
+            pass
+        finally:
+            gone.cancel()
+            stopping.cancel()
+            self.open[caller] -= 1
+
+
+async def _listed(catalog: Catalog, caller: str, guard: Guard | None) -> list[Any] | None:
+    try:
+        return await catalog.listed_for(caller, guard)
+    except ReachError:
+        return None
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
