@@ -403,27 +403,32 @@ class Call:
                     f"status {TaskState.Name(params.status)}: a filter is one of "
                     + ", ".join(TaskState.Name(s) for s in LIST_FILTERS),
                 )
-        if params.page_token:
-            raise a2a_error(InvalidParamsError, "pageToken: the list is one page (pageSize)")
         since = None
         if params.HasField("status_timestamp_after"):
             since = datetime.now(UTC) - params.status_timestamp_after.ToDatetime(UTC)
-        limit = min(params.page_size or DEFAULT_LIMIT, MAX_LIMIT)
-        rows = await listing.list_requests(
-            self.gateway.client,
-            principal,
-            capability=self.capability,
-            caller=self.who(principal),
-            status=status,  # type: ignore[arg-type]
-            since=since,
-            limit=limit,
-            rpc_timeout=self.gateway.rpc_timeout,
-        )
+        try:
+            page = await listing.list_page(
+                self.gateway.client,
+                principal,
+                page_size=min(params.page_size or DEFAULT_LIMIT, MAX_LIMIT),
+                page_token=params.page_token,
+                capability=self.capability,
+                caller=self.who(principal),
+                status=status,  # type: ignore[arg-type]
+                since=since,
+                rpc_timeout=self.gateway.rpc_timeout,
+            )
+        except ValueError as err:  # a page token this list did not hand out
+            raise a2a_error(InvalidParamsError, str(err)) from err
+        rows = page.rows
         if params.context_id:
             rows = [r for r in rows if r.request_id == params.context_id]
         tasks = [task_of_row(row) for row in rows]
         answer = ListTasksResponse(
-            tasks=tasks, next_page_token="", page_size=len(tasks), total_size=len(tasks)
+            tasks=tasks,
+            next_page_token=page.next_token,
+            page_size=len(tasks),
+            total_size=page.total,
         )
         return _json(answer, always_print_fields_with_no_presence=True)
 

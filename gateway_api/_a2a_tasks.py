@@ -53,6 +53,8 @@ LIST_FILTERS: dict[int, str] = {
     TaskState.TASK_STATE_WORKING: "running",
     TaskState.TASK_STATE_COMPLETED: "success",
     TaskState.TASK_STATE_FAILED: "error",
+    TaskState.TASK_STATE_INPUT_REQUIRED: "input_required",
+    TaskState.TASK_STATE_CANCELED: "canceled",
 }
 RESULT_ARTIFACT = "result"
 JSON_MEDIA = "application/json"

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from reach.config import ReachSettings
 
 COMMANDS = frozenset({"trace", "requests"})
-STATUSES = ("running", "success", "error", "timeout")
+STATUSES = ("running", "success", "error", "timeout", "input_required", "canceled")
 # reach.listing.MAX_LIMIT, which the gateway enforces; copied because reach.listing loads
 # pydantic, and the parser (`reach --help`) must not (tests/unit/test_cli_start.py: equal).
 MAX_LIMIT = 500

@@ -8,8 +8,14 @@ again when it is written into the query.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import hmac
+import json
 import re
-from datetime import datetime, timedelta
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -24,7 +30,15 @@ MAX_SINCE = timedelta(days=3650)
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 500
 
-ListStatus = Literal["running", "success", "error", "timeout"]
+ListStatus = Literal["running", "success", "error", "timeout", "input_required", "canceled"]
+LIST_STATUSES: tuple[ListStatus, ...] = (
+    "running",
+    "success",
+    "error",
+    "timeout",
+    "input_required",
+    "canceled",
+)
 # What a completed request's ReachStatus can say (input_required, canceled: an A2A agent's task).
 FINAL_STATUSES = frozenset({"success", "error", "timeout", "input_required", "canceled"})
 # A request's statuses before it ends (what a cancel can still stop, a task still working).
@@ -88,6 +102,10 @@ def visibility_query(
             "(ExecutionStatus = 'Failed' AND ReachStatus != 'timeout') OR "
             "ExecutionStatus IN ('Terminated', 'Canceled'))"
         )
+    elif status in ("input_required", "canceled"):
+        # An A2A agent's task that asked for input (or auth) or canceled itself, or a request
+        # cancelled by its caller: each completes its workflow with that ReachStatus.
+        terms.append(f"ExecutionStatus = 'Completed' AND ReachStatus = {quoted(status)}")
     elif status == "timeout":
         terms.append(
             "((ExecutionStatus IN ('Completed', 'Failed') AND ReachStatus = 'timeout') OR "
@@ -120,7 +138,7 @@ class RequestRow(BaseModel):
     capability: str | None
     operation: str | None
     caller: str | None
-    status: str = Field(description="running, success, error or timeout")
+    status: str = Field(description="running, success, error, timeout, input_required or canceled")
     instance: str | None = Field(description="The instance that answered (or was last tried).")
     started_at: datetime
     closed_at: datetime | None
@@ -129,3 +147,60 @@ class RequestRow(BaseModel):
 
 class RequestList(BaseModel):
     requests: list[RequestRow] = Field(description="Newest first.")
+
+
+# -- pages ------------------------------------------------------------------------------------
+# A list is read in two parts, running requests then closed ones (SQL visibility lists running
+# ones first whatever the query says). A page token says which part the next page starts in,
+# Temporal's own token within it, and a digest of the query it pages, so a token handed back
+# with other filters (or by another reader: the owner is in the query) is refused, not
+# silently applied to another list.
+PAGE_PARTS = ("ExecutionStatus = 'Running'", "ExecutionStatus != 'Running'")
+PAGE_TOKEN_MAX = 4096
+
+
+@dataclass(frozen=True)
+class PageToken:
+    part: int  # index into PAGE_PARTS
+    temporal: bytes | None  # Temporal's next_page_token within that part (None: its start)
+    started_after: datetime | None = None  # the first page's `since`, as an instant
+
+
+def query_digest(query: str) -> str:
+    return hashlib.sha256(query.encode()).hexdigest()[:16]
+
+
+def page_token_text(token: PageToken, query: str) -> str:
+    body = {
+        "p": token.part,
+        "t": base64.urlsafe_b64encode(token.temporal).decode() if token.temporal else "",
+        "q": query_digest(query),
+        "s": token.started_after.timestamp() if token.started_after else None,
+    }
+    return base64.urlsafe_b64encode(json.dumps(body, separators=(",", ":")).encode()).decode()
+
+
+def page_token_of(text: str, query: str) -> PageToken:
+    """The page token a previous page handed out for this same query; ValueError naming what is
+    wrong else."""
+    if len(text) > PAGE_TOKEN_MAX:
+        raise ValueError(f"pageToken: {len(text)} characters, at most {PAGE_TOKEN_MAX}")
+    try:
+        body = json.loads(base64.urlsafe_b64decode(text.encode()))
+        part, temporal, digest, since = body["p"], body["t"], body["q"], body["s"]
+        if not isinstance(part, int) or part not in range(len(PAGE_PARTS)):
+            raise ValueError(part)
+        if not isinstance(temporal, str) or not isinstance(digest, str):
+            raise ValueError(temporal)
+        raw = base64.urlsafe_b64decode(temporal.encode()) if temporal else None
+        if since is not None and (isinstance(since, bool) or not isinstance(since, int | float)):
+            raise ValueError(since)
+        after = datetime.fromtimestamp(since, UTC) if since is not None else None
+    except (ValueError, TypeError, KeyError, OverflowError, OSError, binascii.Error) as err:
+        raise ValueError("pageToken: not a token a page of this list handed out") from err
+    if not hmac.compare_digest(digest, query_digest(query)):
+        raise ValueError(
+            "pageToken: handed out by a list with other filters (or another reader's); "
+            "page with the same filters"
+        )
+    return PageToken(part, raw, after)

@@ -521,3 +521,78 @@ async def test_cancel_task_while_following_an_a2a_agents_task_cancels_the_agents
     after = (await front.behind.counts())["counts"]
     assert after["slow"] == before.get("slow", 0) + 1  # sent once
     assert after.get("canceled", 0) == before.get("canceled", 0) + 1  # and told to stop
+
+
+async def test_list_tasks_pages_through_the_callers_own(front: Front) -> None:
+    """pageToken/pageSize: a small page size, every task of the caller's once, over pages."""
+    token = front.tokens["other"]
+    client, http = await client_of(front.a, FAST, token, streaming=False)
+    async with aclosing(http):
+        sent = {(await events_of(client, message()))[0].task.id for _ in range(3)}
+
+        async def paged() -> tuple[list[str], list[int], int]:
+            ids: list[str] = []
+            sizes: list[int] = []
+            page_token = ""
+            while True:
+                answer = await client.list_tasks(
+                    ListTasksRequest(page_size=2, page_token=page_token)
+                )
+                ids.extend(t.id for t in answer.tasks)
+                sizes.append(len(answer.tasks))
+                page_token = answer.next_page_token
+                if not page_token:
+                    return ids, sizes, answer.total_size
+
+        async def all_listed() -> bool:
+            return sent <= set((await paged())[0])
+
+        await wait_until(all_listed, 15, every_s=0.3)
+        ids, sizes, total = await paged()
+        first = await client.list_tasks(ListTasksRequest(page_size=2))
+    assert len(ids) == len(set(ids)), ids  # none twice
+    assert len(sizes) >= 2, sizes
+    assert max(sizes) <= 2, sizes
+    assert total == len(ids), (total, ids)
+    # A token pages only its own list: not another caller's, not a forged one.
+    for bad, name in ((first.next_page_token, "orchestrator"), ("bm90IGEgdG9rZW4", "other")):
+        body = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "ListTasks",
+            "params": {"pageSize": 2, "pageToken": bad},
+        }
+        error = error_of(await rpc(front.a, body, token=front.tokens[name]))
+        assert error["code"] == -32602, error
+        assert "pageToken" in error["message"], error
+
+
+async def test_list_filters_pick_input_required_and_canceled(front: Front) -> None:
+    token = front.tokens["orchestrator"]
+    asking, http = await client_of(front.a, BEHIND, token, streaming=False)
+    slow, http_s = await client_of(front.a, SLOW, token, streaming=False, polling=True)
+    async with (
+        aclosing(http),
+        aclosing(http_s),
+        httpx.AsyncClient(trust_env=False, headers=bearer(token)) as plain,
+    ):
+        [asked] = await events_of(asking, message({}, operation="ask"))
+        assert asked.task.status.state == TaskState.TASK_STATE_INPUT_REQUIRED
+        [event] = await events_of(slow, message(timeout_ms=20000))
+        cancelled = await slow.cancel_task(CancelTaskRequest(id=event.task.id))
+        assert cancelled.status.state == TaskState.TASK_STATE_CANCELED
+        cases = (
+            (asking, TaskState.TASK_STATE_INPUT_REQUIRED, asked.task.id, "input_required"),
+            (slow, TaskState.TASK_STATE_CANCELED, event.task.id, "canceled"),
+        )
+        for client, state, rid, status in cases:
+
+            async def listed(client: Client = client, state: int = state, rid: str = rid) -> bool:
+                answer = await client.list_tasks(ListTasksRequest(status=state, page_size=50))
+                assert all(t.status.state == state for t in answer.tasks), answer
+                return rid in {t.id for t in answer.tasks}
+
+            await wait_until(listed, 15, every_s=0.3)
+            rows = (await plain.get(f"{front.a.url}/reach/requests?status={status}")).json()
+            assert rid in {r["request_id"] for r in rows["requests"]}, rows
+            assert {r["status"] for r in rows["requests"]} == {status}, rows
