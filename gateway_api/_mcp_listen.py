@@ -176,6 +176,8 @@ class Listeners:
             gone.cancel()
             stopping.cancel()
             self.open[caller] -= 1
+            if not self.open[caller]:
+                self._poke.set()  # the watcher ends at once when it was the last
 
 
 async def _listed(catalog: Catalog, caller: str, guard: Guard | None) -> list[Any] | None:

@@ -20,11 +20,11 @@ envelope becomes the tool result (`gateway_api._mcp_tools`).
 
 **Durable past the stream.** The result's `_meta` names the RequestID (`reach/requestId`). A
 client that asks for `text/event-stream` and whose call is still running after `SSE_AFTER_S`
-gets an SSE stream instead: its headers carry `X-Reach-Request-Id` at once (and a progress
-notification names it, when the client gave a `progressToken`), comments keep it alive every
-`KEEPALIVE_S`, and the result comes as its last event. A stream that breaks loses nothing: the
-request carries on in Temporal, `GET /reach/requests/{id}` reads its verdict from any gateway,
-and the same call repeated with `_meta["reach/requestId"]` set to that id attaches to it.
+(at once when it gave a `progressToken`) gets an SSE stream instead (`gateway_api._mcp_sse`:
+`X-Reach-Request-Id` in its headers, the agents' progress, keep-alives, the result last). A
+stream that breaks loses nothing: the request carries on in Temporal,
+`GET /reach/requests/{id}` reads its verdict from any gateway, and the same call repeated with
+`_meta["reach/requestId"]` set to that id attaches to it.
 
 **List changed.** `GET /mcp` (session-based generation): an SSE stream of
 `notifications/tools/list_changed` for the caller's tools (`gateway_api._mcp_listen`).
@@ -57,6 +57,7 @@ from temporalio.service import RPCError
 
 import reach
 from gateway_api import _mcp_http as http
+from gateway_api import _mcp_sse as sse
 from gateway_api import _mcp_tasks as tasks
 from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_http import host_allowed, origin_allowed
@@ -83,7 +84,6 @@ INSTRUCTIONS = (
 )
 # A tool call still running after this long is answered as an SSE stream (when accepted).
 SSE_AFTER_S = 2.0
-KEEPALIVE_S = 15.0
 _HOST = re.compile(r"[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](:[0-9]{1,5})?")
 # Logging and completions are declared so that clients may use them: Reach sends no log
 # messages (agents have no way to) and completes nothing (it has no prompts or resources).
@@ -98,19 +98,23 @@ def is_mcp(scope: Scope) -> bool:
 
 class _Call:
     """The MCP front's side of the door: it keeps the RequestID once the door has one, and
-    hears when the request is durable (`started`)."""
+    hears when the request is durable (`started`). A call as a task lets the request go
+    `let_go` seconds after that: the door answers it `accepted` and holds nothing of it (no
+    waiter, no room among the bytes in flight); tasks/get reads its result from its workflow."""
 
-    __slots__ = ("durable", "request_id")
+    __slots__ = ("durable", "let_go", "request_id")
 
-    def __init__(self) -> None:
+    def __init__(self, let_go: float | None = None) -> None:
         self.request_id: str | None = None
+        self.let_go = let_go
         self.durable = asyncio.Event()
 
     async def named(self, request_id: str, caller: str) -> None:
         self.request_id = request_id
 
-    async def started(self, request_id: str) -> None:
+    async def started(self, request_id: str) -> float | None:
         self.durable.set()
+        return self.let_go
 
 
 class McpFront:
@@ -384,28 +388,36 @@ class McpFront:
             raise wire.RpcError(
                 wire.INVALID_PARAMS, f"arguments are not standard JSON: {exc}"
             ) from None
-        front = _Call()
-        invoke = self.gateway.door.invoke(metadata, Bytes(raw), front)
         as_task = modern and tasks.wanted(message)
         asked = tasks.asked_2025(message, version)
         streams = wire.accepts(headers, "text/event-stream")
-        if not as_task and not asked and not streams:  # awaited here: no timer, no task
+        # A task: as soon as the request is durable (asked), or if it still runs
+        # TASK_AFTER_S later; the door then answers `accepted` and holds nothing of it.
+        let_go = 0.0 if asked else tasks.TASK_AFTER_S if as_task else None
+        front = _Call(let_go)
+        invoke = self.gateway.door.invoke(metadata, Bytes(raw), front)
+        if let_go is not None:
+            return await self._task(invoke, front, modern, asked)
+        if not streams:  # awaited here: no timer, no task
             return await _outcome(invoke, front, modern)
         task = asyncio.ensure_future(invoke)
-        if asked:  # the client asked for a task: one, as soon as the request is durable
-            await self._durable(task, front)
-            if not task.done() or task.exception() is None:
-                assert front.request_id is not None
-                self._keep(task)
-                return tasks.created_2025(front.request_id)
-        if as_task and await self._durable_and_running(task, front):
-            assert front.request_id is not None
-            self._keep(task)  # the door waits for the verdict, and accounts it, meanwhile
-            return tasks.created(front.request_id)
         if streams:
-            done, _ = await asyncio.wait({task}, timeout=SSE_AFTER_S)
+            if sse.progress_token(message) is not None:  # the agents' progress: stream at once
+                await self._durable(task, front)
+                done: set[Any] = {task} if task.done() else set()
+            else:
+                done, _ = await asyncio.wait({task}, timeout=SSE_AFTER_S)
             if not done and front.request_id is not None:
-                await self._stream(message, task, front.request_id, modern, send)
+                self._keep(task)
+                rid = front.request_id
+                await sse.stream(
+                    send,
+                    message,
+                    task,
+                    rid,
+                    lambda ended: _outcome(ended, _named(rid), modern),
+                    self.gateway.views.policy.state,
+                )
                 return None
         return await _outcome(task, front, modern)
 
@@ -418,66 +430,23 @@ class McpFront:
         finally:
             durable.cancel()
 
-    async def _durable_and_running(
-        self, task: asyncio.Future[InvokeResponse], front: _Call
-    ) -> bool:
-        """Whether the call is durable and still running `TASK_AFTER_S` later (a task then)."""
-        await self._durable(task, front)
-        if task.done():
-            return False
-        done, _ = await asyncio.wait({task}, timeout=tasks.TASK_AFTER_S)
-        return not done
+    async def _task(
+        self, invoke: Awaitable[InvokeResponse], front: _Call, modern: bool, asked: bool
+    ) -> dict[str, Any]:
+        """A call as a task: its result if the door had it before letting it go, its
+        refusal, or the task (its id the RequestID)."""
+        ended = asyncio.ensure_future(invoke)
+        await asyncio.wait({ended})
+        if ended.exception() is None and ended.result().status == "accepted":
+            rid = ended.result().request_id
+            return tasks.created_2025(rid) if asked else tasks.created(rid)
+        return await _outcome(ended, front, modern)
 
     def _keep(self, task: asyncio.Future[InvokeResponse]) -> None:
         """Hold a call nobody awaits any more until it ends (its outcome is the task's)."""
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
         task.add_done_callback(_consumed)
-
-    async def _stream(
-        self,
-        message: wire.Message,
-        task: asyncio.Future[InvokeResponse],
-        request_id: str,
-        modern: bool,
-        send: Send,
-    ) -> None:
-        """The rest of a long call as an SSE stream (see the module docstring)."""
-        self._keep(task)
-        try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"content-type", b"text/event-stream"),
-                        (b"cache-control", b"no-cache, no-transform"),
-                        (b"x-accel-buffering", b"no"),
-                        (b"x-reach-request-id", request_id.encode()),
-                    ],
-                }
-            )
-            token = message.meta.get("progressToken")
-            if isinstance(token, str | int) and not isinstance(token, bool):
-                note = {
-                    "progressToken": token,
-                    "progress": 0,
-                    "message": f"Reach request {request_id} is running",
-                }
-                notice = {"jsonrpc": "2.0", "method": "notifications/progress", "params": note}
-                await http.chunk(send, wire.sse_event(notice))
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=KEEPALIVE_S)
-                if not done:
-                    await http.chunk(send, b": keep-alive\n\n")
-            try:
-                frame = wire.result(message.id, await _outcome(task, _named(request_id), modern))
-            except wire.RpcError as exc:
-                frame = wire.error(message.id, exc)
-            await http.chunk(send, wire.sse_event(frame))
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the client went away: the request carries on durably
-            log.info("MCP stream of %s closed by the client; the request carries on", request_id)
 
 
 def _consumed(task: asyncio.Future[InvokeResponse]) -> None:

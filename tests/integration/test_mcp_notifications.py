@@ -1,7 +1,8 @@
 """What an MCP server says mid-call, against real servers (the `mcp` package's) and a real
 gateway on the Temporal dev server: its progress shows in the request's timeline, its word that
 its tools changed has them discovered again at once, and its requests for a model or a user
-(sampling, elicitation) are refused at once instead of holding the call to its deadline."""
+(sampling, elicitation) are refused at once instead of holding the call to its deadline; and
+an MCP client calling through Reach's front hears that progress."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import httpx2
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 from connectors.mcp import McpConnector
 from reach import progress
@@ -96,6 +100,43 @@ async def test_progress_shows_in_the_timeline_while_the_call_runs_and_after(
             kinds = [e["kind"] for e in story["events"]]
             assert kinds.index("sent") < kinds.index("progress")
             assert max(i for i, k in enumerate(kinds) if k == "progress") < kinds.index("result")
+
+
+@pytest.mark.parametrize("client_mode", ["legacy", "auto"])
+async def test_an_mcp_client_of_reach_hears_the_progress_of_a_server_behind_it(
+    gateway: GatewayProcess,
+    http: httpx.AsyncClient,
+    servers: dict[str, McpServerProcess],
+    capability: str,
+    client_mode: str,
+) -> None:
+    """MCP both ways: the mcp package's client calls Reach's front, Reach calls an MCP server;
+    the server's progress comes back to the client under its own token, increasing."""
+    heard: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(done: float, total: float | None, said: str | None) -> None:
+        heard.append((done, total, said))
+
+    async with (
+        registered(http, gateway, servers["session"], capability),
+        httpx2.AsyncClient(trust_env=False) as client_http,
+        Client(
+            streamable_http_client(f"{gateway.url}/mcp", http_client=client_http),
+            mode=client_mode,  # type: ignore[arg-type]
+        ) as client,
+    ):
+        result = await client.call_tool(
+            f"{capability}.slow", {"seconds": 1.5}, progress_callback=on_progress
+        )
+    assert not result.is_error, result
+    assert heard[0][0] == 0
+    assert "is running" in str(heard[0][2])  # Reach's own first word names the request
+    relayed = heard[1:]
+    assert len(relayed) >= 3, heard
+    assert all(total == 1.5 for _, total, _ in relayed)
+    values = [done for done, _, _ in heard]
+    assert values == sorted(values)
+    assert len(set(values)) == len(values)  # increasing, as the spec asks
 
 
 async def test_a_tool_call_that_reports_nothing_leaves_no_record(

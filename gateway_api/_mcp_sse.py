@@ -1,0 +1,132 @@
+"""A `tools/call` answered as an SSE stream by the MCP front: `X-Reach-Request-Id` in its
+headers at once, the agents' progress as `notifications/progress` (when the client gave a
+`progressToken`), keep-alive comments, and the result as the last event.
+
+Progress comes from the record the call's activity keeps in the shared policy state
+(`reach.progress`: an MCP server's notifications behind Reach), read every `RELAY_EVERY_S`
+while the call runs and once more before the result; its notes are forwarded under the
+client's token, each only when its progress is above the last one sent (the spec's rule that
+progress increases: a retried attempt's notes, which start again, are not sent). The first
+notification, progress 0, names the RequestID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.types import Send
+
+from gateway_api import _mcp_http as http
+from gateway_api import _mcp_wire as wire
+from reach import progress
+from reach.errors import ReachError
+from reach.messages import InvokeResponse
+from reach.policy.state import PolicyState
+
+log = logging.getLogger("reach.gateway")
+
+KEEPALIVE_S = 15.0
+RELAY_EVERY_S = 0.25
+"""How often a streamed call with a progress token reads its progress record (one store read)."""
+
+Outcome = Callable[[asyncio.Future[InvokeResponse]], Awaitable[dict[str, Any]]]
+
+
+def progress_token(message: wire.Message) -> str | int | None:
+    token = message.meta.get("progressToken")
+    if isinstance(token, str | int) and not isinstance(token, bool):
+        return token
+    return None
+
+
+class Relay:
+    """The progress notifications of one streamed call."""
+
+    def __init__(self, state: PolicyState, request_id: str, token: str | int) -> None:
+        self.state = state
+        self.key = progress.progress_key(request_id)
+        self.token = token
+        self.sent_progress = 0.0  # the opening notice's
+        self.seen = 0  # notes of the record already looked at (its count)
+
+    def notice(self, request_id: str) -> bytes:
+        note = {
+            "progressToken": self.token,
+            "progress": 0,
+            "message": f"Reach request {request_id} is running",
+        }
+        return wire.sse_event(
+            {"jsonrpc": "2.0", "method": "notifications/progress", "params": note}
+        )
+
+    async def forward(self, send: Send) -> bool:
+        """Send what the record holds beyond what was sent; whether anything was."""
+        try:
+            count, notes = progress.decode(await self.state.peek(self.key))
+        except ReachError:  # the store's trouble: the call goes on, its progress unsaid
+            return False
+        new = notes[max(0, len(notes) - (count - self.seen)) :] if count > self.seen else []
+        self.seen = max(self.seen, count)
+        frames = b""
+        for note in new:
+            if note.get("progress", 0) <= self.sent_progress:
+                continue
+            self.sent_progress = note["progress"]
+            params: dict[str, Any] = {"progressToken": self.token, "progress": note["progress"]}
+            params.update({k: note[k] for k in ("total", "message") if k in note})
+            notice = {"jsonrpc": "2.0", "method": "notifications/progress", "params": params}
+            frames += wire.sse_event(notice)
+        if frames:
+            await http.chunk(send, frames)
+        return bool(frames)
+
+
+async def stream(
+    send: Send,
+    message: wire.Message,
+    task: asyncio.Future[InvokeResponse],
+    request_id: str,
+    outcome: Outcome,
+    state: PolicyState,
+) -> None:
+    """The rest of a long call as an SSE stream (see the module docstring)."""
+    try:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream"),
+                    (b"cache-control", b"no-cache, no-transform"),
+                    (b"x-accel-buffering", b"no"),
+                    (b"x-reach-request-id", request_id.encode()),
+                ],
+            }
+        )
+        token = progress_token(message)
+        relay = Relay(state, request_id, token) if token is not None else None
+        if relay is not None:
+            await http.chunk(send, relay.notice(request_id))
+        loop = asyncio.get_running_loop()
+        said = loop.time()
+        while not task.done():
+            every = RELAY_EVERY_S if relay is not None else KEEPALIVE_S
+            await asyncio.wait({task}, timeout=every)
+            if relay is not None and await relay.forward(send):
+                said = loop.time()
+            elif not task.done() and loop.time() - said >= KEEPALIVE_S - 0.01:
+                await http.chunk(send, b": keep-alive\n\n")
+                said = loop.time()
+        if relay is not None:
+            await relay.forward(send)  # the last notes, recorded before the call ended
+        try:
+            frame = wire.result(message.id, await outcome(task))
+        except wire.RpcError as exc:
+            frame = wire.error(message.id, exc)
+        await http.chunk(send, wire.sse_event(frame))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except OSError:  # the client went away: the request carries on durably
+        log.info("MCP stream of %s closed by the client; the request carries on", request_id)
