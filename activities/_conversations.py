@@ -6,6 +6,10 @@ cannot tell Reach's callers apart (they all arrive as Reach), so Reach keeps who
 context belongs to, in the policy state every gateway shares, and refuses a follow-up from
 anyone else before it is sent: 403, nothing reaches the agent.
 
+Every answer naming the agent's ids counts, a task completed at once and a message answered
+in a context too (`Reply.named`): else a context whose tasks all completed was nobody's, and a
+stranger naming it appended to the conversation.
+
 Costs one store round trip for an answer that hands out such ids (`Connector.conversations`)
 and one per follow-up; nothing for any other call.
 """

@@ -211,6 +211,17 @@ def _checked(result: dict[str, Any], where: str, limit: int) -> dict[str, Any]:
     return result
 
 
+def _named(task_id: str, context_id: str) -> dict[str, str] | None:
+    """The ids a final answer names, those not over `MAX_ID_CHARS` (a message's are not
+    checked as a task's are: one too long is not noted, as nobody could name it back)."""
+    named = {
+        key: value
+        for key, value in (("task_id", task_id), ("context_id", context_id))
+        if value and len(value) <= MAX_ID_CHARS
+    }
+    return named or None
+
+
 def reply_of_task(task: Task, endpoint: Endpoint, url: str, limit: int) -> Reply:
     """The Reply a task stands for (its state decides), or the agent_error it is."""
     where = f"agent {endpoint.instance_id}"
@@ -231,7 +242,8 @@ def reply_of_task(task: Task, endpoint: Endpoint, url: str, limit: int) -> Reply
         parts = [part for artifact in task.artifacts for part in artifact.parts]
         if not parts and task.status.HasField("message"):
             parts = list(task.status.message.parts)
-        return Reply(status="ok", result=_checked(result_of(parts), where, limit))
+        result = _checked(result_of(parts), where, limit)
+        return Reply(status="ok", result=result, named=_named(task.id, task.context_id))
     if state in INTERRUPTED or state == TaskState.TASK_STATE_CANCELED:
         result = {"task_id": task.id, "context_id": task.context_id, "state": name}
         if words:
@@ -299,11 +311,15 @@ def reply_of_send(result: Any, endpoint: Endpoint, url: str, limit: int) -> Repl
     where = f"agent {endpoint.instance_id}"
     data = _one_data_object(result)
     if data is not None:  # the common answer, read without the protobuf round trip
-        return Reply(status="ok", result=_checked(_plain(data), where, limit))
+        message = result["message"]
+        named = _named(message.get("taskId", ""), message.get("contextId", ""))
+        return Reply(status="ok", result=_checked(_plain(data), where, limit), named=named)
     response = parse(result, SendMessageResponse(), "SendMessage result", where)
     if response.HasField("message"):
         return Reply(
-            status="ok", result=_checked(result_of(list(response.message.parts)), where, limit)
+            status="ok",
+            result=_checked(result_of(list(response.message.parts)), where, limit),
+            named=_named(response.message.task_id, response.message.context_id),
         )
     if response.HasField("task"):
         return reply_of_task(response.task, endpoint, url, limit)

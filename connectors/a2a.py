@@ -304,10 +304,13 @@ class A2AConnector(PooledConnector):
         return [str(follow_up[k]) for k in ("task_id", "context_id") if follow_up.get(k)]
 
     def conversations(self, reply: Reply) -> list[str]:
+        named: dict[str, Any]
         if reply.follow is not None:
             named = reply.follow
-        elif reply.status == "input_required" and reply.result is not None:
+        elif reply.status in ("input_required", "canceled") and reply.result is not None:
             named = reply.result
+        elif reply.named is not None:  # a completed task's or a message's: the caller's too
+            named = reply.named
         else:
             return []
         return [str(named[k]) for k in ("task_id", "context_id") if named.get(k)]

@@ -140,6 +140,12 @@ class Reply(BaseModel):
     status: Literal["ok", "accepted", "input_required", "canceled"]
     result: dict[str, Any] | None = None
     follow: dict[str, Any] | None = None
+    named: dict[str, str] | None = Field(
+        default=None,
+        description="The agent's own task and context ids a final answer names (an A2A "
+        "completed task's, a message's): kept as the caller's (a follow-up naming them is "
+        "only its own), not part of the result.",
+    )
 
 
 class ErrorInfo(BaseModel):

@@ -100,6 +100,7 @@ class TestExecutor(AgentExecutor):
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.message_ids: list[str] = []
+        self.contexts: dict[str, str] = {}  # message id -> the context it was answered in
 
     async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
         message = context.message
@@ -111,6 +112,8 @@ class TestExecutor(AgentExecutor):
         payload = _payload(message)
         task_id = context.task_id or ""
         context_id = context.context_id or ""
+        if message is not None:
+            self.contexts[message.message_id] = context_id
         current = context.current_task
         if current is not None and current.status.state == TaskState.TASK_STATE_INPUT_REQUIRED:
             updater = TaskUpdater(event_queue, task_id, context_id)
@@ -169,7 +172,13 @@ def app(name: str, url: str) -> Starlette:
     routes = [*create_jsonrpc_routes(handler, "/"), *create_agent_card_routes(own)]
 
     async def count(request: Request) -> Response:
-        return JSONResponse({"counts": dict(executor.counts), "message_ids": executor.message_ids})
+        return JSONResponse(
+            {
+                "counts": dict(executor.counts),
+                "message_ids": executor.message_ids,
+                "contexts": executor.contexts,
+            }
+        )
 
     routes.append(Route("/count", count, methods=["GET"]))
     return Starlette(routes=routes)

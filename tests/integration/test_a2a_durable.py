@@ -231,3 +231,69 @@ async def test_a_gateway_sigkilled_while_following_a_task_never_sends_it_again(
         assert body["result"]["data"] == [{"done": True, "seconds": 3}]
     counts = (await agent.counts())["counts"]
     assert counts["total"] == 1  # the agent's own count: one message, ever
+
+
+async def test_follow_ups_stay_in_one_context_which_only_its_caller_may_append_to(
+    http: httpx.AsyncClient, gateway: GatewayProcess, cap: str, agent: A2AAgentProcess
+) -> None:
+    """Three follow-ups of one conversation: each keeps the agent's context id; once its tasks
+    completed, another caller naming that context (or a task of it) is still refused."""
+    alice, mallory = {"X-Reach-Caller": "alice-ctx"}, {"X-Reach-Caller": "mallory-ctx"}
+    ask = {"target": cap, "operation": "ask"}
+
+    async def invoke(payload: dict[str, Any], who: dict[str, str]) -> httpx.Response:
+        return await http.post(
+            f"{gateway.url}/reach/invoke", json={**ask, "payload": payload}, headers=who
+        )
+
+    first = (await invoke({}, alice)).json()
+    assert first["status"] == "input_required", first
+    context = first["result"]["context_id"]
+    # A second question in the same context (a new task of it), then its answer.
+    second = (await invoke({"_a2a": {"context_id": context}}, alice)).json()
+    assert second["status"] == "input_required", second
+    assert second["result"]["context_id"] == context
+    assert second["result"]["task_id"] != first["result"]["task_id"]
+    ids = {k: second["result"][k] for k in ("task_id", "context_id")}
+    third = (await invoke({"name": "Ada", "_a2a": ids}, alice)).json()
+    assert third["result"] == {"hello": "Ada"}, third
+    # The third follow-up keeps the context even when it names only the task.
+    fourth = (await invoke({"_a2a": {"context_id": context}}, alice)).json()
+    assert fourth["result"]["context_id"] == context, fourth
+    only_task = {"name": "Bea", "_a2a": {"task_id": fourth["result"]["task_id"]}}
+    fifth = (await invoke(only_task, alice)).json()
+    assert fifth["result"] == {"hello": "Bea"}, fifth
+    sent = (await agent.counts())["counts"]["ask"]
+    for named in (
+        {"context_id": context},
+        {"task_id": second["result"]["task_id"]},
+        {"task_id": first["result"]["task_id"], "context_id": context},
+    ):
+        r = await invoke({"name": "mallory", "_a2a": named}, mallory)
+        assert r.status_code == 403, r.text
+        assert "another caller's task" in r.json()["error"]["message"]
+    assert (await agent.counts())["counts"]["ask"] == sent  # nothing reached the agent
+
+
+async def test_the_context_of_an_answer_at_once_is_its_caller_s_only(
+    http: httpx.AsyncClient, gateway: GatewayProcess, cap: str, agent: A2AAgentProcess
+) -> None:
+    """A message answered at once (or a task completed at once) still names the agent's
+    context: another caller appending to it is refused, its own caller is not."""
+    alice, mallory = {"X-Reach-Caller": "alice-once"}, {"X-Reach-Caller": "mallory-once"}
+    echo = {"target": cap, "operation": "echo"}
+    before = set((await agent.counts())["contexts"])
+    r = await http.post(f"{gateway.url}/reach/invoke", json={**echo, "payload": {}}, headers=alice)
+    assert r.json()["status"] == "success", r.text
+    [context] = [c for m, c in (await agent.counts())["contexts"].items() if m not in before]
+    sent = (await agent.counts())["counts"]["echo"]
+    named = {"target": cap, "operation": "echo", "payload": {"_a2a": {"context_id": context}}}
+    r = await http.post(f"{gateway.url}/reach/invoke", json=named, headers=mallory)
+    assert r.status_code == 403, r.text
+    assert "another caller's task" in r.json()["error"]["message"]
+    assert (await agent.counts())["counts"]["echo"] == sent
+    seen = set((await agent.counts())["contexts"])
+    r = await http.post(f"{gateway.url}/reach/invoke", json=named, headers=alice)
+    assert r.json()["status"] == "success", r.text
+    contexts = (await agent.counts())["contexts"]
+    assert [c for m, c in contexts.items() if m not in seen] == [context]  # appended to it
