@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from connectors import _mcp_wire as w
+from connectors._mcp_listen import listen
 from reach.errors import AgentError, TransportError
 from reach.messages import dumps
 
@@ -90,6 +91,7 @@ class McpServer:
         # grows with waiting requests times connections (connectors/http.py measured it).
         self._slots = asyncio.Semaphore(connections)
         self._answers: set[asyncio.Task[None]] = set()  # refusals of requests sent mid-call
+        self._listener: asyncio.Task[None] | None = None  # its GET stream (`_mcp_listen`)
 
     @property
     def where(self) -> str:
@@ -164,6 +166,15 @@ class McpServer:
         headers.pop(w.H_METHOD, None)
         with contextlib.suppress(Exception):
             await self.http.post(self.url, content=dumps(answer), headers=headers, timeout=5.0)
+
+    def listen(self, changed: Callable[[], None]) -> None:
+        """Hold the session's GET stream (`_mcp_listen`), unless one is held or none can be:
+        a server without a session has none."""
+        negotiated = self.negotiated
+        if negotiated is None or negotiated.session is None:
+            return
+        if self._listener is None:
+            self._listener = asyncio.get_running_loop().create_task(listen(self, changed))
 
     # -- negotiation -----------------------------------------------------------------------------
 
@@ -340,6 +351,6 @@ class McpServer:
             headers = w.request_headers(negotiated.version, negotiated.session, "", None)
             with contextlib.suppress(Exception):
                 await self.http.delete(self.url, headers=headers, timeout=1.0)
-        for task in list(self._answers):
+        for task in [*self._answers, *([self._listener] if self._listener else [])]:
             task.cancel()
         await self.http.aclose()

@@ -105,6 +105,11 @@ class Connector(ABC):
         Only `registered_by_url` protocols ever call it."""
         self._watchers.append(changed)
 
+    @property
+    def watched(self) -> bool:
+        """Whether anything `watch`es this connector (a gateway's prober does)."""
+        return bool(self._watchers)
+
     def changed(self, address: str) -> None:
         """Tell the watchers (`watch`) that the instance at `address` changed what it serves."""
         for watcher in self._watchers:

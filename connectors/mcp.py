@@ -146,6 +146,7 @@ class McpConnector(PooledConnector):
             raise TransportError(exc.message) from exc
         finally:
             self._pools.release(entry)
+        self._listen(server)
         negotiated = server.negotiated
         details = negotiated.details() if negotiated is not None else {}
         return w.discovery(tools, details)
@@ -278,6 +279,12 @@ class McpConnector(PooledConnector):
     async def cancel(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> None:
         """Ask the server to stop the task (`tasks/cancel`; cooperative: it may finish anyway)."""
         await self._task_request(endpoint, "tasks/cancel", handle, timeout_s)
+
+    def _listen(self, server: McpServer) -> None:
+        """Where a prober watches (a gateway), hold the server's GET stream: a list_changed
+        it sends outside any call reaches the prober too (`connectors._mcp_listen`)."""
+        if self.watched:
+            server.listen(lambda: self.changed(server.url))
 
     def _heard(self, address: str, notification: dict[str, Any]) -> None:
         """A notification on a call's stream: progress goes to the request's record (the

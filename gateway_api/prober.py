@@ -206,13 +206,15 @@ class Prober:
         task.add_done_callback(self._prompts.discard)
 
     async def _prompt_probe(self, instance_id: str) -> None:
-        registration = self._registrations.get(instance_id)
-        if registration is None:
-            return
         if instance_id in self.inflight:  # it may have asked before the change: again after
             self._probe_soon(instance_id)
             return
         try:
+            # Read again: the id may have been registered again since (another capability).
+            self._registrations = await self.remote.registrations()
+            registration = self._registrations.get(instance_id)
+            if registration is None:
+                return
             record = (await self.registry.get_many([instance_id]))[0]
         except ReachError as exc:
             log.warning("prompt probe of %s skipped: %s", instance_id, exc.message)

@@ -17,8 +17,9 @@ declared: answered with a task that completes after `seconds`, followed by tasks
 stopped by tasks/cancel — the SDK has no tasks receiver, so this server's own code serves the
 extension; otherwise it just runs), `ask_model` and `ask_user` (ask the client for sampling or
 elicitation mid-call), `grow` (adds the tool it names and sends `notifications/tools/list_changed`
-on the call's stream). `GET /_seen` tells what the server received: each
-JSON-RPC method with its `_meta` and session header, and the tool calls that were cancelled.
+on the call's stream), `grow_quietly` (the same, said on the session's GET stream). `GET /_seen`
+tells what the server received: each JSON-RPC method with its `_meta` and session header, and
+the tool calls that were cancelled.
 
 `McpServerProcess` starts one and restarts, kills and asks it.
 """
@@ -128,6 +129,15 @@ def build(mode: str, calls: Path) -> Any:
         await ctx.session.send_notification(
             ToolListChangedNotification(), related_request_id=ctx.request_id
         )
+        return "grown"
+
+    @server.tool(description="Add a tool, and say so outside the call (the GET stream).")
+    async def grow_quietly(name: str, ctx: Context) -> str:
+        def grown() -> str:
+            return "grown"
+
+        server.add_tool(grown, name=name, description="Added at run time.")
+        await ctx.session.send_tool_list_changed()  # no related request: the session's stream
         return "grown"
 
     app = server.streamable_http_app(stateless_http=mode == "stateless")

@@ -1,0 +1,73 @@
+"""A session-based MCP server's GET stream, held by the process whose prober watches the
+connector (`Connector.watch`): the server's `notifications/tools/list_changed` sent outside any
+call arrives there, and the prober discovers the server again at once.
+
+One stream per server with a session (the 2026-07-28 generation has none), in the session
+negotiated last: it follows a renewed session, reconnects after a break with growing pauses
+(0.5 s doubling to 30 s), and stops for good when the server offers no stream (405, or any
+other answer than an event stream) or its client closes. What it carries is read at the pace
+of a call stream's extras (`_mcp_stream.Pace`), each event bounded by `ENVELOPE_BYTES`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import httpx
+
+from connectors import _mcp_wire as w
+from connectors._mcp_stream import Pace, sse_messages
+from reach.errors import ReachError
+
+if TYPE_CHECKING:
+    from connectors._mcp_client import McpServer
+
+log = logging.getLogger("connectors.mcp")
+
+MAX_PAUSE_S = 30.0
+LIST_CHANGED = "notifications/tools/list_changed"
+
+
+async def listen(server: McpServer, changed: Callable[[], None]) -> None:
+    """Hold the server's GET stream until it offers none or the task is cancelled."""
+    pause = 0.5
+    while True:
+        negotiated = server.negotiated
+        if negotiated is None or negotiated.session is None:
+            return
+        headers = w.request_headers(negotiated.version, negotiated.session, "", None)
+        headers["Accept"] = "text/event-stream"
+        headers.pop("Content-Type", None)
+        try:
+            async with server.http.stream("GET", server.url, headers=headers) as response:
+                kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+                if response.status_code == 404 and server.negotiated is not negotiated:
+                    continue  # a renewed session: its own stream, at once
+                if response.status_code != 200 or kind != "text/event-stream":
+                    if response.status_code != 404:  # no stream offered: never again
+                        log.info("%s offers no GET stream (%d)", server.where, response.status_code)
+                        return
+                else:
+                    pause = 0.5
+                    await _read(server, response, changed)
+        except (httpx.HTTPError, ReachError) as exc:
+            log.debug("%s: its GET stream broke: %r", server.where, exc)
+        await asyncio.sleep(pause)
+        pause = min(MAX_PAUSE_S, pause * 2)
+
+
+async def _read(server: McpServer, response: httpx.Response, changed: Callable[[], None]) -> None:
+    pace = Pace()
+    async for data in sse_messages(response, w.ENVELOPE_BYTES, server.where, pace=pace):
+        message = None
+        with contextlib.suppress(ValueError, RecursionError):
+            message = json.loads(data)
+        if isinstance(message, dict) and message.get("method") == LIST_CHANGED:
+            log.info("%s says its tools changed (its GET stream)", server.where)
+            changed()
+        await pace.tick()
