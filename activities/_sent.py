@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 import uuid
 
+from temporalio import activity
+
 from reach.config import PolicySettings
 from reach.errors import ReachError, TransportError, Unavailable
 from reach.invocation import CallInput
@@ -60,10 +62,25 @@ def idempotent(policy: PolicySettings, inp: CallInput) -> bool:
     return plan.idempotent if plan.idempotent_configured else endpoint.declared_idempotent is True
 
 
+def _may_follow_a_send(inp: CallInput) -> bool:
+    """Whether an earlier run of this very call may have sent it: a local activity is run again,
+    silently, when the workflow task that ran it was lost (its process stopped, or its
+    completion was refused), unless the workflow says this is its first task. A regular
+    activity runs once per scheduling."""
+    if inp.check_first and inp.first_run:
+        return False
+    try:
+        return activity.info().is_local
+    except RuntimeError:  # called outside an activity (tests)
+        return False
+
+
 async def claim_send(state: PolicyState, inp: CallInput) -> None:
     """Claim this run's send of the attempt, or raise `NotSent`: another run claimed it (its
     process stopped; the agent may have run the call), or the claim could not be made (the
-    store is down: nothing is sent unchecked)."""
+    store is down: nothing is sent unchecked; if an earlier run may have sent it, the outcome
+    is unknown, and said so: the reliability suite found a re-run that answered a plain
+    `unavailable` for a tool the MCP server had run)."""
     header, endpoint = inp.message.header, inp.endpoint
     now_ms = time.time() * 1000
     until_ms = max(header.deadline_ms or 0, now_ms + inp.timeout_ms)
@@ -72,10 +89,14 @@ async def claim_send(state: PolicyState, inp: CallInput) -> None:
     try:
         held = await state.claim(sent_key(header.request_id, header.attempt), mine, ttl_s)
     except ReachError as err:
+        unknown = _may_follow_a_send(inp)
         raise NotSent(
             Unavailable(
                 f"attempt {header.attempt} was not sent to {endpoint.instance_id}: whether an "
                 f"earlier run sent it could not be checked ({err.message})"
+                + ("; one may have, so the agent may have run it" if unknown else ""),
+                retryable=False if unknown else None,
+                outcome_unknown=True if unknown else None,
             )
         ) from err
     if held == mine:

@@ -7,6 +7,7 @@ The whole story through two gateway processes, one SIGKILLed mid-call, is the sl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -194,7 +195,33 @@ async def test_nothing_is_sent_when_the_claim_cannot_be_made(
         await store.aclose()
     assert down.value.type == "unavailable"
     assert "whether an earlier run sent it could not be checked" in down.value.message
+    assert not down.value.details[0].get("outcome_unknown")  # a regular activity: none ran
     assert runs(server, tag) == 0
+
+
+async def test_a_local_re_run_that_cannot_check_the_claim_says_the_outcome_is_unknown(
+    server: McpServerProcess, gateway: Gateway
+) -> None:
+    """A local activity is run again when its workflow task was lost: the first run may have
+    sent the call. With the store down the re-run cannot tell, so it must not answer a plain
+    `unavailable` (never sent): `make reliability` caught one for a tool the server had run."""
+    tag = rid()
+    inp = tool_call(server, tag)
+    first = await call(gateway(MemoryPolicyState()), inp)  # the earlier run: sent, it ran
+    assert first.status == "ok", first
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", prefix="x", timeout_s=0.5)
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, is_local=True)
+    try:
+        with pytest.raises(ApplicationError) as down:
+            await env.run(gateway(create_policy_state(store)).call, inp)
+    finally:
+        await store.aclose()
+    assert down.value.type == "unavailable"
+    assert down.value.details[0]["outcome_unknown"] is True
+    assert down.value.details[0]["retryable"] is False
+    assert "may have run it" in down.value.message
+    assert runs(server, tag) == 1
 
 
 @pytest.mark.slow  # ~30 s: Temporal's wait before the other gateway takes the request over
