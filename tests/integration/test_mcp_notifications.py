@@ -23,6 +23,7 @@ from reach.errors import AgentError
 from reach.invocation import Endpoint
 from tests.conftest import new_stack
 from tests.helpers import GatewayProcess, message, rid, wait_until
+from tests.integration.test_connector_mcp import everything as everything  # its fixture
 from tests.integration.test_connector_mcp import registered
 from tests.mcp_servers import McpServerProcess
 
@@ -100,6 +101,35 @@ async def test_progress_shows_in_the_timeline_while_the_call_runs_and_after(
             kinds = [e["kind"] for e in story["events"]]
             assert kinds.index("sent") < kinds.index("progress")
             assert max(i for i, k in enumerate(kinds) if k == "progress") < kinds.index("result")
+
+
+async def test_the_reference_servers_progress_shows_in_the_timeline(
+    gateway: GatewayProcess, http: httpx.AsyncClient, everything: str, capability: str
+) -> None:
+    """@modelcontextprotocol/server-everything from npm (session-based): its long-running
+    operation reports each of its steps."""
+    r = await http.post(
+        f"{gateway.url}/reach/agents",
+        json={"protocol": "mcp", "service_address": everything, "capability": capability},
+    )
+    assert r.status_code == 200, r.text
+    iid = r.json()["instance_id"]
+    try:
+        request_id = rid()
+        body = {
+            "target": capability,
+            "operation": "trigger-long-running-operation",
+            "payload": {"duration": 1.5, "steps": 5},
+            "request_id": request_id,
+        }
+        r = await http.post(f"{gateway.url}/reach/invoke", json=body)
+        assert r.status_code == 200, r.text
+        url = f"{gateway.url}/reach/requests/{request_id}/timeline"
+        notes = [e for e in (await http.get(url)).json()["events"] if e["kind"] == "progress"]
+        assert [n["detail"]["progress"] for n in notes] == [1, 2, 3, 4, 5]
+        assert {n["detail"]["total"] for n in notes} == {5}
+    finally:
+        await http.delete(f"{gateway.url}/reach/agents/{iid}")
 
 
 @pytest.mark.parametrize("client_mode", ["legacy", "auto"])
