@@ -31,6 +31,13 @@ from reach.invocation import Endpoint
 from reach.messages import Reply, dumps
 
 _TOO_BIG = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
+# How grpc core words a call that never left: no connection was made (refused, unresolvable,
+# nothing to dial). Any other transport failure came after the call was written to a
+# connection, so the agent may have run it (`outcome_unknown`).
+_NOT_SENT = re.compile(
+    r"(?i)failed to connect|connection refused|dns resolution failed|name resolution"
+    r"|empty address list|no addresses|failed to pick subchannel"
+)
 _HTTP_STATUS = re.compile(r"[1-5][0-9][0-9]")
 
 Kind = Literal["ok", "timeout", "transport", "agent"]
@@ -142,8 +149,16 @@ def error_for_status(
             f"agent {endpoint.instance_id} did not answer in time (gRPC {name}){said}"
         )
     if kind == "transport" and said_type is None:
+        if _NOT_SENT.search(details):
+            return TransportError(
+                f"cannot reach agent at {endpoint.address}: {name}{said}", retryable=retryable
+            )
+        # The connection broke (agent killed, stream reset, the server going away) with the
+        # call on it: sent, never answered, as an HTTP or WebSocket break mid-call.
         return TransportError(
-            f"cannot reach agent at {endpoint.address}: {name}{said}", retryable=retryable
+            f"the connection to agent at {endpoint.address} broke mid-call: {name}{said}",
+            retryable=retryable,
+            outcome_unknown=True,
         )
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         size = _TOO_BIG.search(details)

@@ -23,7 +23,7 @@ import secrets
 from typing import Any
 
 import aiomqtt
-from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
 
 from agent_reach_proto import wire
 from agent_reach_proto.wire import paho_client
@@ -141,18 +141,16 @@ class BrokerLink:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
 
-    async def publish(
+    async def acked(
         self,
-        publisher: AckedPublisher,
+        ack: asyncio.Future[ReasonCode],
         topic: str,
-        payload: bytes,
-        props: Properties,
         reply: asyncio.Future[aiomqtt.Message],
     ) -> TransportError | None:
-        """Publish with QoS 1 and wait for the broker's PUBACK, or for the reply (or the
-        connection's end, which fails `reply`) if that comes first. Returns the error a PUBACK
-        that says the request went nowhere stands for, so that the caller fails at once."""
-        ack = publisher.publish(topic, payload, props)
+        """Wait for the broker's PUBACK to a request published with QoS 1 (`ack`), or for the
+        reply (or the connection's end, which fails `reply`) if that comes first. Returns the
+        error a PUBACK that says the request went nowhere stands for, so that the caller fails
+        at once."""
         try:
             either: set[asyncio.Future[Any]] = {ack, reply}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -198,10 +196,14 @@ class BrokerLink:
             if subscribed:
                 why = error.__cause__ if error is not None and error.__cause__ else error
                 log.warning("lost the MQTT broker %s (%r); reconnecting", self.broker, why)
+                # Every request waiting was published on this connection: the broker may have
+                # passed it on, and its agent run it.
                 self._fail_pending(
                     TransportError(
                         f"the connection to the MQTT broker {self.broker} broke while waiting "
-                        f"for the reply ({error!r})"
+                        f"for the reply ({error!r}); the request was published, so its agent "
+                        "may have run it",
+                        outcome_unknown=True,
                     )
                 )
             else:
@@ -237,8 +239,14 @@ class BrokerLink:
         self.closed = True
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+        self._fail_pending(
+            TransportError(
+                f"the client for the MQTT broker {self.broker} was closed while waiting for the "
+                "reply; the request was published, so its agent may have run it",
+                outcome_unknown=True,
+            )
+        )
         closed = TransportError(f"the client for the MQTT broker {self.broker} was closed")
-        self._fail_pending(closed)
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_exception(closed)
@@ -292,17 +300,25 @@ class MqttConnector(PooledConnector):
             link = entry.value
             link.capabilities.add(endpoint.capability)
             reply: asyncio.Future[aiomqtt.Message] = asyncio.get_running_loop().create_future()
+            published = False  # from here on the agent may have it: a break is an unknown outcome
             try:
                 async with asyncio.timeout(max(timeout_s, 0.001)):
                     publisher = await link.ready()
                     # Waiting from here on: a break of this connection fails it at once.
                     link.pending[correlation] = reply
-                    refused = await link.publish(publisher, topic, body, props, reply)
+                    ack = publisher.publish(topic, body, props)  # raises: nothing went out
+                    published = True
+                    refused = await link.acked(ack, topic, reply)
                     if refused is not None:  # e.g. no agent subscribed: no use waiting
                         self.stats.count(endpoint.capability, self.protocol, "failed")
                         raise refused
                     answer = await reply
             except TimeoutError:
+                if not published:  # never connected in time: not sent, and not started
+                    raise TransportError(
+                        f"the MQTT broker {broker} was not reached before the deadline; the "
+                        f"request was not sent to agent {endpoint.instance_id}"
+                    ) from None
                 raise DeadlineExceeded(
                     f"agent {endpoint.instance_id} did not answer through the MQTT broker "
                     f"{broker} in time"

@@ -583,8 +583,10 @@ async def test_an_address_that_is_not_mqtt_is_a_final_transport_error() -> None:
     assert not err.value.retryable
 
 
-async def test_a_broker_that_never_acknowledges_the_connect_is_a_timeout() -> None:
-    """And closing the connector mid-connect still closes the socket (aiomqtt alone would not)."""
+async def test_a_broker_that_never_acknowledges_the_connect_is_not_sent_at_the_deadline() -> None:
+    """Nothing was published: at the deadline it is a retryable refusal that did not start, not a
+    timeout (which would read as "may have run"). And closing the connector mid-connect still
+    closes the socket (aiomqtt alone would not)."""
     held: list[asyncio.StreamReader] = []
     gone = asyncio.Event()
 
@@ -602,9 +604,11 @@ async def test_a_broker_that_never_acknowledges_the_connect_is_a_timeout() -> No
         mute_ep = endpoint(f"mqtt://127.0.0.1:{port}/reach/agents/x/requests", "x")
         conn = MqttConnector()
         start = time.monotonic()
-        with pytest.raises(DeadlineExceeded):
+        with pytest.raises(TransportError) as refused:
             await conn.invoke(mute_ep, message("echo"), 0.5)
         assert time.monotonic() - start < 5  # at its deadline, never a hang
+        assert (refused.value.retryable, refused.value.outcome_unknown) == (True, None)
+        assert "was not sent" in refused.value.message
         assert len(held) == 1
         await conn.aclose()  # the link is still waiting for CONNACK
         await asyncio.wait_for(gone.wait(), 10)
