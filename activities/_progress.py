@@ -66,12 +66,17 @@ class Recorder:
                 await asyncio.wait_for(self._write(), 2.0)
 
 
+_NOTHING = contextlib.nullcontext()
+
+
+def recording(recorder: Recorder | None) -> contextlib.AbstractContextManager[None]:
+    """The connector's `reach.progress.report` goes to `recorder` within this block (None:
+    nowhere, at no cost: most calls)."""
+    return _NOTHING if recorder is None else _recording(recorder)
+
+
 @contextlib.contextmanager
-def recording(recorder: Recorder | None) -> Iterator[None]:
-    """The connector's `reach.progress.report` goes to `recorder` within this block."""
-    if recorder is None:
-        yield
-        return
+def _recording(recorder: Recorder) -> Iterator[None]:
     token = progress.SINK.set(recorder.note)
     try:
         yield
