@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: up test lint docs docs-build fmt test-only test-slow fuzz-quick fuzz bench bench-routing bench-cli conformance install clean proto
+.PHONY: up test lint docs docs-build fmt test-only test-slow fuzz-quick fuzz bench bench-routing bench-cli conformance reliability soak install clean proto
 
 # The fuzz runs happen in a network namespace of their own with only loopback up, so no URL the
 # fuzzer makes up (callbacks, agent addresses) can send a packet off this machine.
@@ -91,6 +91,17 @@ bench-cli: $(STAMP)
 # `make test`: it downloads the suite and takes about a minute.
 conformance: $(STAMP)
 	$(BIN)/python tests/conformance/run_mcp.py $(ARGS)
+
+# Fault injection with a ledger (issue 25, docs/reliability.md): 1,000 mixed requests over every
+# SDK protocol through two gateways, a worker, Redis and Temporal of its own while each is
+# SIGKILLed; prints the Markdown table, exits 1 if an invariant broke. Its short version
+# (tests/reliability/test_reliability_short.py, ~45 s) runs in `make test`. ARGS='--requests N'.
+reliability: $(STAMP)
+	$(BIN)/python -m tests.reliability.run $(ARGS)
+
+# 10 minutes at 80% of the maximum rate it measures first (ARGS='--rate R --duration S').
+soak: $(STAMP)
+	$(BIN)/python -m tests.reliability.run --soak $(ARGS)
 
 clean:
 	rm -rf $(VENV) .reach .mypy_cache .ruff_cache .pytest_cache .hypothesis
