@@ -78,8 +78,12 @@ FOLLOW_FIRST_PAUSE_S = 0.01
 FOLLOW_MAX_PAUSE_S = 1.0
 
 
-def to_application_error(err: ReachError) -> ApplicationError:
+def to_application_error(err: ReachError, *, not_sent: bool = False) -> ApplicationError:
+    """`not_sent`: refused before the call was sent (`NotSent`), so the workflow never
+    re-delivers it (it would be refused again)."""
     details: dict[str, Any] = {"retryable": err.retryable}
+    if not_sent:
+        details["not_sent"] = True
     if err.retry_after_s is not None:
         details["retry_after_s"] = err.retry_after_s
     if err.outcome_unknown:
@@ -264,7 +268,7 @@ class ReachActivities:
             raise ApplicationError(str(stale), type=STALE_ROUTE, non_retryable=True) from stale
         except NotSent as refused:  # not the agent's fault: nothing is recorded against it
             outcome = refused.err.type
-            raise to_application_error(refused.err) from None
+            raise to_application_error(refused.err, not_sent=True) from None
         except ReachError as err:
             outcome = err.type
             if inp.judge_timeouts or not isinstance(err, DeadlineExceeded):
@@ -298,9 +302,15 @@ class ReachActivities:
             loop = asyncio.get_running_loop()
             until = loop.time() + inp.window_ms / 1000
             handle, pause = inp.handle, FOLLOW_FIRST_PAUSE_S
+            first = True
             while True:
                 left = until - loop.time()
-                timeout_s = min(inp.timeout_ms / 1000, left) if left > 0 else inp.timeout_ms / 1000
+                # The first question has its whole time (a window shorter than it, a push's
+                # look, asks once); the next ones end within the window.
+                timeout_s = inp.timeout_ms / 1000
+                if not first and left > 0:
+                    timeout_s = min(timeout_s, left)
+                first = False
                 reply = await connector.follow(inp.endpoint, handle, timeout_s)
                 if reply.status != "accepted" or until - loop.time() <= pause:
                     return reply

@@ -51,6 +51,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from reach.policy import (
         KNOWN_CAPABILITY,
+        NOT_SENT,
         QUEUE_DEADLINE,
         REDELIVER,
         STORE_WAIT,
@@ -82,11 +83,14 @@ PATCH_KNOWN_CAPABILITY = "known-capability-wait"
 PATCH_QUEUE_DEADLINE = "queue-wake-before-deadline"
 # Those accepted before a lost task's attempt was named ended without reading its pin.
 PATCH_NAME_LOST_ATTEMPT = "name-lost-attempt"
+# Those accepted before a call refused unsent was told apart re-delivered it (refused again).
+PATCH_NOT_SENT = "not-sent-not-redelivered"
 PATCHES: dict[Rule, str] = {
     REDELIVER: PATCH_REDELIVER,
     STORE_WAIT: PATCH_STORE_OUTAGE_WAIT,
     KNOWN_CAPABILITY: PATCH_KNOWN_CAPABILITY,
     QUEUE_DEADLINE: PATCH_QUEUE_DEADLINE,
+    NOT_SENT: PATCH_NOT_SENT,
 }
 # A workflow's history when its first task runs: started, task scheduled, task started. More
 # means an earlier task ran (and may have sent the call) and was lost with its worker.
@@ -211,7 +215,9 @@ class AttemptLoop(TaskFollowing):
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)
                 sent = self._in_flight or self._lost_before()
-                failure = Failure(failed.error, failed.instance_id, sent=sent)
+                failure = Failure(
+                    failed.error, failed.instance_id, sent=sent, not_sent=failed.not_sent
+                )
                 self._in_flight = False  # that call is over (a cancel from here finds none)
             step, self._tries = after_failure(
                 self._plan,

@@ -26,10 +26,13 @@ with workflow.unsafe.imports_passed_through():
 
 
 class Failed(Exception):
-    def __init__(self, error: ErrorInfo, instance_id: str | None) -> None:
+    def __init__(
+        self, error: ErrorInfo, instance_id: str | None, *, not_sent: bool = False
+    ) -> None:
         super().__init__(error.message)
         self.error = error
         self.instance_id = instance_id
+        self.not_sent = not_sent  # the call activity refused it before sending (NotSent)
 
 
 class StaleRoute(Exception):
@@ -53,6 +56,7 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
         raise asyncio.CancelledError(workflow.cancellation_reason()) from exc
     # Regular activities fail with ActivityError(cause=...); local ones with the cause itself.
     cause = exc.cause if isinstance(exc, ActivityError) else exc
+    not_sent = False
     if isinstance(cause, TimeoutError):
         if cause.type == TimeoutType.HEARTBEAT:
             info = ErrorInfo(
@@ -67,6 +71,8 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
         details: Any = cause.details[0] if cause.details else {}
         if not isinstance(details, dict):
             details = {}
+        if details.get("not_sent"):
+            not_sent = True
         # The activities raise only Reach's own types; anything else is a bug in Reach.
         known = cause.type in ERROR_TYPES
         info = ErrorInfo(
@@ -79,7 +85,7 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
         )
     else:
         info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
-    return Failed(info, instance_id)
+    return Failed(info, instance_id, not_sent=not_sent)
 
 
 def cancelled(

@@ -16,6 +16,7 @@ from reach.config import PolicySettings
 from reach.invocation import CallPlan, CapabilityMode
 from reach.policy.retry import (
     KNOWN_CAPABILITY,
+    NOT_SENT,
     QUEUE_DEADLINE,
     REDELIVER,
     STORE_WAIT,
@@ -39,6 +40,7 @@ from reach.policy.retry import (
 
 __all__ = [
     "KNOWN_CAPABILITY",
+    "NOT_SENT",
     "QUEUE_DEADLINE",
     "REDELIVER",
     "STORE_WAIT",

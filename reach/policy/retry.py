@@ -50,13 +50,17 @@ QUEUE_POLL_MAX_S = 60.0
 QUEUE_POLL_MIN_S = 0.01
 
 # Rules added after requests were accepted that a request in flight may predate.
-Rule = Literal["redeliver", "store_wait", "known_capability", "queue_deadline"]
+Rule = Literal["redeliver", "store_wait", "known_capability", "queue_deadline", "not_sent"]
 REDELIVER: Rule = "redeliver"
 STORE_WAIT: Rule = "store_wait"
 # A capability the registry forgot after acceptance is waited for, not reported unknown.
 KNOWN_CAPABILITY: Rule = "known_capability"
 # A queued request never wakes at its wait's end (it could only time out there, never started).
 QUEUE_DEADLINE: Rule = "queue_deadline"
+# A call the activity refused before sending it (`not_sent`) is never re-delivered: the refusal
+# would be the same (the send-once claim another run holds); a store that could not check it is
+# waited for as at routing.
+NOT_SENT: Rule = "not_sent"
 
 NOT_IDEMPOTENT = "the operation is not idempotent and the request has no idempotency_key"
 
@@ -73,6 +77,10 @@ class Failure:
     # The attempt's call was sent, or may have been: an earlier workflow task ran this attempt
     # and was lost with its worker (a local activity started and never reported).
     sent: bool = False
+    # The activity refused the call before sending it (the send-once claim another run holds,
+    # the store that could not check it, a follow-up of another caller's): this attempt sent
+    # nothing, whatever `outcome_unknown` says of an earlier run's.
+    not_sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,6 +213,14 @@ def after_failure(
         return GiveUp(
             "deadline reached", report=timed_out(plan, tries, failure, keyed=keyed)
         ), tries
+    if failure.not_sent and failure.error.outcome_unknown and follows(NOT_SENT):
+        # Another run sent this attempt and was lost: re-delivering it would only be refused
+        # again. Its unknown outcome is the report.
+        return GiveUp("refused before sending: an earlier run sent it", report=failure), tries
+    if failure.not_sent and failure.error.type == "unavailable" and follows(NOT_SENT):
+        delay_s = store_backoff_s(tries.store_waits)
+        if now_ms + delay_s * 1000 < deadline_ms:  # nothing was sent: wait for the store
+            return WaitForStore(delay_s), replace(tries, store_waits=tries.store_waits + 1)
     if failure.error.outcome_unknown and failure.instance_id is not None:
         if tries.unknown is None:
             tries = replace(tries, unknown=failure)

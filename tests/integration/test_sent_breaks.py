@@ -2,7 +2,9 @@
 agent SIGKILLed mid-call, an MQTT broker SIGKILLed after the request was published. A keyless
 non-idempotent write then ends `outcome_unknown`, not retryable, naming the instance, and runs
 once (the agents' ledger, examples/knowledge_retriever.py, counts executions); a request that
-never left (the broker was already gone) stays a retryable refusal: it did not start."""
+never left (the broker was already gone) stays a retryable refusal: it did not start. And an
+attempt the call activity refuses unsent (another run holds its send-once claim) is reported at
+once, never re-delivered to be refused again."""
 
 from __future__ import annotations
 
@@ -13,9 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from activities._sent import sent_key
+from reach.policy.state import create_policy_state
+from reach.store.redis import RedisStore
 from tests.conftest import new_stack
 from tests.helpers import Agent, GatewayProcess, invoke, rid, wait_until
+from tests.integration.test_connector_mcp import registered
 from tests.integration.test_connector_mqtt import OwnBroker
+from tests.mcp_servers import McpServerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -118,3 +125,51 @@ async def test_an_mqtt_broker_killed_after_the_publish_is_an_unknown_outcome(
         agent.proc.kill()
     finally:
         await broker.stop()
+
+
+async def test_an_attempt_refused_unsent_is_reported_at_once_not_redelivered(
+    temporal_server: str,
+    tmp_path: Path,
+    redis_url: str,
+    redis_prefix: str,
+    http: httpx.AsyncClient,
+    capability: str,
+) -> None:
+    """A gateway on Redis; an MCP server's non-idempotent tool; attempt 1's send claimed by
+    "another run" (one whose process was lost) before the request comes: the call activity
+    refuses it unsent, and the request ends there, with that run's unknown outcome. It was
+    re-delivered three times (0.5 s, 1 s, 2 s), each refused the same way."""
+    stack = new_stack(temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix)
+    server = McpServerProcess(tmp_path, "stateless").start()
+    store = RedisStore.from_url(redis_url, prefix=redis_prefix)
+    try:
+        async with GatewayProcess(stack) as gateway:
+            await server.ready()
+            async with registered(http, gateway, server, capability) as iid:
+                request_id = rid()
+                held = await create_policy_state(store).claim(
+                    sent_key(request_id, 1), "a-lost-run 1", 300
+                )
+                assert held == "a-lost-run 1"
+                r = await invoke(
+                    http,
+                    gateway,
+                    capability,
+                    "count",
+                    request_id=request_id,
+                    payload={"tag": "refused"},
+                    timeout_ms=30_000,
+                )
+                assert r.status_code == 502, r.text
+                body = r.json()
+                assert body["error"]["type"] == "transport_error", body
+                assert (body["error"]["outcome_unknown"], body["error"]["retryable"]) == (
+                    True,
+                    False,
+                )
+                assert body["instance_id"] == iid, body
+                assert [a["attempt"] for a in body["attempts"]] == [1], body["attempts"]
+                assert server.count() == 0  # never sent by this run
+    finally:
+        server.stop()
+        await store.aclose()

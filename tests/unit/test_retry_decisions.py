@@ -15,6 +15,7 @@ from reach.invocation import CallPlan
 from reach.messages import ErrorInfo
 from reach.policy import (
     KNOWN_CAPABILITY,
+    NOT_SENT,
     QUEUE_DEADLINE,
     REDELIVER,
     STORE_WAIT,
@@ -101,6 +102,35 @@ def test_a_broken_call_goes_back_to_its_instance_three_times_then_the_plan_decid
     step, tries = decide(plan(), tries, broken)
     assert step == Retry(delay_s=1.0, avoid_instance="i1")
     assert (tries.number, tries.avoid) == (2, ("i1",))
+
+
+def test_a_call_refused_unsent_is_never_redelivered_and_keeps_its_unknown_outcome() -> None:
+    # Another run sent this attempt (its claim holds): a re-delivery would be refused the same way.
+    refused = Failure(error(retryable=False, unknown=True), "i1", not_sent=True)
+    step, tries = decide(plan(idempotent=False, max_retries=0), Attempts(), refused)
+    assert isinstance(step, GiveUp)
+    assert step.report == refused
+    assert tries == Attempts()  # no re-delivery, no attempt counted
+    # Requests accepted before the rule re-delivered it (and were refused each time).
+    before, _ = after_failure(
+        plan(),
+        Attempts(),
+        refused,
+        keyed=False,
+        now_ms=0,
+        deadline_ms=60 * SECOND,
+        follows=lambda rule: rule != NOT_SENT,
+    )
+    assert isinstance(before, Redeliver)
+
+
+def test_a_call_refused_unsent_because_the_store_was_away_waits_for_it_whatever_the_op() -> None:
+    away = Failure(error("unavailable"), "i1", not_sent=True)
+    step, tries = decide(plan(idempotent=False, max_retries=0), Attempts(), away)
+    assert step == WaitForStore(store_backoff_s(0))
+    assert (tries.number, tries.store_waits) == (1, 1)  # the same attempt: nothing was sent
+    late, _ = decide(plan(idempotent=False, max_retries=0), Attempts(), away, now_ms=59_900)
+    assert isinstance(late, GiveUp)
 
 
 def test_a_store_outage_while_routing_is_waited_out_whatever_the_operation() -> None:
