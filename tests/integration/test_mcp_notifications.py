@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +24,7 @@ from reach import progress
 from reach.errors import AgentError
 from reach.invocation import Endpoint
 from tests.conftest import new_stack
-from tests.helpers import GatewayProcess, message, rid, wait_until
+from tests.helpers import GatewayProcess, Worker, message, rid, wait_until
 from tests.integration.test_connector_mcp import everything as everything  # its fixture
 from tests.integration.test_connector_mcp import registered
 from tests.mcp_servers import McpServerProcess
@@ -167,6 +169,48 @@ async def test_an_mcp_client_of_reach_hears_the_progress_of_a_server_behind_it(
     values = [done for done, _, _ in heard]
     assert values == sorted(values)
     assert len(set(values)) == len(values)  # increasing, as the spec asks
+
+
+@pytest.mark.slow  # ~40 s here: a gateway and a worker of their own on Redis
+async def test_progress_recorded_by_a_queue_worker_shows_in_the_gateways_timeline(
+    temporal_server: str,
+    tmp_path: Path,
+    redis_prefix: str,
+    http: httpx.AsyncClient,
+    servers: dict[str, McpServerProcess],
+) -> None:
+    """The call runs in a worker process of its own (queue mode); the notes it keeps in Redis
+    are what the gateway's timeline reads."""
+    capability = f"queued-{uuid.uuid4().hex[:6]}"
+    stack = new_stack(
+        temporal_server,
+        tmp_path,
+        registry="redis",
+        key_prefix=redis_prefix,
+        extra={"REACH_CAPABILITIES": f'{{"{capability}": {{"mode": "queue"}}}}'},
+    )
+    gateway = GatewayProcess(stack)
+    worker = Worker(stack, "--capability", capability)
+    try:
+        await asyncio.gather(gateway.ready(), worker.ready())
+        async with registered(http, gateway, servers["stateless"], capability):
+            request_id = rid()
+            body = {
+                "target": capability,
+                "operation": "slow",
+                "payload": {"seconds": 0.5},
+                "request_id": request_id,
+            }
+            r = await http.post(f"{gateway.url}/reach/invoke", json=body)
+            assert r.status_code == 200, r.text
+            url = f"{gateway.url}/reach/requests/{request_id}/timeline"
+            events = (await http.get(url)).json()["events"]
+            notes = [e for e in events if e["kind"] == "progress"]
+            assert notes, events
+            assert all(n["detail"]["total"] == 0.5 for n in notes)
+    finally:
+        gateway.proc.stop()
+        worker.proc.stop()
 
 
 async def test_a_tool_call_that_reports_nothing_leaves_no_record(
