@@ -353,8 +353,10 @@ def redis_stack(temporal: str, tmp: Path, prefix: str, **extra: str) -> Stack:
 BREAKING = f"cap-breaking-{uuid.uuid4().hex[:8]}"
 EJECTING = f"cap-ejecting-{uuid.uuid4().hex[:8]}"
 LIMITED = f"cap-limited-{uuid.uuid4().hex[:8]}"
+HALF_OPEN = f"cap-half-open-{uuid.uuid4().hex[:8]}"
 SHARED_POLICIES = {
     BREAKING: {"retry": {"max_retries": 0}, "circuit_breaker": {"open_duration_ms": 2000}},
+    HALF_OPEN: {"retry": {"max_retries": 0}, "circuit_breaker": {"open_duration_ms": 2000}},
     EJECTING: {"outlier": {"base_ejection_ms": 4000}},
     LIMITED: {"rate_limit": {"per_caller": {"per_minute": 60}}},
 }
@@ -520,6 +522,44 @@ async def test_breaker_opens_after_three_is_shared_and_a_probe_closes_it(
         r = await invoke(http, gw, cap, "query")
         assert r.status_code == 200, r.text
     assert len(calls(ledger)) == 6
+    detail = (await http.get(f"{a.url}/reach/capabilities/{cap}")).json()
+    assert detail["policy"]["breaker"]["status"] == "closed"
+
+
+async def test_half_open_lets_one_probe_through_both_gateways_until_it_succeeds(
+    pair: tuple[GatewayProcess, GatewayProcess], tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """Ten requests at once through two gateways sharing the Redis policy state while the
+    breaker is half-open: one probe is let through (half_open_probes: 1), and while it runs
+    (4 s) every other is refused circuit_open; its success closes the breaker."""
+    a, b = pair
+    ledger = tmp_path / "ledger.txt"
+    cap = HALF_OPEN  # no retries, the breaker open for 2 s
+    await start_agents(
+        a, cap, 1, "--ledger", str(ledger), "--fail-first", "3", "--delay-ms", "4000"
+    )
+    for _ in range(3):
+        r = await invoke(http, a, cap, "query")
+        assert r.status_code == 502, r.text
+
+    async def half_open() -> bool:
+        detail = (await http.get(f"{b.url}/reach/capabilities/{cap}")).json()
+        return bool(detail["policy"]["breaker"]["status"] == "half_open")
+
+    await wait_until(half_open, 15)
+    burst = await asyncio.gather(
+        *(invoke(http, gw, cap, "query", timeout_ms=20_000) for gw in (a, b) * 5)
+    )
+    served = [r for r in burst if r.status_code == 200]
+    refused = [r for r in burst if r.status_code == 503]
+    assert len(served) + len(refused) == len(burst), [r.text for r in burst]
+    assert all(r.json()["error"]["type"] == "circuit_open" for r in refused)
+    probes = [r for r in served if r.json()["attempts"][0]["breaker"] == "half_open"]
+    assert len(probes) == 1, [r.json()["attempts"] for r in served]
+    # Anything else served came after the probe closed the breaker (a busy box), never beside it.
+    assert all(r.json()["attempts"][0]["breaker"] == "closed" for r in served if r not in probes)
+    assert refused, "every request but the probe arrived after it had closed the breaker?"
+    assert len(calls(ledger)) == 3 + len(served)
     detail = (await http.get(f"{a.url}/reach/capabilities/{cap}")).json()
     assert detail["policy"]["breaker"]["status"] == "closed"
 
