@@ -108,19 +108,24 @@ def sse(
 
 class _Front:
     """The door's front for one A2A call: it learns the RequestID (`named`) and when the
-    request's workflow is durable (`started`), which returnImmediately and streams wait for."""
+    request's workflow is durable (`started`), which streams wait for. A returnImmediately
+    call lets the request go there (`let_go`): the door answers it `accepted` and holds
+    nothing of it (no waiter, no room among the bytes in flight); GetTask reads its result
+    from its workflow."""
 
-    __slots__ = ("_started", "request_id")
+    __slots__ = ("_started", "let_go", "request_id")
 
-    def __init__(self) -> None:
+    def __init__(self, let_go: float | None = None) -> None:
         self.request_id: str | None = None
+        self.let_go = let_go
         self._started = asyncio.Event()
 
     async def named(self, request_id: str, caller: str) -> None:
         self.request_id = request_id
 
-    async def started(self, request_id: str) -> None:
+    async def started(self, request_id: str) -> float | None:
         self._started.set()
+        return self.let_go
 
     async def started_or_done(self, job: asyncio.Task[InvokeResponse]) -> None:
         waiter = asyncio.ensure_future(self._started.wait())
@@ -161,19 +166,15 @@ class Call:
     async def send(self, params: SendMessageRequest) -> dict[str, Any]:
         body = await self._invoke_body(params)
         immediately = params.configuration.return_immediately
-        if immediately and "callback" not in body:
-            job, front = await self._started(body, "SendMessage")
-            if not job.done():
-                self.request_id = front.request_id
-                assert front.request_id is not None
-                task = Task(id=front.request_id, context_id=front.request_id)
-                task.status.CopyFrom(status_of(front.request_id, _SUBMITTED, None, {}))
-                return _json(SendMessageResponse(task=task))
-            response = job.result()
-        else:
-            response = await self._door(body, _Front(), "SendMessage")
-            if response.status == "accepted" and not immediately:
-                response = await self._outcome(response.request_id, body)  # blocking
+        # returnImmediately: answered once durable, and nothing of it is held here after.
+        response = await self._door(body, _Front(0.0 if immediately else None), "SendMessage")
+        if response.status == "accepted" and immediately and "callback" not in body:
+            rid = response.request_id
+            task = Task(id=rid, context_id=rid)
+            task.status.CopyFrom(status_of(rid, _SUBMITTED, None, {}))
+            return _json(SendMessageResponse(task=task))
+        if response.status == "accepted" and not immediately:
+            response = await self._outcome(response.request_id, body)  # blocking
         return {"task": task_json(response)}
 
     async def stream(

@@ -1,7 +1,8 @@
 """The door: every invoke, from every front, passes these steps in this order.
 
     identify   who calls, in which trace, with which key     steps/identify.py   401 403 422
-    admit      room for its body among those in flight       steps/admit.py      503
+    admit      room for its body among those in flight,      steps/admit.py      503
+               and within its caller's share of that room
     accept     the body as the standard request              steps/accept.py     413 422
     rules      may this caller call this operation (R19)     steps/rules.py      403
     callback   the callback URL is not request forgery       steps/callback.py   422
@@ -76,7 +77,7 @@ class Door:
         """One invoke through the door; a refusal is raised as a `ReachError` (or Temporal's
         `RPCError`, which `gateway_api.errors.reach_error_of_rpc` names)."""
         identity = self._identify(metadata)
-        room = admitted(self.live.settings, metadata, body)
+        room = admitted(self.live.settings, metadata, body, identity.caller)
         try:
             readable = await room.__aenter__()
         except ReachError as exc:
@@ -195,8 +196,9 @@ class Door:
                         return closed
                 return InvokeResponse(request_id=inp.request_id, status="accepted")
             started = getattr(front, "started", None)  # a front that answers before the verdict
-            if started is not None:
-                await started(inp.request_id)
-            return await self.verdicts.verdict(run, wait, now_ms)
+            # It may let the request go before its verdict (then answered `accepted`, and
+            # nothing of it is held here: steps/wait.py).
+            let_go = await started(inp.request_id) if started is not None else None
+            return await self.verdicts.verdict(run, wait, now_ms, let_go)
         finally:
             self.verdicts.done(wait)

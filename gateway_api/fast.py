@@ -44,7 +44,7 @@ class InvokeFastPath:
 
     async def _invoke(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Where CatchBugs finds the request_id for a 500 envelope, as for the route.
-        front = HttpFront(Request(scope).state)
+        front = HttpFront(Request(scope).state, receive)
         try:
             response = await answer_invoke(
                 self.state.gateway, metadata_of(scope), _Body(receive), front
@@ -57,6 +57,8 @@ class InvokeFastPath:
         except RPCError as exc:
             log.error("Temporal call failed on %s: %s", PATH, exc)
             response = error_response(valid_request_id(front.request_id), reach_error_of_rpc(exc))
+        finally:
+            front.close()
         await response(scope, receive, send)
 
 

@@ -15,10 +15,14 @@ more:
    decides the HTTP status, `reach.errors`) or Temporal's `RPCError`
    (`gateway_api.errors.reach_error_of_rpc`).
 
-A front may also have `async def started(self, request_id)`: a synchronous request's workflow
-is durable now (started, or the earlier run a repeat attaches to) and the door goes on to wait
-for its verdict. The A2A front answers `returnImmediately` and opens its stream there, and
-leaves the door waiting in the background, so the request is accounted as any other.
+A front may also have `async def started(self, request_id) -> LetGo`: a synchronous request's
+workflow is durable now (started, or the earlier run a repeat attaches to) and the door goes on
+to wait for its verdict, or lets the request go first (`gateway_api.steps.wait.LetGo`): after
+so many seconds (A2A's returnImmediately and an MCP task: 0; the MCP tasks extension: 1), or
+once a future is done (the HTTP fronts: the client disconnected). A request let go is
+answered `accepted` and accounted so (as one with a callback); the door then holds nothing of
+it, neither a waiter nor room among the bytes in flight, and its result is read from its
+workflow later (GetTask, tasks/get, GET /reach/requests/{id}).
 
 Adding a front is one module (and its wiring in `gateway_api/app.py`); nothing in the door or
 the steps changes. Identity, rules, limits, routing, the durable start, audit and metrics are

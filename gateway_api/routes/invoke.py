@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
-from starlette.types import Scope
+from starlette.types import Receive, Scope
 
 from gateway_api.deps import (
     AgentDep,
@@ -83,13 +84,29 @@ def metadata_of(scope: Scope) -> dict[str, str]:
 
 class HttpFront:
     """The HTTP front's side of the door: it keeps the RequestID where the error envelopes
-    (and `CatchBugs`' last-resort 500) find it."""
+    (and `CatchBugs`' last-resort 500) find it, and, given the connection's `receive`, lets a
+    synchronous request go when its client disconnects while it waits (`started`): the
+    request goes on durably, and the gateway holds nothing of it for nobody."""
 
-    __slots__ = ("caller", "state")
+    __slots__ = ("_gone", "caller", "receive", "state")
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, receive: Receive | None = None) -> None:
         self.state = state
         self.caller: str | None = None
+        self.receive = receive
+        self._gone: asyncio.Task[None] | None = None
+
+    async def started(self, request_id: str) -> asyncio.Future[Any] | None:
+        if self.receive is None:
+            return None
+        self._gone = asyncio.create_task(_disconnected(self.receive))
+        return self._gone
+
+    def close(self) -> None:
+        """The door answered: stop listening for the client's disconnect."""
+        if self._gone is not None:
+            self._gone.cancel()
+            self._gone = None
 
     @property
     def request_id(self) -> str | None:
@@ -98,6 +115,12 @@ class HttpFront:
     async def named(self, request_id: str, caller: str) -> None:
         self.state.request_id = request_id
         self.caller = caller
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Until the client disconnects (its body was read whole: nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class _RequestBody:

@@ -1,15 +1,27 @@
 """Step 5, known or a repeat: a capability nobody registered is a 404, unless the RequestID
-is one Reach already holds (a repeat attaches to it whatever the registry says now)."""
+is one Reach already holds (a repeat attaches to it whatever the registry says now).
+
+It also names a request's metric labels (`labels`): a caller chooses the capability and the
+operation it names, so a name no instance declares is folded into one label value (`_unknown`
+for a capability nobody registered, `_other` for an operation its instances do not declare),
+and a caller cannot mint a label value an invoke."""
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from reach.errors import UnknownCapability
 from reach.messages import InvokeRequest
 from reach.registry import Registry
 from reach.registry.view import RegistryView
+from reach.telemetry.metrics import OTHER as OTHER_LABEL
 from reach.telemetry.metrics import UNKNOWN as UNKNOWN_LABEL
+
+# How long the operations a capability's instances declare are read from the store at most
+# once (a failed invoke's labels ask; a change made through this registry reads them again).
+OPERATIONS_TTL_S = 2.0
+MAX_HELD = 4096
 
 
 class Requests(Protocol):
@@ -24,6 +36,11 @@ class Capabilities:
     def __init__(self, registry: Registry, view: RegistryView | None = None) -> None:
         self.registry = registry
         self.view = view
+        self._served: dict[str, tuple[float, frozenset[str]]] = {}  # capability -> (read, ops)
+        registry.on_change(self._changed)
+
+    def _changed(self, capability: str, _instance_id: str) -> None:
+        self._served.pop(capability, None)
 
     async def known(self, capability: str) -> bool:
         if self.view is not None:
@@ -37,7 +54,24 @@ class Capabilities:
 
     async def labels(self, request: InvokeRequest) -> tuple[str, str]:
         """Metric labels for a request that did not succeed: a capability nobody registered
-        is the caller's to name (and to multiply), so it counts as `_unknown`."""
-        if await self.known(request.target):
+        is the caller's to name (and to multiply), so it counts as `_unknown`; an operation
+        none of its instances declares counts as `_other`."""
+        if not await self.known(request.target):
+            return UNKNOWN_LABEL, UNKNOWN_LABEL
+        if request.operation in await self.operations(request.target):
             return request.target, request.operation
-        return UNKNOWN_LABEL, UNKNOWN_LABEL
+        return request.target, OTHER_LABEL
+
+    async def operations(self, capability: str) -> frozenset[str]:
+        """The operations the capability's live instances declare (read at most every
+        `OPERATIONS_TTL_S`)."""
+        now = time.monotonic()
+        held = self._served.get(capability)
+        if held is not None and now - held[0] < OPERATIONS_TTL_S:
+            return held[1]
+        records = await self.registry.instances(capability)
+        served = frozenset(op for record in records for op in record.operations)
+        if len(self._served) >= MAX_HELD:  # capabilities that left long ago among them
+            self._served.clear()
+        self._served[capability] = (now, served)
+        return served

@@ -186,6 +186,14 @@ class TransportSettings(Section):
         "new invoke is refused 503 unavailable with Retry-After before its body is read, and "
         "was not started. One invoke is always admitted when none is in flight. 0: no bound.",
     )
+    caller_inflight_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="The share of max_inflight_bytes one caller may hold while it holds any: "
+        "past it its next invoke is refused 503 unavailable with Retry-After (not started) and "
+        "the rest stays for other callers. 1: no share, only the whole bound.",
+    )
 
 
 class CallbackSettings(CallbackPlan):

@@ -3,6 +3,11 @@ that `reach trace` (GET /reach/requests/{id}/timeline) can say the request was r
 why, instead of only "no request with id": a refused request never started, so Temporal has
 no history of it. What the audit trail records, held in memory: the most recent
 `MAX_KEPT` refusals for `KEEP_S`, on the gateway that refused them.
+
+A RequestID is the caller's own (another caller's use of it is refused, never attached), so a
+refusal is kept under its caller and its RequestID: a second caller refused under the same id
+keeps its own record beside the first's, and each caller's trace reads its own. An admin (or
+anyone, when tokens are not required) reads the latest of them.
 """
 
 from __future__ import annotations
@@ -34,31 +39,47 @@ class Refusal:
 
 
 class DoorRefusals:
-    """RequestID -> the last refusal of it, oldest dropped first."""
+    """(caller, RequestID) -> that caller's last refusal under it, oldest dropped first."""
 
     def __init__(self, max_kept: int = MAX_KEPT, keep_s: float = KEEP_S) -> None:
         self.max_kept = max_kept
         self.keep_s = keep_s
-        self._kept: OrderedDict[str, Refusal] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, str], Refusal] = OrderedDict()
+        self._callers: dict[str, list[str]] = {}  # RequestID -> its callers, latest last
 
     def note(
         self, request_id: str, caller: str, status: int, error_type: str, message: str
     ) -> None:
-        kept = self._kept
-        kept.pop(request_id, None)
-        kept[request_id] = Refusal(caller, status, error_type, message, time.time())
+        kept, key = self._kept, (caller, request_id)
+        if kept.pop(key, None) is not None:
+            self._callers[request_id].remove(caller)
+        kept[key] = Refusal(caller, status, error_type, message, time.time())
+        self._callers.setdefault(request_id, []).append(caller)
         while len(kept) > self.max_kept:
-            kept.popitem(last=False)
+            self._forget(*kept.popitem(last=False)[0])
 
     def get(self, request_id: str, reader: Principal | None = None) -> Refusal | None:
-        """The refusal, if still kept and `reader` may see it (with tokens required: its
-        caller or an admin, as for the request itself)."""
-        refusal = self._kept.get(request_id)
-        if refusal is None:
+        """The refusal `reader` may see, if still kept: with tokens required, its own caller's
+        (an admin: the latest of any caller's), as for the request itself."""
+        callers = self._callers.get(request_id)
+        if not callers:
             return None
+        if reader is not None and reader.kind != "admin":
+            caller = reader.name if reader.name in callers else None
+        else:
+            caller = callers[-1]
+        if caller is None:
+            return None
+        refusal = self._kept[(caller, request_id)]
         if time.time() - refusal.at > self.keep_s:
-            del self._kept[request_id]
-            return None
-        if reader is not None and reader.kind != "admin" and reader.name != refusal.caller:
+            del self._kept[(caller, request_id)]
+            self._forget(caller, request_id)
             return None
         return refusal
+
+    def _forget(self, caller: str, request_id: str) -> None:
+        callers = self._callers.get(request_id)
+        if callers is not None:
+            callers.remove(caller)
+            if not callers:
+                del self._callers[request_id]

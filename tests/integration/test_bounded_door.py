@@ -38,6 +38,8 @@ async def tight(
             "REACH_TRANSPORT__HTTP_BODY_TIMEOUT_S": str(BODY_S),
             "REACH_TRANSPORT__HTTP_KEEP_ALIVE_S": str(KEEP_ALIVE_S),
             "REACH_TRANSPORT__MAX_INFLIGHT_BYTES": str(INFLIGHT_BYTES),
+            # The whole bound, one caller (anonymous) filling it: shares are test_door_held's.
+            "REACH_TRANSPORT__CALLER_INFLIGHT_SHARE": "1",
         },
     )
     async with GatewayProcess(stack) as gw:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -90,6 +91,12 @@ class Registry:
 
     async def known(self, capability: str) -> bool:
         return capability in self.names
+
+    def on_change(self, listener: object) -> None:
+        pass
+
+    async def instances(self, capability: str) -> list[SimpleNamespace]:
+        return [SimpleNamespace(operations=["query"])] if capability in self.names else []
 
 
 @dataclass
