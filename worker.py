@@ -199,7 +199,10 @@ def build_services(settings: ReachSettings, *, sweep: bool = True) -> Services:
         return {e.instance_id for e in snap.entries} if snap else set()
 
     connectors = ConnectorSet(
-        settings.transport, live_instances=live_instances, security=settings.security
+        settings.transport,
+        live_instances=live_instances,
+        security=settings.security,
+        gateway_url=settings.gateway_url,
     )
     check_routing(settings)
     inflight = create_inflight(

@@ -109,9 +109,11 @@ class ConnectorSet:
         live_instances: LiveInstances | None = None,
         sweep_s: float = 1.0,
         security: SecuritySettings | None = None,
+        gateway_url: str | None = None,
     ) -> None:
         self.transport = transport
         self.security = security
+        self.gateway_url = gateway_url  # where agents reach Reach back (`Connector.reached_at`)
         self.stats = ConnectionStats()
         self._live: dict[str, Connector] = {}
         self._live_instances = live_instances
@@ -122,6 +124,8 @@ class ConnectorSet:
         connector = self._live.get(protocol)
         if connector is None:
             connector = load(protocol)(self.transport, stats=self.stats, security=self.security)
+            if self.gateway_url is not None:
+                connector.reached_at(self.gateway_url)
             self._live[protocol] = connector
         if self._sweeper is None and self._live_instances is not None:
             with contextlib.suppress(RuntimeError):  # no running loop: the next call starts it

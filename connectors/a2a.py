@@ -11,7 +11,11 @@ Long tasks: `SendMessage` asks to be answered as soon as the agent has a task
 `Reply` with a follow handle (task id, context id, JSON-RPC URL). The workflow keeps that handle
 in its history and follows the task (`follow`: one `GetTask`) on durable timers until it ends
 or the deadline passes, when it sends `CancelTask` (`cancel`). A restarted gateway or worker
-goes on following the same task: the message is never sent again.
+goes on following the same task: the message is never sent again. When the card says the agent
+pushes notifications (and Reach has a webhook key to sign with), the message carries a push
+config pointing at the gateway's `POST /reach/a2a/push/{request_id}` with that request's token
+(`reach.security.a2a_push`), and the handle says `push`: the workflow then looks when a
+notification arrives, polling only as a slower fallback (`workflows._following`).
 
 Connections: one guarded httpx client (its own keep-alive pool) per instance, opened on first
 use, closed when idle past `transport.idle_timeout_s` or when the instance leaves the registry;
@@ -54,6 +58,7 @@ from reach.errors import AgentError, InvalidRequest, ReachError, TransportError,
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
 from reach.registry.models import Discovery
+from reach.security.a2a_push import push_token, push_url
 from reach.security.netguard import DEFAULT_PORTS, AddressGuard, host_port
 
 # The mapping's pure parts, public for whoever checks them (its tests), beside the connector.
@@ -133,6 +138,7 @@ class A2AConnector(PooledConnector):
         # address -> JSON-RPC URL, for instances whose details do not say (joined, not found
         # by URL): read from the card once.
         self._urls: dict[str, str] = {}
+        self._gateway_url: str | None = None  # `reached_at`: where push notifications go
 
     @classmethod
     def check_address(cls, address: str) -> str:
@@ -322,8 +328,32 @@ class A2AConnector(PooledConnector):
         if message.header.traceparent:
             headers[wire.TRACEPARENT] = message.header.traceparent
         params = send_request(message)
+        push = self._push_config(endpoint, message.header.request_id)
+        if push is not None:
+            params["configuration"]["taskPushNotificationConfig"] = push
         result = await self._call(endpoint, url, "SendMessage", params, timeout_s, headers)
-        return reply_of_send(result, endpoint, url, limit)
+        reply = reply_of_send(result, endpoint, url, limit)
+        if push is not None and reply.follow is not None:
+            reply.follow["push"] = True  # the workflow waits for the agent's notifications
+        return reply
+
+    def reached_at(self, gateway_url: str) -> None:
+        self._gateway_url = gateway_url
+
+    def _push_config(self, endpoint: Endpoint, request_id: str) -> dict[str, Any] | None:
+        """The push-notification config a message is sent with: when the agent's card says
+        it pushes and Reach can sign (a webhook key, its gateway's URL), the gateway's push
+        route for this request and its token (`reach.security.a2a_push`); else None (the
+        task is followed by polling alone)."""
+        key = self.security.webhook_key
+        if endpoint.details.get("push_notifications") is not True or key is None:
+            return None
+        if self._gateway_url is None:
+            return None
+        return {
+            "url": push_url(self._gateway_url, request_id),
+            "token": push_token(key.get_secret_value(), request_id),
+        }
 
     async def follow(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> Reply:
         """Where the task `handle` names stands now: its final Reply, an accepted Reply (still

@@ -115,6 +115,11 @@ class Connector(ABC):
         for watcher in self._watchers:
             watcher(address)
 
+    def reached_at(self, gateway_url: str) -> None:
+        """Where agents reach this deployment back (its gateway's public URL), for a connector
+        that hands agents a URL of Reach's (A2A push notifications); the others ignore it."""
+        del gateway_url
+
     def continues(self, message: Message) -> list[str]:
         """The agent's own task or context ids `message` continues (an A2A follow-up's): Reach
         sends it only for the caller they were handed to (`activities._conversations`). The

@@ -65,6 +65,7 @@ from gateway_api import _a2a_cards as cards
 from gateway_api import _a2a_push as push
 from gateway_api._a2a_calls import POLL_MAX_S, Call
 from gateway_api._a2a_cards import allowed_for, capability_card, gateway_card, operations_of
+from gateway_api._a2a_pushed import pushed
 from gateway_api._a2a_required import missing
 from gateway_api._a2a_tasks import (
     BEARER_CHALLENGE,
@@ -85,6 +86,7 @@ from gateway_api.http_limits import DRAINING
 from gateway_api.steps.identify import AUTHORIZATION, CALLER, IDEMPOTENCY_KEY, TRACEPARENT
 from reach import acceptance
 from reach.errors import InvalidRequest, RateLimited, ReachError, UnknownCapability
+from reach.security.a2a_push import PUSH_PATH
 
 __all__ = [
     "MAX_STREAMS_PER_CALLER",
@@ -245,6 +247,8 @@ class A2AFront:
                 methods=["GET"],
             ),
             Route(f"{cards.PREFIX}/{{capability}}", self.rpc, methods=["POST"]),
+            # An A2A agent's push notifications about a task a request follows.
+            Route(f"{PUSH_PATH}/{{request_id}}", pushed, methods=["POST"]),
         ]
 
     # -- cards --------------------------------------------------------------------------------

@@ -33,7 +33,12 @@ from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
 from a2a.server.request_handlers import DefaultRequestHandler
 from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
-from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
+from a2a.server.tasks import (
+    BasePushNotificationSender,
+    InMemoryPushNotificationConfigStore,
+    InMemoryTaskStore,
+    TaskUpdater,
+)
 from a2a.types import (
     AgentCapabilities,
     AgentCard,
@@ -165,10 +170,32 @@ class TestExecutor(AgentExecutor):
         await updater.cancel()
 
 
-def app(name: str, url: str) -> Starlette:
+class CountingSender(BasePushNotificationSender):
+    """The SDK's push sender, counting the notifications it sends (`lost`: none is sent)."""
+
+    def __init__(
+        self, store: InMemoryPushNotificationConfigStore, counts: Counter[str], *, lost: bool
+    ) -> None:
+        super().__init__(httpx.AsyncClient(trust_env=False, timeout=5), store)
+        self.counts = counts
+        self.lost = lost
+
+    async def send_notification(self, task_id: str, event: Any) -> None:
+        self.counts["push_lost" if self.lost else "pushed"] += 1
+        if not self.lost:
+            await super().send_notification(task_id, event)
+
+
+def app(name: str, url: str, push: str = "") -> Starlette:
+    """`push`: "" (the card says no push), "on" (sent), "lost" (the card says push, and
+    every notification is lost on the way)."""
     executor = TestExecutor()
-    own = card(name, url)
-    handler = DefaultRequestHandler(executor, InMemoryTaskStore(), own)
+    own = card(name, url, push=bool(push))
+    store = InMemoryPushNotificationConfigStore()
+    sender = CountingSender(store, executor.counts, lost=push == "lost") if push else None
+    handler = DefaultRequestHandler(
+        executor, InMemoryTaskStore(), own, push_config_store=store, push_sender=sender
+    )
     routes = [*create_jsonrpc_routes(handler, "/"), *create_agent_card_routes(own)]
 
     async def count(request: Request) -> Response:
@@ -188,11 +215,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default="test-agent")
+    parser.add_argument("--push", choices=("", "on", "lost"), default="")
     args = parser.parse_args()
     url = f"http://127.0.0.1:{args.port}/"
     print(f"a2a agent {args.name} serving at {url}", flush=True)
     uvicorn.run(
-        app(args.name, url),
+        app(args.name, url, args.push),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",
@@ -202,14 +230,24 @@ def main() -> None:
 class A2AAgentProcess:
     """One test agent in a process of its own, on a free loopback port."""
 
-    def __init__(self, log_dir: Path, name: str = "test-agent") -> None:
+    def __init__(self, log_dir: Path, name: str = "test-agent", push: str = "") -> None:
         from tests.helpers import free_port, spawn
 
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = spawn(
-            [sys.executable, "-m", "tests.a2a_agents", "--port", str(self.port), "--name", name],
+            [
+                sys.executable,
+                "-m",
+                "tests.a2a_agents",
+                "--port",
+                str(self.port),
+                "--name",
+                name,
+                "--push",
+                push,
+            ],
             {},
             log_dir / f"a2a-{name}-{self.port}.log",
         )

@@ -22,6 +22,15 @@ process from 10 ms apart growing to a second, and returns as soon as the task ha
   shielded step the cancel cannot reach, before the request ends `canceled`
   (`workflows._failures`; requests accepted before that rule end as they did).
 
+Push notifications (the agent's card says it sends them, and the connector sent the message
+with a push config pointing at the gateway: the handle says `push`, `PATCH_A2A_PUSH`): every
+look after the first asks once (no window of polling in process), and the wait between looks
+ends at once when a notification arrives (the gateway's `POST /reach/a2a/push/{request_id}`
+signals `SIGNAL_A2A_PUSH`, nothing more: the look that follows reads the task from the agent,
+so what a notification says is never taken on its word). Polling stays the fallback on a
+longer timer, from `PUSH_FIRST_WAIT_S` growing to `PUSH_MAX_WAIT_S`: a notification that never
+comes, or came while no gateway was up, delays the end by one such wait at most.
+
 Nothing here is retried by the policy: the request was delivered once, and its work is the
 agent's. Requests recorded before follow handles existed never reach this code (their replies
 carry none), so no history needs a patch for it.
@@ -50,6 +59,7 @@ with workflow.unsafe.imports_passed_through():
         LateAnswer,
     )
     from reach.messages import ErrorInfo, InvokeResponse, Reply, RequestStatus
+    from reach.security.a2a_push import SIGNAL_A2A_PUSH
     from workflows._failures import cancel_requested, error_of
 
 FIRST_WAIT_S = 1.0
@@ -61,6 +71,12 @@ LOOK_HEARTBEAT = timedelta(seconds=10)
 UNREACHABLE_S = 10.0
 CANCEL_TIMEOUT = timedelta(seconds=5)
 _ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
+# Following a task whose agent pushes notifications (requests accepted before this rule never
+# had a push handle: they poll as they did).
+PATCH_A2A_PUSH = "a2a-push-follow"
+PUSH_FIRST_WAIT_S = 10.0
+PUSH_MAX_WAIT_S = 300.0
+PUSH_LOOK_WINDOW_MS = 1  # one GetTask: the push said when to look
 
 
 def capability_queue(capability: str) -> str:
@@ -72,6 +88,11 @@ def wait_before(look: int) -> float:
     return min(MAX_WAIT_S, FIRST_WAIT_S * GROWTH**look)
 
 
+def push_wait_before(look: int) -> float:
+    """The fallback wait before look `look` when the agent pushes: polling's, but longer."""
+    return min(PUSH_MAX_WAIT_S, PUSH_FIRST_WAIT_S * GROWTH**look)
+
+
 class TaskFollowing:
     """The follow loop, a base of `workflows._attempts.AttemptLoop`, which provides these."""
 
@@ -79,6 +100,12 @@ class TaskFollowing:
     _deadline_ms: int
     _plan: CallPlan
     _cancel_said: str | None  # what became of the agent's task when the request was cancelled
+    _pushes: int = 0  # push notifications signalled so far
+
+    @workflow.signal(name=SIGNAL_A2A_PUSH)
+    def a2a_pushed(self) -> None:
+        """A push notification about the followed task arrived at a gateway: look now."""
+        self._pushes += 1
 
     def _now_ms(self) -> int:
         raise NotImplementedError
@@ -123,14 +150,22 @@ class TaskFollowing:
         instance_id = endpoint.instance_id
         look = 0
         unanswered_since: int | None = None
+        pushed = handle.get("push") is True and workflow.patched(PATCH_A2A_PUSH)
+        seen = self._pushes
         while True:
             remaining = self._deadline_ms - self._now_ms()
             if look > 0 and self._late is None and remaining > 0:
+                wait = push_wait_before(look - 1) if pushed else wait_before(look - 1)
+
+                def woken(seen: int = seen) -> bool:  # a late answer, or a push since
+                    return self._late is not None or self._pushes != seen
+
                 with contextlib.suppress(builtins.TimeoutError):
                     await workflow.wait_condition(
-                        lambda: self._late is not None,
-                        timeout=timedelta(seconds=min(wait_before(look - 1), remaining / 1000)),
+                        woken,
+                        timeout=timedelta(seconds=min(wait, remaining / 1000)),
                     )
+                seen = self._pushes
             if self._late is not None:
                 return self._answered_late(inp, instance_id)
             remaining = self._deadline_ms - self._now_ms()
@@ -138,7 +173,8 @@ class TaskFollowing:
                 return await self._task_past_deadline(inp, endpoint, handle)
             look += 1
             try:
-                reply = await self._look(inp, endpoint, handle, remaining)
+                window = PUSH_LOOK_WINDOW_MS if pushed else LOOK_WINDOW_MS
+                reply = await self._look(inp, endpoint, handle, remaining, window)
             except (ActivityError, ApplicationError, TimeoutError) as exc:
                 error = error_of(exc, instance_id).error
                 if error.type not in ("transport_error", "timeout"):
@@ -166,15 +202,21 @@ class TaskFollowing:
             return self._final_reply(inp, reply, instance_id)
 
     async def _look(
-        self, inp: InvokeInput, endpoint: Endpoint, handle: dict[str, Any], remaining_ms: int
+        self,
+        inp: InvokeInput,
+        endpoint: Endpoint,
+        handle: dict[str, Any],
+        remaining_ms: int,
+        window_ms: int = LOOK_WINDOW_MS,
     ) -> Reply:
         """One look: a regular activity (scheduling it records the handle before anything
         else happens) that asks about the task for up to a window, polling in process."""
-        window = max(1, min(remaining_ms, LOOK_WINDOW_MS))
+        window = max(1, min(remaining_ms, window_ms))
         arg = FollowTaskInput(
             endpoint=endpoint,
             handle=handle,
-            timeout_ms=min(window, LOOK_TIMEOUT_MS),
+            # One question's own time (a push's look, its window shorter, asks once).
+            timeout_ms=max(1, min(remaining_ms, LOOK_TIMEOUT_MS)),
             window_ms=window,
             request_id=inp.request_id,
         )

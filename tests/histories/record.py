@@ -43,6 +43,7 @@ from reach.invocation import (
     TakeInput,
 )
 from reach.messages import Reply
+from reach.security.a2a_push import SIGNAL_A2A_PUSH
 from workflows.callback import DeliverCallbackWorkflow
 from workflows.invoke import InvokeWorkflow
 
@@ -117,6 +118,8 @@ async def call(inp: CallInput) -> Reply:
         return Reply(status="accepted")
     if op == "task":  # an A2A agent's task, still working: followed by handle
         return Reply(status="accepted", follow=dict(TASK, state="submitted"))
+    if op == "pushtask":  # the same, its agent pushing notifications about it
+        return Reply(status="accepted", follow=dict(TASK, state="submitted", push=True))
     if op == "slow":
         await asyncio.sleep(inp.timeout_ms / 1000 + 0.5)
     return Reply(status="ok", result={"answer": 42})
@@ -202,7 +205,12 @@ CASES = {
     # honest: re-recording them today would record the new path.
     "cancel-queued-call": ("query", {**DOOR, "queue_mode": True}),
     "cancel-a2a-task": ("task", {**DOOR, "timeout_ms": 10_000}),
+    # An A2A task whose agent pushes: a look, a wait a push notification (a signal) ends
+    # before its timer fires, a look that finds it done (PATCH_A2A_PUSH).
+    "a2a-push": ("pushtask", {**DOOR, "timeout_ms": 60_000}),
 }
+# Each pushed case: the event after which the push notification is signalled.
+PUSH_AT = {"a2a-push": "EVENT_TYPE_TIMER_STARTED"}
 # Each cancel case: the event it waits for before it cancels.
 CANCEL_AT = {
     "cancel-queued-call": "EVENT_TYPE_ACTIVITY_TASK_SCHEDULED",
@@ -220,6 +228,18 @@ async def cancel_at(handle: Any, event_type: str) -> None:
                 return
         await asyncio.sleep(0.05)
     raise AssertionError(f"no {event_type} to cancel at")
+
+
+async def push_at(handle: Any, event_type: str) -> None:
+    """Signal a push notification as soon as the history holds an `event_type` event."""
+    wanted = getattr(EventType, event_type)
+    for _ in range(200):
+        async for event in handle.fetch_history_events():
+            if event.event_type == wanted:
+                await handle.signal(SIGNAL_A2A_PUSH)
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {event_type} to push at")
 
 
 async def main(names: list[str]) -> None:
@@ -252,6 +272,8 @@ async def main(names: list[str]) -> None:
                 )
                 if name.removesuffix("-before") in CANCEL_AT:
                     await cancel_at(handle, CANCEL_AT[name.removesuffix("-before")])
+                if name in PUSH_AT:
+                    await push_at(handle, PUSH_AT[name])
                 if operation == "defer":
                     await asyncio.sleep(0.3)
                     await handle.execute_update(

@@ -86,7 +86,12 @@ async def test_an_immediate_answer_is_the_result_and_the_message_carries_reach_s
     msg = message("echo", {"q": "x", "n": 3}, attempt=1)
     reply = await connector.invoke(endpoint(agent), msg, 5)
     # One data part holding an object is the result; A2A's doubles come back whole.
-    assert reply == Reply(status="ok", result={"echo": {"q": "x", "n": 3}})
+    assert reply.model_dump(exclude={"named"}) == Reply(
+        status="ok", result={"echo": {"q": "x", "n": 3}}
+    ).model_dump(exclude={"named"})
+    # The context it was answered in is named, for the owner check (not in the result).
+    assert reply.named is not None
+    assert reply.named["context_id"]
     seen = await agent.counts()
     assert f"{msg.header.request_id}:1" in seen["message_ids"]
 
@@ -103,9 +108,12 @@ async def test_a_long_task_is_accepted_with_a_handle_and_followed_to_its_artifac
     assert reply.follow["url"] == f"{agent.url}/"
     final = await followed(connector, ep, reply)
     # Two artifacts (a data part and a text part): the general form.
-    assert final == Reply(
-        status="ok", result={"text": "all done", "data": [{"done": True, "seconds": 0.3}]}
-    )
+    assert final.status == "ok"
+    assert final.result == {"text": "all done", "data": [{"done": True, "seconds": 0.3}]}
+    assert final.named == {
+        "task_id": reply.follow["task_id"],
+        "context_id": reply.follow["context_id"],
+    }
 
 
 async def test_input_required_ends_with_the_task_and_a_follow_up_continues_it(
@@ -120,7 +128,9 @@ async def test_input_required_ends_with_the_task_and_a_follow_up_continues_it(
     ids = {"task_id": asked.result["task_id"], "context_id": asked.result["context_id"]}
     answer = message("ask", {"name": "Ada", "_a2a": ids})
     done = await followed(connector, ep, await connector.invoke(ep, answer, 5))
-    assert done == Reply(status="ok", result={"hello": "Ada"})
+    assert done.status == "ok"
+    assert done.result == {"hello": "Ada"}
+    assert done.named == ids  # the same task, in the same context
 
 
 async def test_a_failed_task_is_an_agent_error_in_the_agent_s_words_and_canceled_is_final(

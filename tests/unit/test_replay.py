@@ -29,6 +29,7 @@ def test_there_are_histories_to_replay() -> None:
     # A caller's cancel ends it canceled; before that rule, internal or without a result.
     assert {"cancel-queued-call", "cancel-a2a-task"} <= names
     assert {"cancel-queued-call-before", "cancel-a2a-task-before"} <= names
+    assert "a2a-push" in names  # a task whose agent pushes notifications (PATCH_A2A_PUSH)
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
@@ -164,4 +165,32 @@ def test_an_a2a_task_is_sent_once_then_only_looked_at() -> None:
         if "activityTaskScheduledEventAttributes" in e
     ]
     assert looks == ["reach.follow_task", "reach.follow_task"]
+    assert _result(events)["result"] == {"answer": 42}
+
+
+def test_a_push_notification_ends_the_wait_and_the_next_look_asks_once() -> None:
+    """Its agent pushes: the wait after the first look is the push fallback's (10 s), a signal
+    ends it before it fires, and each look is one question (no window of polling)."""
+    events = _events("a2a-push")
+    markers = [
+        e["markerRecordedEventAttributes"] for e in events if "markerRecordedEventAttributes" in e
+    ]
+    assert [m["markerName"] for m in markers] == ["core_local_activity", "core_patch"]
+    timers = [
+        e["timerStartedEventAttributes"] for e in events if "timerStartedEventAttributes" in e
+    ]
+    assert [_seconds(t["startToFireTimeout"]) for t in timers] == [10.0]
+    assert any("timerCanceledEventAttributes" in e for e in events)
+    signals = [
+        e["workflowExecutionSignaledEventAttributes"]["signalName"]
+        for e in events
+        if "workflowExecutionSignaledEventAttributes" in e
+    ]
+    assert signals == ["a2a_push"]
+    looks = [
+        e["activityTaskScheduledEventAttributes"]
+        for e in events
+        if "activityTaskScheduledEventAttributes" in e
+    ]
+    assert len(looks) == 2
     assert _result(events)["result"] == {"answer": 42}

@@ -98,6 +98,8 @@ EXPECTED = {
     ],
     # An A2A agent's task followed by its handle until it ended.
     "a2a-task": [*SUCCESS[:3], "attempt_accepted", "result"],
+    # The same, its agent pushing: a notification ended the wait before the fallback timer.
+    "a2a-push": [*SUCCESS[:3], "attempt_accepted", "result"],
     # Ended in error or timeout: a Failed workflow carrying the envelope (ReachFailedOutcome).
     "failed-error": [*SUCCESS[:3], "attempt_failed", "result", "callback"],
     "failed-timeout": [*SUCCESS[:3], "attempt_failed", "timeout"],

@@ -1,0 +1,72 @@
+"""`POST /reach/a2a/push/{request_id}`: an A2A agent's push notification about the task a
+request follows (docs/protocols/a2a.md, "Push notifications").
+
+Thin on purpose: it is not a caller's invoke, so no token, rule or limit of a caller applies;
+the app's own middleware does (the Host check, the body limit), and the request's own push
+token (`reach.security.a2a_push`, sent as `X-A2A-Notification-Token`) is checked in constant
+time before anything else is read. A notification is then only a nudge: the request's
+workflow is signalled to look at the task now (`SIGNAL_A2A_PUSH`); what the body says is not
+read, the look reads the task from the agent. So a forged or replayed notification with the
+right token costs one `GetTask`, and one that never comes costs one fallback wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from temporalio.service import RPCError, RPCStatusCode
+
+from gateway_api.errors import error_response, reach_error_of_rpc
+from gateway_api.gateway import Gateway
+from reach.errors import PayloadTooLarge, Unauthorized, UnknownRequest
+from reach.messages import REQUEST_ID_PATTERN
+from reach.security.a2a_push import SIGNAL_A2A_PUSH, TOKEN_HEADER, push_token_ok
+
+log = logging.getLogger("reach.gateway")
+
+MAX_PUSH_BYTES = 1024 * 1024
+"""A notification's body, which is not read, may declare at most this many bytes."""
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+
+
+async def pushed(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    rid = request.path_params["request_id"]
+    key = gateway.settings.security.webhook_key
+    if key is None or not _REQUEST_ID.fullmatch(rid):
+        # Without a webhook key no push config was ever handed out: there is nothing here.
+        return error_response(
+            None,
+            UnknownRequest(
+                "no push notifications are taken here (security.webhook_key is not set)"
+                if key is None
+                else f"{rid[:140]!r} is not a RequestID"
+            ),
+        )
+    token = request.headers.get(TOKEN_HEADER, "")
+    if not token or not push_token_ok(key.get_secret_value(), rid, token[:256]):
+        return error_response(
+            rid,
+            Unauthorized(
+                f"a push notification for {rid} needs that request's token in {TOKEN_HEADER} "
+                "(the one its push config was sent with)"
+            ),
+        )
+    declared = request.headers.get("content-length", "0")
+    if not declared.isdigit() or int(declared) > MAX_PUSH_BYTES:
+        return error_response(
+            rid, PayloadTooLarge(f"a push notification of at most {MAX_PUSH_BYTES} bytes")
+        )
+    handle = gateway.client.get_workflow_handle(rid)
+    try:
+        await handle.signal(SIGNAL_A2A_PUSH, rpc_timeout=gateway.rpc_timeout)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            # Ended already (the last look found the end first), or never started here.
+            log.info("A2A push for %s: no running request (%s)", rid, exc.message)
+            return JSONResponse({"request_id": rid, "running": False}, status_code=200)
+        return error_response(rid, reach_error_of_rpc(exc))
+    return JSONResponse({"request_id": rid, "running": True}, status_code=202)

@@ -1,0 +1,203 @@
+"""Push notifications from A2A agents (a2a-sdk's own push sender) to Reach's push route, with
+a real gateway and dev server: a pushed task ends when the agent says so (the workflow signalled,
+one look after), a push that never comes is made up for by the fallback poll, the route refuses
+anything without the request's token, and a gateway SIGKILLed while following a pushed task
+never sends the message again (the agent's pushes to it fail; the poll finds the end)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client as TemporalClient
+
+from reach.security.a2a_push import PUSH_PATH, SIGNAL_A2A_PUSH, TOKEN_HEADER, push_token
+from tests.a2a_agents import A2AAgentProcess
+from tests.conftest import new_stack
+from tests.helpers import CallbackReceiver, GatewayProcess, Worker, rid, wait_until
+
+pytestmark = pytest.mark.integration
+
+KEY = "test-push-master-key"
+EXTRA = {"REACH_SECURITY__WEBHOOK_KEY": KEY}
+
+
+@pytest.fixture(scope="module")
+async def pushing(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[GatewayProcess, A2AAgentProcess, A2AAgentProcess]]:
+    tmp = tmp_path_factory.mktemp("a2a-push")
+    stack = new_stack(temporal_server, tmp, extra=EXTRA)
+    on = A2AAgentProcess(tmp, "pusher", push="on")
+    lost = A2AAgentProcess(tmp, "lost-pusher", push="lost")
+    try:
+        async with GatewayProcess(stack) as gateway:
+            await on.ready()
+            await lost.ready()
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+                await register(http, gateway, on.url, "a2a-push-on")
+                await register(http, gateway, lost.url, "a2a-push-lost")
+            yield gateway, on, lost
+    finally:
+        on.proc.stop()
+        lost.proc.stop()
+
+
+async def register(http: httpx.AsyncClient, gateway: GatewayProcess, url: str, cap: str) -> None:
+    r = await http.post(
+        f"{gateway.url}/reach/agents",
+        json={
+            "capability": cap,
+            "instance_id": f"{cap}-1",
+            "protocol": "a2a",
+            "service_address": url,
+        },
+    )
+    assert r.status_code == 200, r.text
+
+
+async def history_of(temporal: str, request_id: str) -> list[Any]:
+    client = await TemporalClient.connect(temporal)
+    return [event async for event in client.get_workflow_handle(request_id).fetch_history_events()]
+
+
+def signals(events: list[Any]) -> int:
+    return sum(
+        1
+        for e in events
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+        and e.workflow_execution_signaled_event_attributes.signal_name == SIGNAL_A2A_PUSH
+    )
+
+
+def looks(events: list[Any]) -> int:
+    return sum(
+        1
+        for e in events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and e.activity_task_scheduled_event_attributes.activity_type.name == "reach.follow_task"
+    )
+
+
+async def test_a_pushed_task_ends_when_the_agent_says_so(
+    pushing: tuple[GatewayProcess, A2AAgentProcess, A2AAgentProcess],
+    http: httpx.AsyncClient,
+    temporal_server: str,
+) -> None:
+    gateway, agent, _ = pushing
+    before = (await agent.counts())["counts"]
+    r = await http.post(
+        f"{gateway.url}/reach/invoke",
+        json={
+            "target": "a2a-push-on",
+            "operation": "slow",
+            "payload": {"seconds": 2},
+            "timeout_ms": 120_000,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "success", body
+    assert body["result"]["data"] == [{"done": True, "seconds": 2}]
+    events = await history_of(temporal_server, body["request_id"])
+    assert signals(events) >= 1  # the agent's notifications reached the workflow
+    # Looks: the first (at once, one GetTask), then one per notification at most; the poll
+    # alone would have waited PUSH_FIRST_WAIT_S (10 s) before its second look.
+    assert looks(events) <= 1 + signals(events), (looks(events), signals(events))
+    after = (await agent.counts())["counts"]
+    assert after["pushed"] > before.get("pushed", 0)
+    assert after["slow"] == before.get("slow", 0) + 1
+
+
+async def test_a_push_that_never_comes_is_made_up_for_by_the_poll(
+    pushing: tuple[GatewayProcess, A2AAgentProcess, A2AAgentProcess],
+    http: httpx.AsyncClient,
+    temporal_server: str,
+) -> None:
+    gateway, _, lost = pushing
+    r = await http.post(
+        f"{gateway.url}/reach/invoke",
+        json={
+            "target": "a2a-push-lost",
+            "operation": "slow",
+            "payload": {"seconds": 1},
+            "timeout_ms": 120_000,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "success", body
+    events = await history_of(temporal_server, body["request_id"])
+    assert signals(events) == 0
+    assert looks(events) == 2  # the first look, and the fallback poll's after its wait
+    assert (await lost.counts())["counts"]["push_lost"] >= 1  # the agent did try
+
+
+async def test_the_push_route_takes_only_the_request_s_own_token(
+    pushing: tuple[GatewayProcess, A2AAgentProcess, A2AAgentProcess], http: httpx.AsyncClient
+) -> None:
+    gateway, _, _ = pushing
+    mine, other = rid(), rid()
+    url = f"{gateway.url}{PUSH_PATH}/{mine}"
+    for headers in ({}, {TOKEN_HEADER: push_token(KEY, other)}, {TOKEN_HEADER: "x" * 43}):
+        r = await http.post(url, json={}, headers=headers)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["type"] == "unauthorized"
+        assert TOKEN_HEADER in r.json()["error"]["message"]
+    r = await http.post(f"{gateway.url}{PUSH_PATH}/not%20an%20id", json={})
+    assert r.status_code == 404, r.text
+    # The right token for a request that is not running: taken, nothing to signal.
+    r = await http.post(url, json={}, headers={TOKEN_HEADER: push_token(KEY, mine)})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"request_id": mine, "running": False}
+
+
+async def test_a_gateway_sigkilled_while_following_a_pushed_task_never_sends_it_again(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    stack = new_stack(temporal_server, tmp_path, extra=EXTRA)
+    doomed = GatewayProcess(stack, "doomed")  # the door, the worker, and the push route
+    survivor = Worker(stack)  # follows the task after the crash; no push reaches it
+    agent = A2AAgentProcess(tmp_path, "patient-pusher", push="on")
+    try:
+        await doomed.ready()
+        await survivor.ready()
+        await agent.ready()
+        await register(http, doomed, agent.url, "a2a-push-patient")
+        async with CallbackReceiver() as receiver:
+            request_id = rid()
+            r = await http.post(
+                f"{doomed.url}/reach/invoke",
+                json={
+                    "request_id": request_id,
+                    "target": "a2a-push-patient",
+                    "operation": "slow",
+                    "payload": {"seconds": 3},
+                    "timeout_ms": 90_000,
+                    "callback": receiver.url,
+                },
+            )
+            assert r.status_code == 202, r.text
+
+            async def following() -> bool:
+                got = await http.get(f"{doomed.url}/reach/requests/{request_id}")
+                attempts = got.json().get("attempts") or []
+                return bool(attempts) and attempts[0]["outcome"] == "accepted"
+
+            await wait_until(following, 10, every_s=0.05)
+            doomed.proc.kill()  # SIGKILL while following the task
+            await receiver.wait(1, timeout_s=60)
+            assert len(receiver.received) == 1, survivor.proc.output()
+            _, body = receiver.received[0]
+            assert body["status"] == "success", body
+            assert body["result"]["data"] == [{"done": True, "seconds": 3}]
+        counts = (await agent.counts())["counts"]
+        assert counts["total"] == 1  # the agent's own count: one message, ever
+        assert counts["pushed"] >= 1  # and it pushed, to a gateway that was gone
+    finally:
+        agent.proc.stop()
+        survivor.proc.stop()
