@@ -129,6 +129,14 @@ class Agents:
         admin) only for a capability it may serve, that instance's as well as the Join's; the
         claim is audited (`instance_claimed`), never silent."""
         assert principal is not None
+        if unowned.registered_by_url:
+            # An admin's or reach.yaml's registration by URL: an agent token may not take it
+            # over by joining its instance_id (gateway_api.services.remote decides who may).
+            raise Forbidden(
+                f"instance_id {unowned.instance_id!r} is an instance of {unowned.capability!r} "
+                "registered by URL by an admin or reach.yaml; only an admin may replace it. "
+                "Choose another instance_id"
+            )
         if not principal.may_serve(unowned.capability):
             raise Forbidden(
                 f"instance_id {unowned.instance_id!r} is held by nobody, as an instance of "

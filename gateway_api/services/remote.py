@@ -272,14 +272,24 @@ class Remote:
     def _may_change(
         held: Registration | None, instance_id: str, principal: Principal | None
     ) -> None:
-        """An agent token changes only its own registrations, or one nobody holds of a
-        capability it may serve (a Join's rule); an admin (or open mode) any."""
+        """An agent token replaces or removes only its own registrations; one an admin made,
+        or `reach.yaml` (`agents:`), or an open-mode gateway (no principal), is an admin's (and
+        the config's) to change, whatever capability the token may serve. An admin (or open
+        mode) changes any."""
         if held is None or principal is None or principal.kind != "agent":
             return
-        if held.principal is None:
-            may_serve(principal, held.capability)
-        elif held.principal != principal.name:
+        if held.principal == principal.name:
+            return
+        if held.principal is not None:
             raise Forbidden(f"instance {instance_id!r} was registered by another principal")
+        if held.source == "config":
+            by, who = "reach.yaml (agents:)", "the config or an admin token"
+        else:
+            by, who = "an admin", "an admin token"
+        raise Forbidden(
+            f"instance {instance_id!r} was registered by {by}; only {who} may replace or "
+            "remove it, not an agent token"
+        )
 
     def _audit_refusal(
         self, exc: ReachError, principal: Principal | None, body: UrlRegistration
