@@ -132,6 +132,35 @@ def test_a_transport_code_without_the_agents_type_is_a_transport_error() -> None
     assert "127.0.0.1:9" in err.message
 
 
+@pytest.mark.parametrize(
+    "details",
+    [
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: "
+        "Failed to connect to remote host: Connection refused",
+        "DNS resolution failed for nowhere.invalid:443",
+    ],
+)
+def test_a_call_that_never_left_is_a_plain_retryable_transport_error(details: str) -> None:
+    err = error_for_status(ENDPOINT, C.UNAVAILABLE, details, {})
+    assert (err.type, err.retryable, err.outcome_unknown) == ("transport_error", True, None)
+
+
+@pytest.mark.parametrize(
+    ("code", "details"),
+    [
+        (C.UNAVAILABLE, "Socket closed"),
+        (C.UNAVAILABLE, "recvmsg:Connection reset by peer"),
+        (C.CANCELLED, "Received RST_STREAM with error code 8"),
+    ],
+)
+def test_a_break_after_the_call_was_written_is_an_unknown_outcome(
+    code: grpc.StatusCode, details: str
+) -> None:
+    err = error_for_status(ENDPOINT, code, details, {})
+    assert (err.type, err.retryable, err.outcome_unknown) == ("transport_error", True, True)
+    assert "broke mid-call" in err.message
+
+
 def test_grpcs_size_refusal_of_the_reply_is_final_and_names_the_limit() -> None:
     details = "Stream removed (CLIENT: Received message larger than max (5003 vs. 1088))"
     err = error_for_status(ENDPOINT, C.RESOURCE_EXHAUSTED, details, {}, 1088, 1024)
