@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from typing import Any
 
 import httpx
@@ -54,7 +55,14 @@ from connectors._tls import public_context
 from connectors.base import PooledConnector
 from connectors.http import map_httpx_exceptions
 from reach.config import SecuritySettings, TransportSettings
-from reach.errors import AgentError, InvalidRequest, ReachError, TransportError, Unavailable
+from reach.errors import (
+    AgentError,
+    InternalError,
+    InvalidRequest,
+    ReachError,
+    TransportError,
+    Unavailable,
+)
 from reach.invocation import Endpoint
 from reach.messages import Message, Reply, dumps
 from reach.registry.models import Discovery
@@ -111,7 +119,7 @@ class A2AConnector(PooledConnector):
         expiry = self.transport.idle_timeout_s
 
         def make_client(_: str) -> httpx.AsyncClient:
-            tls = public_context()  # shared by every client (`connectors._tls`)
+            tls = self._verify()
             limits = httpx.Limits(
                 max_connections=MAX_CONNECTIONS_PER_INSTANCE,
                 max_keepalive_connections=MAX_CONNECTIONS_PER_INSTANCE,
@@ -139,6 +147,31 @@ class A2AConnector(PooledConnector):
         # by URL): read from the card once.
         self._urls: dict[str, str] = {}
         self._gateway_url: str | None = None  # `reached_at`: where push notifications go
+        self._mtls: ssl.SSLContext | None = None  # `_verify`, with security.tls
+
+    def _verify(self) -> ssl.SSLContext:
+        """The TLS context of every connection to A2A agents. Without `security.tls`, the one
+        public context (`connectors._tls`). With it, mTLS by the agent's URL: Reach presents
+        its certificate (`cert_file`, `key_file`) to any agent that asks for one, and verifies
+        the agent's for its URL's host name against the public CAs and `ca_file` (an agent
+        named by its URL proves that host, not a SPIFFE id of Reach's)."""
+        tls = self.security.tls
+        if not tls.enabled:
+            return public_context()  # shared by every client
+        if self._mtls is None:
+            context = httpx.create_ssl_context(trust_env=False)
+            try:
+                context.load_verify_locations(cafile=tls.ca_file)
+                context.load_cert_chain(tls.cert_file, tls.key_file)
+            except (OSError, ssl.SSLError) as exc:
+                # Reach's own configuration, not the agent's fault: not counted against it.
+                raise InternalError(
+                    f"mTLS to A2A agents is on but Reach's certificates cannot be loaded "
+                    f"(security.tls: ca_file {tls.ca_file}, cert_file {tls.cert_file}, "
+                    f"key_file {tls.key_file}): {exc}"
+                ) from None
+            self._mtls = context
+        return self._mtls
 
     @classmethod
     def check_address(cls, address: str) -> str:
@@ -154,7 +187,7 @@ class A2AConnector(PooledConnector):
     def _card_client(self) -> httpx.AsyncClient:
         if self._cards is None:
             limits = httpx.Limits(max_connections=32, max_keepalive_connections=8)
-            tls = public_context()
+            tls = self._verify()
             guarded = (
                 None
                 if self.guard is None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ssl
 import sys
 import time
 from collections import Counter
@@ -216,26 +217,49 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default="test-agent")
     parser.add_argument("--push", choices=("", "on", "lost"), default="")
+    # TLS: its certificate and key, and the CA a client's certificate must come from (required).
+    parser.add_argument("--tls", nargs=3, metavar=("CERT", "KEY", "CLIENT_CA"))
     args = parser.parse_args()
-    url = f"http://127.0.0.1:{args.port}/"
+    scheme = "https" if args.tls else "http"
+    url = f"{scheme}://127.0.0.1:{args.port}/"
+    tls: dict[str, Any] = {}
+    if args.tls:
+        cert, key, ca = args.tls
+        tls = {
+            "ssl_certfile": cert,
+            "ssl_keyfile": key,
+            "ssl_ca_certs": ca,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        }
     print(f"a2a agent {args.name} serving at {url}", flush=True)
     uvicorn.run(
         app(args.name, url, args.push),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",
+        **tls,
     )
 
 
 class A2AAgentProcess:
     """One test agent in a process of its own, on a free loopback port."""
 
-    def __init__(self, log_dir: Path, name: str = "test-agent", push: str = "") -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        name: str = "test-agent",
+        push: str = "",
+        tls: tuple[str, str, str] | None = None,
+        client: ssl.SSLContext | None = None,
+    ) -> None:
+        """`tls`: serve HTTPS (certificate, key, the CA clients' certificates must come from);
+        `client`: the TLS context its own readiness and count checks connect with."""
         from tests.helpers import free_port, spawn
 
         self.name = name
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.client: ssl.SSLContext | bool = client if client is not None else True
         self.proc = spawn(
             [
                 sys.executable,
@@ -247,6 +271,7 @@ class A2AAgentProcess:
                 name,
                 "--push",
                 push,
+                *(["--tls", *tls] if tls else []),
             ],
             {},
             log_dir / f"a2a-{name}-{self.port}.log",
@@ -254,7 +279,7 @@ class A2AAgentProcess:
 
     async def ready(self, timeout_s: float = 30.0) -> A2AAgentProcess:
         deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with httpx.AsyncClient(trust_env=False, verify=self.client) as client:
             while time.monotonic() < deadline:
                 if self.proc.popen.poll() is not None:
                     raise RuntimeError(f"a2a agent exited:\n{self.proc.output()}")
@@ -265,7 +290,7 @@ class A2AAgentProcess:
         raise TimeoutError(f"a2a agent not ready:\n{self.proc.output()}")
 
     async def counts(self) -> dict[str, Any]:
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with httpx.AsyncClient(trust_env=False, verify=self.client) as client:
             r = await client.get(f"{self.url}/count", timeout=5)
             r.raise_for_status()
             body: dict[str, Any] = r.json()
