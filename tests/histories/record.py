@@ -107,6 +107,13 @@ async def call(inp: CallInput) -> Reply:
             type="transport_error",
             non_retryable=True,
         )
+    if op == "claimed":  # another run holds the attempt's send-once claim: refused unsent
+        raise ApplicationError(
+            "attempt 1 was sent to i0 by a run whose Reach process stopped",
+            {"retryable": False, "outcome_unknown": True, "not_sent": True},
+            type="transport_error",
+            non_retryable=True,
+        )
     if op == "refuse":
         raise ApplicationError(
             "agent knowledge-retriever-1 refused: index_missing",
@@ -187,6 +194,9 @@ CASES = {
     "rate-limit-queue": ("query", {"queue": True}),
     "store-outage": ("outage", {}),
     "redeliver": ("broken", {}),
+    # A call refused unsent (another run's send-once claim): reported, not re-delivered
+    # (PATCH_NOT_SENT).
+    "not-sent": ("claimed", {}),
     # Attempt 1 routed at the door: one call; the instance left first; a retry elsewhere.
     "door-routed": ("query", DOOR),
     "door-stale": ("stale", DOOR),
