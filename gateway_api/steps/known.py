@@ -19,7 +19,8 @@ from reach.telemetry.metrics import OTHER as OTHER_LABEL
 from reach.telemetry.metrics import UNKNOWN as UNKNOWN_LABEL
 
 # How long the operations a capability's instances declare are read from the store at most
-# once (a failed invoke's labels ask; a change made through this registry reads them again).
+# once (the labels of an invoke that did not succeed ask): an operation declared a moment ago
+# may count as `_other` that long. Not on every registry change: heartbeats would read it often.
 OPERATIONS_TTL_S = 2.0
 MAX_HELD = 4096
 
@@ -37,10 +38,6 @@ class Capabilities:
         self.registry = registry
         self.view = view
         self._served: dict[str, tuple[float, frozenset[str]]] = {}  # capability -> (read, ops)
-        registry.on_change(self._changed)
-
-    def _changed(self, capability: str, _instance_id: str) -> None:
-        self._served.pop(capability, None)
 
     async def known(self, capability: str) -> bool:
         if self.view is not None:

@@ -167,7 +167,7 @@ class _Cut:
         self.gone = True
 
     def disarm(self) -> None:
-        # Before the wait's scope exits: a late call would reschedule a closed scope.
+        # A call already scheduled (a future done a moment ago) must not touch the ended wait.
         if self.timer is not None:
             self.timer.cancel()
         if isinstance(self.let_go, asyncio.Future):
