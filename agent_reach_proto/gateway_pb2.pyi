@@ -76,53 +76,65 @@ class JoinRequest(_message.Message):
     def __init__(self, capability: _Optional[str] = ..., instance_id: _Optional[str] = ..., protocol: _Optional[str] = ..., service_address: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., operations: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., async_callback: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., declared_operations: _Optional[_Iterable[_Union[OperationDeclaration, _Mapping]]] = ..., weight: _Optional[int] = ..., max_inflight: _Optional[int] = ...) -> None: ...
 
 class OperationDeclaration(_message.Message):
-    __slots__ = ("name", "idempotent", "timeout_ms")
+    __slots__ = ("name", "idempotent", "timeout_ms", "description", "input_schema_json")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
     idempotent: bool
     timeout_ms: int
-    def __init__(self, name: _Optional[str] = ..., idempotent: _Optional[bool] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    description: str
+    input_schema_json: str
+    def __init__(self, name: _Optional[str] = ..., idempotent: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., description: _Optional[str] = ..., input_schema_json: _Optional[str] = ...) -> None: ...
 
 class JoinAck(_message.Message):
-    __slots__ = ("instance_id", "capability", "heartbeat_interval", "heartbeat_timeout", "max_message_bytes", "async_callback")
+    __slots__ = ("instance_id", "capability", "heartbeat_interval", "heartbeat_timeout", "max_message_bytes", "async_callback", "session")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ASYNC_CALLBACK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     capability: str
     heartbeat_interval: float
     heartbeat_timeout: float
     max_message_bytes: int
     async_callback: bool
-    def __init__(self, instance_id: _Optional[str] = ..., capability: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., heartbeat_timeout: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., async_callback: _Optional[bool] = ...) -> None: ...
+    session: str
+    def __init__(self, instance_id: _Optional[str] = ..., capability: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., heartbeat_timeout: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., async_callback: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("instance_id", "status", "checks_json", "inflight")
+    __slots__ = ("instance_id", "status", "checks_json", "inflight", "session", "batch")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CHECKS_JSON_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     status: str
     checks_json: str
     inflight: int
-    def __init__(self, instance_id: _Optional[str] = ..., status: _Optional[str] = ..., checks_json: _Optional[str] = ..., inflight: _Optional[int] = ...) -> None: ...
+    session: str
+    batch: _containers.RepeatedCompositeFieldContainer[HeartbeatRequest]
+    def __init__(self, instance_id: _Optional[str] = ..., status: _Optional[str] = ..., checks_json: _Optional[str] = ..., inflight: _Optional[int] = ..., session: _Optional[str] = ..., batch: _Optional[_Iterable[_Union[HeartbeatRequest, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
-    __slots__ = ("instance_id", "error_type", "message", "status", "heartbeat_interval")
+    __slots__ = ("instance_id", "error_type", "message", "status", "heartbeat_interval", "batch")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     error_type: str
     message: str
     status: str
     heartbeat_interval: float
-    def __init__(self, instance_id: _Optional[str] = ..., error_type: _Optional[str] = ..., message: _Optional[str] = ..., status: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[HeartbeatAck]
+    def __init__(self, instance_id: _Optional[str] = ..., error_type: _Optional[str] = ..., message: _Optional[str] = ..., status: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[HeartbeatAck, _Mapping]]] = ...) -> None: ...

@@ -15,6 +15,10 @@ ack arrives. "ok" counts acks without `error_type`, "errors" acks with one (and 
 failed; such a stream is opened again). The reports are serialized once, before the clock.
 
     python bench/heartbeat_load.py --grpc 127.0.0.1:7601 --ids hb- --count 10000 --concurrency 40
+
+--batch N sends batched heartbeats instead, N instances' reports a message: over HTTP
+`POST /reach/heartbeats` (a JSON array), over gRPC a HeartbeatRequest whose `batch` holds
+them. "ok" and "errors" then count entries (each entry's result), not messages.
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ class Counter:
         self.ok = self.errors = 0
         self.first_error: str | None = None
 
+    def count_many(self, ok: int, errors: int, detail: str = "") -> None:
+        now = time.monotonic()
+        if self.begin <= now < self.end:
+            self.ok += ok
+            self.errors += errors
+            if errors:
+                self.first_error = self.first_error or detail
+
     def count(self, ok: bool, detail: str = "") -> None:
         now = time.monotonic()
         if self.begin <= now < self.end:
@@ -52,15 +64,49 @@ class Counter:
                 self.first_error = self.first_error or detail
 
 
+def batch_body(ids: list[str]) -> bytes:
+    """POST /reach/heartbeats's body: one entry per instance."""
+    return json.dumps(
+        [{"instance_id": i, "status": "ok", "checks": {"corpus": 6}, "inflight": 0} for i in ids],
+        separators=(",", ":"),
+    ).encode()
+
+
+def batch_counts(status: int, body: bytes) -> tuple[int, int, str]:
+    """(entries recorded, entries refused, the first refusal) of a batch's answer."""
+    if status != 200:
+        return 0, 1, f"HTTP {status}: {body[:200]!r}"
+    answer = json.loads(body)
+    first = next((r["error"] for r in answer["results"] if r.get("error")), None)
+    return answer["recorded"], answer["refused"], json.dumps(first)[:200] if first else ""
+
+
+def batches_of(ids: list[str], offset: int, step: int, size: int) -> list[bytes]:
+    """This worker's instances (every step-th from offset) in bodies of `size` entries."""
+    mine = ids[offset::step] or ids[offset % len(ids) :: step]
+    return [batch_body(mine[k : k + size]) for k in range(0, len(mine), size)]
+
+
 async def httpx_worker(
-    client: httpx.AsyncClient, ids: list[str], offset: int, step: int, counter: Counter
+    client: httpx.AsyncClient,
+    ids: list[str],
+    offset: int,
+    step: int,
+    counter: Counter,
+    batch: int = 0,
 ) -> None:
     i = offset
     headers = {"Content-Type": "application/json"}
+    bodies = batches_of(ids, offset, step, batch) if batch else []
     while time.monotonic() < counter.end:
-        instance_id = ids[i % len(ids)]
-        i += step
         try:
+            if bodies:
+                r = await client.post("/reach/heartbeats", content=bodies[i % len(bodies)])
+                i += 1
+                counter.count_many(*batch_counts(r.status_code, r.content))
+                continue
+            instance_id = ids[i % len(ids)]
+            i += step
             r = await client.put(
                 f"/reach/agents/{instance_id}/heartbeat", content=BODY, headers=headers
             )
@@ -70,27 +116,48 @@ async def httpx_worker(
 
 
 async def raw_worker(
-    host: str, port: int, ids: list[str], offset: int, step: int, counter: Counter
+    host: str,
+    port: int,
+    ids: list[str],
+    offset: int,
+    step: int,
+    counter: Counter,
+    batch: int = 0,
 ) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     i = offset
+    bodies = batches_of(ids, offset, step, batch) if batch else []
     try:
         while time.monotonic() < counter.end:
-            instance_id = ids[i % len(ids)]
-            i += step
-            writer.write(
-                f"PUT /reach/agents/{instance_id}/heartbeat HTTP/1.1\r\nHost: {host}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
-                + BODY
-            )
+            if bodies:
+                body = bodies[i % len(bodies)]
+                i += 1
+                writer.write(
+                    f"POST /reach/heartbeats HTTP/1.1\r\nHost: {host}\r\n"
+                    "Content-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+            else:
+                instance_id = ids[i % len(ids)]
+                i += step
+                writer.write(
+                    f"PUT /reach/agents/{instance_id}/heartbeat HTTP/1.1\r\nHost: {host}\r\n"
+                    "Content-Type: application/json\r\n"
+                    f"Content-Length: {len(BODY)}\r\n\r\n".encode()
+                    + BODY
+                )
             head = await reader.readuntil(b"\r\n\r\n")
             status = int(head.split(b" ", 2)[1])
             length = 0
             for line in head.split(b"\r\n"):
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":", 1)[1])
-            body = await reader.readexactly(length)
-            counter.count(status == 200, f"HTTP {status}: {body[:200]!r}")
+            answer = await reader.readexactly(length)
+            if bodies:
+                counter.count_many(*batch_counts(status, answer))
+            else:
+                counter.count(status == 200, f"HTTP {status}: {answer[:200]!r}")
     finally:
         writer.close()
 
@@ -120,7 +187,14 @@ async def grpc_stream(
                     counter.count(False, "the gateway ended the stream")
                     break
                 outstanding -= 1
-                counter.count(not ack.error_type, f"{ack.error_type}: {ack.message[:200]}")
+                if ack.batch:
+                    refused = [a for a in ack.batch if a.error_type]
+                    first = ""
+                    if refused:
+                        first = f"{refused[0].error_type}: {refused[0].message[:200]}"
+                    counter.count_many(len(ack.batch) - len(refused), len(refused), first)
+                else:
+                    counter.count(not ack.error_type, f"{ack.error_type}: {ack.message[:200]}")
             else:
                 await call.done_writing()
                 while outstanding and await call.read() is not grpc.aio.EOF:
@@ -147,12 +221,17 @@ async def grpc_load(args: argparse.Namespace, ids: list[str], counter: Counter) 
             await asyncio.wait_for(channel.channel_ready(), 10)
         tasks = []
         for n, first in enumerate(streams):
-            reports = [
-                pb.HeartbeatRequest(
-                    instance_id=ids[j], status="ok", checks_json='{"corpus":6}'
-                ).SerializeToString()
+            singles = [
+                pb.HeartbeatRequest(instance_id=ids[j], status="ok", checks_json='{"corpus":6}')
                 for j in range(first, len(ids), every)
             ]
+            if args.batch:
+                reports = [
+                    pb.HeartbeatRequest(batch=singles[k : k + args.batch]).SerializeToString()
+                    for k in range(0, len(singles), args.batch)
+                ]
+            else:
+                reports = [report.SerializeToString() for report in singles]
             if reports:
                 channel = channels[n % len(channels)]
                 tasks.append(grpc_stream(channel, reports, args.window, counter))
@@ -186,6 +265,7 @@ async def main(args: argparse.Namespace) -> None:
                         args.offset + n,
                         args.concurrency * args.step,
                         counter,
+                        args.batch,
                     )
                     for n in range(0, args.concurrency * args.step, args.step)
                 )
@@ -198,7 +278,15 @@ async def main(args: argparse.Namespace) -> None:
         host, port = url.hostname or "127.0.0.1", url.port or 80
         await asyncio.gather(
             *(
-                raw_worker(host, port, ids, args.offset + n, args.concurrency * args.step, counter)
+                raw_worker(
+                    host,
+                    port,
+                    ids,
+                    args.offset + n,
+                    args.concurrency * args.step,
+                    counter,
+                    args.batch,
+                )
                 for n in range(0, args.concurrency * args.step, args.step)
             )
         )
@@ -227,6 +315,7 @@ if __name__ == "__main__":
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--client", choices=["httpx", "raw"], default="httpx")
+    p.add_argument("--batch", type=int, default=0, help="instances per batched heartbeat")
     p.add_argument("--offset", type=int, default=0, help="this process's first id (of --step)")
     p.add_argument("--step", type=int, default=1, help="the number of load processes")
     parsed = p.parse_args()

@@ -1145,6 +1145,10 @@ async def _run_loaders(
     return ok / seconds, errors, first, gateway_cores, cpu
 
 
+BATCH = 100
+"""Instances per batched heartbeat in 5b and 5c (an agent process hosting many instances)."""
+
+
 async def gateway_heartbeats(
     rows: list[list[object]],
     label: str,
@@ -1158,17 +1162,19 @@ async def gateway_heartbeats(
 ) -> None:
     seconds = 3.0 if quick else 6.0
     # 2 x 40: fewer requests at once than the gateway's Redis pool has connections (100).
-    configs = [("httpx", 2, 100), ("raw", 2, 100), ("raw", 2, 40)]
-    for client, procs, concurrency in configs:
+    # The last: batched heartbeats (POST /reach/heartbeats), BATCH instances a request.
+    configs = [("httpx", 2, 100, 0), ("raw", 2, 100, 0), ("raw", 2, 40, 0), ("raw", 2, 4, BATCH)]
+    for client, procs, concurrency, batch in configs:
         load = ["--url", gw, "--ids", ids_prefix, "--count", str(count)]
-        load += ["--concurrency", str(concurrency), "--client", client]
+        load += ["--concurrency", str(concurrency), "--client", client, "--batch", str(batch)]
         rate, errors, first, gw_cores, cpu = await _run_loaders(
             load, procs, seconds, tmp, env, gateway_pid
         )
         rows.append(
             [
                 label,
-                f"{procs} x {client}, {concurrency} conns each",
+                f"{procs} x {client}, {concurrency} conns each"
+                + (f", batches of {batch}" if batch else ""),
                 f"{rate:,.0f}",
                 f"{gw_cores:.2f}",
                 errors,
@@ -1199,17 +1205,19 @@ async def grpc_heartbeats(
     # processes, streams each, reports unacked per stream. A stream's reports are handled one
     # at a time, so at most 2 x 40 are in the gateway at once, below its Redis pool (100).
     # One load process leaves the gateway more of a 2-core box.
-    configs = [(1, 50, 4), (2, 40, 2)]
-    for procs, streams, window in configs:
+    # The last: batched reports (HeartbeatRequest.batch), BATCH instances a message.
+    configs = [(1, 50, 4, 0), (2, 40, 2, 0), (2, 4, 2, BATCH)]
+    for procs, streams, window, batch in configs:
         load = ["--grpc", target, "--ids", ids_prefix, "--count", str(count)]
-        load += ["--concurrency", str(streams), "--window", str(window)]
+        load += ["--concurrency", str(streams), "--window", str(window), "--batch", str(batch)]
         rate, errors, first, gw_cores, cpu = await _run_loaders(
             load, procs, seconds, tmp, env, gateway_pid
         )
         rows.append(
             [
                 label,
-                f"{procs} x grpc.aio, {streams} streams each, window {window}",
+                f"{procs} x grpc.aio, {streams} streams each, window {window}"
+                + (f", batches of {batch}" if batch else ""),
                 f"{rate:,.0f}",
                 f"{gw_cores:.2f}",
                 errors,

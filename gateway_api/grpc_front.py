@@ -104,6 +104,7 @@ from reach.acceptance import describe_validation_error
 from reach.config import ConfigError, ReachSettings
 from reach.errors import InvalidRequest, ReachError, Unavailable
 from reach.messages import InstanceId, dumps
+from reach.registry import Beat, BeatEntry, check_batch
 from reach.security.tokens import Principal
 from reach.telemetry import tracing
 
@@ -277,6 +278,7 @@ class ReachService:
             heartbeat_timeout=ack.heartbeat_timeout,
             max_message_bytes=ack.max_message_bytes,
             async_callback=ack.async_callback,
+            session=ack.session,
         )
 
     async def heartbeat(
@@ -328,34 +330,91 @@ class ReachService:
         return guard.auth.agent(authorization)
 
     async def _beat(self, raw: bytes, agent: Principal | None = None) -> pb.HeartbeatAck:
-        instance_id = ""
         try:
             report = parse(pb.HeartbeatRequest, raw)
-            instance_id = report.instance_id
-            try:
-                _INSTANCE_ID.validate_python(instance_id)
-            except ValidationError as exc:
-                raise InvalidRequest(describe_validation_error(exc, root="instance_id")) from None
-            fields: dict[str, Any] = {"inflight": report.inflight}
-            if report.status:
-                fields["status"] = report.status
-            if report.checks_json:
-                fields["checks"] = json_text(report.checks_json, "checks_json")
-            body = acceptance.health_report_values(
-                fields, as_body(fields, "checks_json"), self.gateway.limits
-            )
-            record = await self.gateway.agents.heartbeat(instance_id, body, agent)
         except Exception as exc:
-            refusal = refusal_of(exc, "Heartbeat", None)
-            error = refusal.envelope["error"]
-            return pb.HeartbeatAck(
-                instance_id=instance_id, error_type=error["type"], message=error["message"]
+            return _refused_ack("", exc)
+        if report.batch:
+            return await self._beats(report, agent)
+        try:
+            entry = self._entry(report)
+            beat = await self.gateway.agents.heartbeat(
+                entry.instance_id, entry.report, agent, entry.session
             )
-        return pb.HeartbeatAck(
-            instance_id=instance_id,
-            status=record.status,
-            heartbeat_interval=record.heartbeat_interval,
-        )
+        except Exception as exc:
+            return _refused_ack(report.instance_id, exc)
+        return _beat_ack(beat)
+
+    async def _beats(self, batch: pb.HeartbeatRequest, agent: Principal | None) -> pb.HeartbeatAck:
+        """A batched report: each entry checked and recorded on its own, one ack per entry."""
+        try:
+            check_batch(len(batch.batch))
+            if batch.instance_id or batch.status or batch.checks_json or batch.inflight:
+                raise InvalidRequest(
+                    "a batched heartbeat (batch set) leaves instance_id, status, checks_json "
+                    "and inflight empty: each entry carries its own"
+                )
+        except Exception as exc:
+            return _refused_ack("", exc)
+        acks: list[pb.HeartbeatAck | None] = []
+        entries: list[BeatEntry] = []
+        for report in batch.batch:
+            try:
+                if report.batch:
+                    raise InvalidRequest("a batched heartbeat's entry has no batch of its own")
+                entries.append(self._entry(report))
+                acks.append(None)
+            except Exception as exc:
+                acks.append(_refused_ack(report.instance_id, exc))
+        try:
+            outcomes = await self.gateway.agents.heartbeats(entries, agent)
+        except Exception as exc:  # the store failed: the whole batch is refused
+            return _refused_ack("", exc)
+        went = zip(entries, outcomes, strict=True)
+        answers = []
+        for ack in acks:
+            if ack is None:
+                entry, outcome = next(went)
+                if isinstance(outcome, ReachError):
+                    ack = _refused_ack(entry.instance_id, outcome)
+                else:
+                    ack = _beat_ack(outcome)
+            answers.append(ack)
+        return pb.HeartbeatAck(batch=answers)
+
+    def _entry(self, report: pb.HeartbeatRequest) -> BeatEntry:
+        """One report as the HTTP heartbeat's path and body (refusals named as there)."""
+        instance_id = report.instance_id
+        try:
+            _INSTANCE_ID.validate_python(instance_id)
+        except ValidationError as exc:
+            raise InvalidRequest(describe_validation_error(exc, root="instance_id")) from None
+        fields: dict[str, Any] = {"inflight": report.inflight}
+        if report.status:
+            fields["status"] = report.status
+        if report.checks_json:
+            fields["checks"] = json_text(report.checks_json, "checks_json")
+            body = as_body(fields, "checks_json")
+        else:
+            body = b""  # a report without checks is a few dozen bytes: within any limit
+        health = acceptance.health_report_values(fields, body, self.gateway.limits)
+        session = report.session if report.HasField("session") else None
+        return BeatEntry(instance_id, health, session)
+
+
+def _refused_ack(instance_id: str, exc: Exception) -> pb.HeartbeatAck:
+    error = refusal_of(exc, "Heartbeat", None).envelope["error"]
+    return pb.HeartbeatAck(
+        instance_id=instance_id, error_type=error["type"], message=error["message"]
+    )
+
+
+def _beat_ack(beat: Beat) -> pb.HeartbeatAck:
+    return pb.HeartbeatAck(
+        instance_id=beat.instance_id,
+        status=beat.status,
+        heartbeat_interval=beat.heartbeat_interval,
+    )
 
 
 class _GrpcFront:

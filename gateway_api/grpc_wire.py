@@ -259,9 +259,13 @@ def join_fields(request: pb.JoinRequest) -> dict[str, Any]:
     operations: list[str | dict[str, Any]] = list(request.operations)
     for declared in request.declared_operations:
         entry: dict[str, Any] = {"name": declared.name} if declared.name else {}
-        for name in ("idempotent", "timeout_ms"):
+        for name in ("idempotent", "timeout_ms", "description"):
             if declared.HasField(name):
                 entry[name] = getattr(declared, name)
+        if declared.HasField("input_schema_json"):
+            # Named as the HTTP body's field: its bounds (64 KiB, 32 levels) are checked there.
+            where = f"operations.{len(operations)}.input_schema_json"
+            entry["input_schema"] = json_text(declared.input_schema_json, where)
         operations.append(entry)
     if operations:
         fields["operations"] = operations

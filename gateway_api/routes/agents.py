@@ -3,7 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, TypeAdapter
 
 from agent_reach_proto import wire
 from connectors import ConnectorSet
@@ -15,10 +15,17 @@ from gateway_api.deps import (
     ReaderDep,
     json_body,
 )
+from gateway_api.routes._beats import (
+    MAX_HEARTBEAT_BATCH,
+    BatchBody,
+    BatchResults,
+    read_batch,
+    results_of,
+)
 from reach import acceptance
 from reach.errors import UnknownCapability, UnknownInstance
 from reach.messages import ErrorResponse
-from reach.registry import Ack, HealthReport, InstanceRecord, JoinRequest
+from reach.registry import Ack, BeatEntry, HealthReport, InstanceRecord, JoinRequest
 from reach.registry.by_url import Registered, UrlRegistration
 
 router = APIRouter(prefix="/reach", tags=["agents"])
@@ -162,6 +169,26 @@ async def heartbeat(
     return HeartbeatAck(
         instance_id=instance_id, status=record.status, heartbeat_interval=record.heartbeat_interval
     )
+
+
+@router.post(
+    "/heartbeats",
+    response_model=BatchResults,
+    responses=_ERR,
+    summary="Batched heartbeat: many instances' reports at once",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": f"At most {MAX_HEARTBEAT_BATCH} entries, each a heartbeat of its "
+            "own; a refused entry is refused alone, in its result",
+            "content": {"application/json": {"schema": TypeAdapter(BatchBody).json_schema()}},
+        }
+    },
+)
+async def heartbeats(request: Request, gateway: GatewayDep, agent: AgentDep) -> BatchResults:
+    read = read_batch(await request.body(), gateway.limits)
+    entries = [item for item in read if isinstance(item, BeatEntry)]
+    return results_of(read, await gateway.agents.heartbeats(entries, agent))
 
 
 @router.delete(

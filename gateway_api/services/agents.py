@@ -12,13 +12,24 @@ one too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import connectors
 from connectors import ConnectorSet
 from connectors.base import Connector
 from gateway_api.live import Live
 from gateway_api.services.remote import Remote
 from reach.errors import Forbidden, InvalidRequest, ReachError
-from reach.registry import Ack, Beat, HealthReport, InstanceRecord, JoinRequest, Registry
+from reach.registry import (
+    Ack,
+    Beat,
+    BeatEntry,
+    BeatOutcome,
+    HealthReport,
+    InstanceRecord,
+    JoinRequest,
+    Registry,
+)
 from reach.registry.by_url import UrlRegistration
 from reach.registry.models import Discovery
 from reach.security.auth import may_serve
@@ -162,12 +173,25 @@ class Agents:
         principal: Principal | None = None,
         session: str | None = None,
     ) -> Beat:
-        if principal is not None and principal.kind == "agent":
-            await self._owned(instance_id, principal, "heartbeat_refused")
-        record = await self.registry.heartbeat(instance_id, report, session)
-        if self.metrics is not None:
-            self.metrics.heartbeat(record.capability, record.status)
-        return record
+        outcome = (await self.heartbeats([BeatEntry(instance_id, report, session)], principal))[0]
+        if isinstance(outcome, ReachError):
+            raise outcome
+        return outcome
+
+    async def heartbeats(
+        self, entries: Sequence[BeatEntry], principal: Principal | None = None
+    ) -> list[BeatOutcome]:
+        """Each entry refreshed or refused on its own (a batched heartbeat, or a single one):
+        an agent token beats only the instances it registered, the others are refused (403,
+        audited as `heartbeat_refused`) as a single heartbeat is."""
+        owner = principal.name if principal is not None and principal.kind == "agent" else None
+        outcomes = await self.registry.heartbeats(entries, owner)
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            if isinstance(outcome, Forbidden):
+                self._refused("heartbeat_refused", outcome, principal, entry.instance_id)
+            elif self.metrics is not None and not isinstance(outcome, ReachError):
+                self.metrics.heartbeat(outcome.capability, outcome.status)
+        return outcomes
 
     async def leave(self, instance_id: str, principal: Principal | None = None) -> bool:
         """Deregister an instance; one registered by URL is forgotten too (no probe joins it

@@ -31,12 +31,20 @@ from reach.errors import (
     Unavailable,
     UnknownInstance,
 )
+from reach.registry._beats import (
+    MAX_HEARTBEAT_BATCH,
+    BeatEntry,
+    BeatOutcome,
+    beat_of,
+    check_batch,
+    health_fields,
+    refusals,
+)
 from reach.registry._records import (
     HEALTH,
     HEALTH_FIELDS,
     JOIN,
     Beat,
-    brief_of,
     fields_of,
     parse_whole,
 )
@@ -291,65 +299,77 @@ class Registry:
         return record
 
     async def heartbeat(
-        self, instance_id: str, report: HealthReport, session: str | None = None
+        self,
+        instance_id: str,
+        report: HealthReport,
+        session: str | None = None,
+        principal: str | None = None,
     ) -> Beat:
         """Refresh an instance's record. A heartbeat naming the `session` of an earlier Join
         whose instance_id another process has joined since is refused (409 instance_replaced)
         and refreshes nothing: that record lives only as long as its own process heartbeats.
+        `principal` (an agent token's name): refused (403) unless it registered the instance.
         Only the record's health part is written, and only its small brief field is read (the
         join part is never parsed on this path)."""
-        if session is not None:
-            stored = (await self.store.get_records([instance_id]))[0]
-            current = brief_of(stored) if stored is not None else None
-            if current is not None and current.session not in (None, session):
-                log.warning(
-                    "heartbeat of instance=%s from a replaced session refused (it re-joined at %s)",
-                    instance_id,
-                    current.address,
-                )
-                raise InstanceReplaced(
-                    f"instance_id {instance_id!r} was joined again by another process (at "
-                    f"{current.address}); this one no longer holds it. It may join again once "
-                    "that one has left or expired, or use an instance_id of its own"
-                )
-        health = {
-            "status": report.status,
-            "checks": report.checks,
-            "inflight": report.inflight,
-            "last_seen": time.time(),
-        }
-        previous = await self.store.update_record(
-            instance_id,
-            {HEALTH: json.dumps(health)},
+        outcome = (await self.heartbeats([BeatEntry(instance_id, report, session)], principal))[0]
+        if isinstance(outcome, ReachError):
+            raise outcome
+        return outcome
+
+    async def heartbeats(
+        self, entries: Sequence[BeatEntry], principal: str | None = None
+    ) -> list[BeatOutcome]:
+        """Many heartbeats at once, each answered on its own (`heartbeat`'s refusals, entry by
+        entry): one store read when a session or `principal` is to be checked, and one store
+        write for the whole batch. A store failure fails the batch (`Unavailable`)."""
+        outcomes: list[BeatOutcome | None] = [None] * len(entries)
+        if principal is not None or any(entry.session is not None for entry in entries):
+            stored = await self.store.get_records([entry.instance_id for entry in entries])
+            for n, refused in enumerate(refusals(entries, stored, principal)):
+                if refused is not None:
+                    outcomes[n] = refused
+                    if isinstance(refused, InstanceReplaced):
+                        log.warning(
+                            "heartbeat of instance=%s from a replaced session refused",
+                            entries[n].instance_id,
+                        )
+        now = time.time()
+        going = [n for n, outcome in enumerate(outcomes) if outcome is None]
+        previous = await self.store.update_records(
+            [(entries[n].instance_id, health_fields(entries[n].report, now)) for n in going],
             ttl_s=self.settings.heartbeat_timeout,
             group_ttl_s=self._retention_s,
         )
-        before = brief_of(previous) if previous is not None else None
-        if previous is None or before is None:
-            # Evicted (or never joined): the agent is told to join again, its re-join follows.
-            log.info("heartbeat from unknown instance=%s: asked to join again", instance_id)
-            raise UnknownInstance(f"instance {instance_id!r} is not registered; join again")
-        capability = previous.group
-        if before.status != report.status:
-            log.info(
-                "health instance=%s capability=%s %s -> %s checks=%s",
-                instance_id,
-                capability,
-                before.status,
-                report.status,
-                report.checks,
-            )
-            await self._announce(capability, instance_id)
-        # Routine: the sampled heartbeat log (telemetry.heartbeat_log_sample), not the main one.
-        heartbeat_log.info(
-            "heartbeat instance=%s status=%s inflight=%d",
-            instance_id,
-            report.status,
-            report.inflight,
-        )
-        return Beat(
-            instance_id, capability, report.status, report.inflight, before.heartbeat_interval
-        )
+        sampled = heartbeat_log.isEnabledFor(logging.INFO)
+        for n, before in zip(going, previous, strict=True):
+            entry = entries[n]
+            outcome, was = beat_of(entry, before)
+            outcomes[n] = outcome
+            if isinstance(outcome, ReachError):
+                # Evicted (or never joined): the agent is told to join again.
+                log.info(
+                    "heartbeat from unknown instance=%s: asked to join again", entry.instance_id
+                )
+                continue
+            if was != outcome.status:
+                log.info(
+                    "health instance=%s capability=%s %s -> %s checks=%s",
+                    entry.instance_id,
+                    outcome.capability,
+                    was,
+                    outcome.status,
+                    entry.report.checks,
+                )
+                await self._announce(outcome.capability, entry.instance_id)
+            if sampled:
+                # Routine: the sampled heartbeat log (telemetry.heartbeat_log_sample).
+                heartbeat_log.info(
+                    "heartbeat instance=%s status=%s inflight=%d",
+                    entry.instance_id,
+                    outcome.status,
+                    outcome.inflight,
+                )
+        return [outcome for outcome in outcomes if outcome is not None]  # every one is set
 
     async def leave(self, instance_id: str) -> bool:
         previous = await self.store.delete_record(instance_id)
@@ -437,9 +457,12 @@ class Registry:
 __all__ = [
     "CHANGES_CHANNEL",
     "HEALTH_FIELDS",
+    "MAX_HEARTBEAT_BATCH",
     "MIN_HEARTBEAT_INTERVAL_S",
     "Ack",
     "Beat",
+    "BeatEntry",
+    "BeatOutcome",
     "Declares",
     "HealthReport",
     "HealthStatus",
@@ -451,5 +474,6 @@ __all__ = [
     "OperationEntry",
     "Registry",
     "UnknownInstance",
+    "check_batch",
     "declared_policy",
 ]

@@ -100,6 +100,20 @@ class Store(ABC):
         it to its group's index and touch the group. Returns the record as it was before, or
         None when there is none (and nothing is written)."""
 
+    async def update_records(
+        self,
+        updates: Sequence[tuple[str, Mapping[str, str]]],
+        *,
+        ttl_s: float,
+        group_ttl_s: float,
+    ) -> list[Record | None]:
+        """`update_record` for each `(record_id, fields)`, in one round trip where the backend
+        has round trips (each update is still atomic on its own, not the batch)."""
+        return [
+            await self.update_record(i, fields, ttl_s=ttl_s, group_ttl_s=group_ttl_s)
+            for i, fields in updates
+        ]
+
     @abstractmethod
     async def delete_record(self, record_id: str) -> Record | None:
         """Remove the record and its index entry; returns what was removed."""

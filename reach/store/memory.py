@@ -90,12 +90,42 @@ class MemoryStore(Store):
         group_ttl_s: float,
     ) -> Record | None:
         check_fields(fields)
-        previous = self._live(record_id)
-        if previous is None:
+        return self._update(record_id, fields, self._clock(), ttl_s, group_ttl_s)
+
+    async def update_records(
+        self,
+        updates: Sequence[tuple[str, Mapping[str, str]]],
+        *,
+        ttl_s: float,
+        group_ttl_s: float,
+    ) -> list[Record | None]:
+        for _, fields in updates:
+            check_fields(fields)
+        now = self._clock()
+        return [self._update(i, fields, now, ttl_s, group_ttl_s) for i, fields in updates]
+
+    def _update(
+        self,
+        record_id: str,
+        fields: Mapping[str, str],
+        now: float,
+        ttl_s: float,
+        group_ttl_s: float,
+    ) -> Record | None:
+        item = self._records.get(record_id)
+        if item is None:
             return None
-        updated = Record(previous.group, {**previous.fields, **fields})
-        self._records[record_id] = (updated, self._clock() + ttl_s)
-        self._touch(record_id, previous.group, group_ttl_s)
+        previous, expires = item
+        if now >= expires:
+            del self._records[record_id]
+            return None
+        group = previous.group
+        self._records[record_id] = (Record(group, {**previous.fields, **fields}), now + ttl_s)
+        members = self._members.get(group)
+        if members is None:
+            members = self._members[group] = set()
+        members.add(record_id)
+        self._group_expiry[group] = now + group_ttl_s
         return previous
 
     async def delete_record(self, record_id: str) -> Record | None:

@@ -183,6 +183,21 @@ class RedisStore(Store):
         with unavailable_on_error(self._p):
             return _record(await self._updates.run(keys, args))
 
+    async def update_records(
+        self,
+        updates: Sequence[tuple[str, Mapping[str, str]]],
+        *,
+        ttl_s: float,
+        group_ttl_s: float,
+    ) -> list[Record | None]:
+        ttl, group_ttl, prefix = ttl_ms(ttl_s), ttl_ms(group_ttl_s), self._grp("")
+        calls = [
+            ([self._rec(i), self._groups], [prefix, i, ttl, group_ttl, *_pairs(fields)])
+            for i, fields in updates
+        ]
+        with unavailable_on_error(self._p):
+            return [_record(found) for found in await self._updates.run_many(calls)]
+
     async def delete_record(self, record_id: str) -> Record | None:
         args = [self._grp(""), record_id]
         return _record(await self._run(self._delete, [self._rec(record_id)], args))
@@ -345,6 +360,25 @@ class _GroupCommit:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return await future
+
+    async def run_many(self, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+        """Many calls of one caller: queued together, so they share the next round trips
+        (`max_batch` to a pipeline); the first error is raised."""
+        if not calls:
+            return []
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
+        for keys, args in calls:
+            future: asyncio.Future[Any] = loop.create_future()
+            self._queue.append((keys, args, future))
+            futures.append(future)
+        wanted = -(-len(self._queue) // self._max_batch)  # batches waiting, rounded up
+        while self._on_wire < min(self._max_on_wire, wanted):
+            self._on_wire += 1
+            task = asyncio.create_task(self._drain())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return list(await asyncio.gather(*futures))
 
     async def _drain(self) -> None:
         try:

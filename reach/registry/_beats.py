@@ -1,0 +1,100 @@
+"""Heartbeats applied in batches: one store read (only when a session or an owner is to be
+checked) and one store write for the whole batch, whatever its size. A single heartbeat is a
+batch of one, so both take the same path and answer the same refusals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from reach.errors import (
+    Forbidden,
+    InstanceReplaced,
+    PayloadTooLarge,
+    ReachError,
+    UnknownInstance,
+)
+from reach.registry._records import HEALTH, Beat, brief_of
+from reach.registry.models import HealthReport
+from reach.store import Record
+
+MAX_HEARTBEAT_BATCH = 1000
+"""Entries one batched heartbeat may carry (a bigger batch is refused whole, 413)."""
+
+BeatOutcome = Beat | ReachError
+"""Each entry's answer: the refreshed instance, or the refusal of that entry alone."""
+
+
+@dataclass(frozen=True, slots=True)
+class BeatEntry:
+    """One instance's heartbeat: its report and, when the agent knows it, the `session` its
+    Join was acked with (proof that it still holds the instance_id)."""
+
+    instance_id: str
+    report: HealthReport
+    session: str | None = None
+
+
+def check_batch(size: int) -> None:
+    if size > MAX_HEARTBEAT_BATCH:
+        raise PayloadTooLarge(
+            f"a batched heartbeat carries {size} entries, more than {MAX_HEARTBEAT_BATCH}; "
+            "send them in several batches"
+        )
+
+
+def refusals(
+    entries: Sequence[BeatEntry], stored: Sequence[Record | None], principal: str | None
+) -> list[ReachError | None]:
+    """What the records as read refuse, entry by entry (None: go on). `principal`: an agent
+    token's name, which may beat only the instances it registered (as `Registry.owned`)."""
+    out: list[ReachError | None] = []
+    for entry, record in zip(entries, stored, strict=True):
+        brief = brief_of(record) if record is not None else None
+        if brief is None:  # not registered (or unreadable): the write answers unknown_instance
+            out.append(None)
+        elif principal is not None and brief.principal != principal:
+            out.append(
+                Forbidden(f"instance {entry.instance_id!r} was registered by another principal")
+            )
+        elif entry.session is not None and brief.session not in (None, entry.session):
+            out.append(
+                InstanceReplaced(
+                    f"instance_id {entry.instance_id!r} was joined again by another process "
+                    f"(at {brief.address}); this one no longer holds it. It may join again "
+                    "once that one has left or expired, or use an instance_id of its own"
+                )
+            )
+        else:
+            out.append(None)
+    return out
+
+
+def health_fields(report: HealthReport, now: float) -> dict[str, str]:
+    """The record's health part a heartbeat writes."""
+    health = {
+        "status": report.status,
+        "checks": report.checks,
+        "inflight": report.inflight,
+        "last_seen": now,
+    }
+    return {HEALTH: json.dumps(health)}
+
+
+def beat_of(entry: BeatEntry, previous: Record | None) -> tuple[BeatOutcome, str | None]:
+    """The entry's answer from the record its write replaced, and the status it held before
+    (None: no record, the answer is unknown_instance)."""
+    before = brief_of(previous) if previous is not None else None
+    if previous is None or before is None:
+        refused = UnknownInstance(f"instance {entry.instance_id!r} is not registered; join again")
+        return refused, None
+    report = entry.report
+    beat = Beat(
+        entry.instance_id,
+        previous.group,
+        report.status,
+        report.inflight,
+        before.heartbeat_interval,
+    )
+    return beat, before.status
