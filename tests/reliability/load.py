@@ -135,8 +135,11 @@ class Load:
                 self.successes.append((call.sent_at, call.done_at))
             return
 
-    async def run(self, calls: list[Call], rate: float, concurrency: int = 48) -> None:
-        """Send `calls` at `rate` a second (open loop), at most `concurrency` in flight."""
+    async def run(
+        self, calls: list[Call], rate: float, concurrency: int = 48, until: float | None = None
+    ) -> None:
+        """Send `calls` at `rate` a second (open loop), at most `concurrency` in flight; none
+        after `until` (monotonic: a soak is bounded in time, a busy stack sends fewer)."""
         room = asyncio.Semaphore(concurrency)
         start = time.monotonic()
         limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=8)
@@ -152,6 +155,9 @@ class Load:
             for i, call in enumerate(calls):
                 await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
                 await room.acquire()
+                if until is not None and time.monotonic() > until:
+                    room.release()
+                    break
                 tasks.append(asyncio.create_task(one(call)))
             await asyncio.gather(*tasks)
 

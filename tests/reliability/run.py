@@ -127,7 +127,13 @@ async def run(opts: Options) -> int:
         spacing = duration / (len(faults) + 2)  # the last leaves load after it
         print(f"  {count} requests at {rate:.1f}/s, {len(faults)} faults", flush=True)
         start = time.monotonic()
-        _, injected = await asyncio.gather(load.run(calls, rate), inject(faults, start, spacing))
+        until = start + opts.soak_s if opts.soak_s else None
+        _, injected = await asyncio.gather(
+            load.run(calls, rate, until=until), inject(faults, start, spacing)
+        )
+        calls = [c for c in calls if c.sent_at]  # a soak's time may end before its plan
+        sent_s = time.monotonic() - start
+        print(f"  sent {len(calls)} in {sent_s:.0f} s ({len(calls) / sent_s:.1f}/s)", flush=True)
         print("  drain", flush=True)
         await load.drain(calls, 90.0 if opts.short else 240.0)
         asyncs = {f"msg_{c.request_id}" for c in calls if c.mode == "async" and c.final}
