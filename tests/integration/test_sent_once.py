@@ -128,7 +128,12 @@ async def test_an_attempt_another_run_sent_is_not_sent_again(
         await call(second, inp)
     assert refused.value.type == "transport_error"
     assert refused.value.non_retryable
-    assert refused.value.details[0] == {"retryable": False, "outcome_unknown": True}
+    # Marked not sent: the workflow reports it rather than re-delivering it to be refused again.
+    assert refused.value.details[0] == {
+        "retryable": False,
+        "outcome_unknown": True,
+        "not_sent": True,
+    }
     assert f"attempt 1 was sent to mcp-{server.port}" in refused.value.message
     assert "An MCP server does not deduplicate by RequestID" in refused.value.message
     assert "'count' is not declared idempotent, so it is not sent again" in refused.value.message
