@@ -156,6 +156,7 @@ async def test_the_push_route_takes_only_the_request_s_own_token(
     assert r.json() == {"request_id": mine, "running": False}
 
 
+@pytest.mark.slow  # ~30 s: three processes, Temporal's wait before another worker takes over
 async def test_a_gateway_sigkilled_while_following_a_pushed_task_never_sends_it_again(
     temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
