@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: up test lint docs docs-build fmt test-only test-slow fuzz-quick fuzz bench bench-routing bench-cli conformance reliability soak install clean proto
+.PHONY: up test lint docs docs-build fmt test-only test-slow fuzz-quick fuzz bench bench-peers bench-routing bench-cli conformance reliability soak install clean proto
 
 # The fuzz runs happen in a network namespace of their own with only loopback up, so no URL the
 # fuzzer makes up (callbacks, agent addresses) can send a packet off this machine.
@@ -72,9 +72,19 @@ fuzz-quick: $(STAMP)
 fuzz: $(STAMP)
 	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-300} $(NETNS) $(BIN)/pytest tests/fuzz -q -s
 
+# Every row, the production ones included; the Restate peer row too once bench-peers installed
+# its server. ARGS='--runs 2' (same-run ratios), ARGS="--only 'row;row'".
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench]'
-	$(BIN)/python bench/invoke.py
+	$(BIN)/python bench/invoke.py $(ARGS)
+
+# The same with the peer row: Restate's server from npm (a 225 MB binary, under .reach/peers,
+# no lock file kept; its install scripts are not run) and its Python SDK. docs/benchmarks.md.
+bench-peers: $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[bench,peers]'
+	npm install --no-save --no-audit --no-fund --ignore-scripts --no-package-lock \
+		--prefix .reach/peers @restatedev/restate-server@1.7.12
+	$(BIN)/python bench/invoke.py --peers on $(ARGS)
 
 # Routing: the seed's outage per strategy, remap, skew, pick time, heartbeat ingest, memory.
 bench-routing: $(STAMP)

@@ -28,6 +28,16 @@ Rows (same Temporal dev server, same agent process kind, all on loopback):
   reach inline, tracing on   the same with telemetry.traces=file (OpenTelemetry spans from the
                    gateway's door through the workflow to the connector, batched to a JSON-lines
                    file; the agent's own spans off): what tracing costs (off, it costs nothing)
+  reach inline, production   the configuration the README tells operators to run: the Redis
+                   registry, tokens on (the caller's and the agent's, in the shared store, and one
+                   R19 rule), audit to a file and Prometheus metrics (both on in every row)
+  reach inline, production + OTLP   the same with telemetry.traces=otlp: every span batched
+                   over OTLP/gRPC to a collector process of the bench's own (bench/otlp_sink.py,
+                   which counts them; the count is printed after the tables)
+  Restate, one ctx.run step   the peer: the same durable call on Restate (bench/restate_peer.py:
+                   its server from npm with its defaults, WAL fsync on; a Python restate-sdk
+                   service whose one journaled step calls the same agent with httpx), called via
+                   its ingress; shown when `make bench-peers` has installed the server
   reach queue      POST /reach/invoke, capability in queue mode (regular activities)
   reach inline, MCP front   the same call as reach inline, as an MCP client makes it: one
                    stateless (2026-07-28) tools/call POST to /mcp, tool bench-inline.query,
@@ -92,13 +102,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agent_reach_proto import gateway_pb2  # noqa: E402
+from bench import restate_peer  # noqa: E402
+from bench.otlp_sink import read_count  # noqa: E402
 from bench.raw_activity import PAYLOAD, call_agent, open_client, run_floor  # noqa: E402
 from bench.raw_workflow import RawQueueWorkflow, RawWorkflow  # noqa: E402
 from connectors import ConnectorSet  # noqa: E402
 from gateway_api.devserver import DevServer, free_port  # noqa: E402
 from reach.invocation import Endpoint  # noqa: E402
 from reach.messages import Header, Message  # noqa: E402
-from reach.security.tokens import FileTokenStore, issue  # noqa: E402
+from reach.security.tokens import FileTokenStore, issue, mirror_path  # noqa: E402
 from workflows.invoke import SEARCH_ATTRIBUTES  # noqa: E402
 
 PROTOCOLS = ("grpc", "websocket", "mqtt")
@@ -114,6 +126,7 @@ QUEUE_FLOOR = "raw Temporal, queue"
 FLOOR = "raw Temporal"
 LABELLED = "raw Temporal, Reach's search attributes"
 FRONTED = "raw Temporal behind an HTTP front"
+PEER = restate_peer.ROW
 
 
 # Which processes do a row's work, by the names `main` gives them: the one running its Temporal
@@ -139,7 +152,12 @@ ROW_PROCS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "reach inline, gRPC front": ("gw1", ("bench-inline",)),
     "reach inline, sandboxed": ("gw2", ("bench-inline-2",)),
     "reach inline, tracing on": ("gw5", ("bench-inline-5",)),
+    "reach inline, production": ("gw6", ("bench-inline-6",)),
+    "reach inline, production + OTLP": ("gw7", ("bench-inline-7", "collector")),
     "reach queue": ("gw1", ("bench-queue",)),
+    # The peer: its server does the engine's work (in the "gateway or floor worker" column),
+    # its service the step's; the agent is the floor's.
+    PEER: ("restate", ("restate-service", "bench-inline")),
     "reach inline, MCP front": ("gw1", ("bench-inline",)),
     "reach inline, A2A front": ("gw1", ("bench-inline",)),
     "direct A2A": (None, ("bench-a2a",)),
@@ -381,6 +399,27 @@ async def main(args: argparse.Namespace) -> None:
     gw5, env5 = other_gateway(
         REACH_TELEMETRY__TRACES="file", REACH_TELEMETRY__FILE=str(tmp / "spans.jsonl")
     )
+    # Production: the Redis registry (a key prefix each), tokens on (in the shared store, seeded
+    # through each gateway's mirror of it) with the auth row's rule, audit and metrics on; the
+    # second also exports every span over OTLP to the bench's collector.
+    otlp_port = free_port()
+    production: list[tuple[str, dict[str, str]]] = []
+    for traces in ({}, {"REACH_TELEMETRY__TRACES": "otlp"}):
+        prefix = f"bench-{uuid.uuid4().hex[:6]}"
+        for record in (caller_record, agent_record):
+            FileTokenStore(mirror_path(tmp / "tokens-prod.json", prefix)).write(record)
+        production.append(
+            other_gateway(
+                REACH_REGISTRY__TYPE="redis",
+                REACH_REGISTRY__KEY_PREFIX=prefix,
+                REACH_AUTH__TOKENS_FILE=str(tmp / "tokens-prod.json"),
+                REACH_RULES=env4["REACH_RULES"],
+                REACH_METRICS__ENABLED="true",
+                REACH_TELEMETRY__OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}",
+                **traces,
+            )
+        )
+    (gw6, env6), (gw7, env7) = production
     broker_port = free_port()
     (tmp / "mosquitto.conf").write_text(
         f"listener {broker_port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n"
@@ -389,12 +428,25 @@ async def main(args: argparse.Namespace) -> None:
         procs["broker"] = spawn(
             ["mosquitto", "-c", str(tmp / "mosquitto.conf")], env, tmp / "mq.log"
         )
-        for n, gw_env in enumerate((env, env2, env3, env4, env5), 1):
+        procs["collector"] = spawn(
+            [
+                sys.executable,
+                str(ROOT / "bench/otlp_sink.py"),
+                "--port",
+                str(otlp_port),
+                "--count",
+                str(tmp / "spans.count"),
+            ],
+            env,
+            tmp / "collector.log",
+        )
+        for n, gw_env in enumerate((env, env2, env3, env4, env5, env6, env7), 1):
             procs[f"gw{n}"] = spawn(
                 [sys.executable, "-m", "gateway_api", "gateway"], gw_env, tmp / f"gw{n}.log"
             )
-        for base in (gw, gw2, gw3, gw4, gw5):
-            await wait_http(f"{base}/readyz", lambda r: r.status_code == 200)
+        for base in (gw, gw2, gw3, gw4, gw5, gw6, gw7):
+            # Seven gateways start at once: on a busy 2-core box that can take minutes.
+            await wait_http(f"{base}/readyz", lambda r: r.status_code == 200, 300)
         for cap in ("bench-inline", "bench-queue"):
             procs[cap] = spawn(
                 [
@@ -410,7 +462,7 @@ async def main(args: argparse.Namespace) -> None:
                 env,
                 tmp / f"{cap}.log",
             )
-        for n, base in ((2, gw2), (3, gw3), (4, gw4), (5, gw5)):
+        for n, base in ((2, gw2), (3, gw3), (4, gw4), (5, gw5), (6, gw6), (7, gw7)):
             procs[f"bench-inline-{n}"] = spawn(
                 [
                     sys.executable,
@@ -422,7 +474,7 @@ async def main(args: argparse.Namespace) -> None:
                     "--instance-id",
                     f"bench-inline-0{n}",
                 ],
-                dict(env, REACH_AGENT_TOKEN=agent_token) if base == gw4 else env,
+                dict(env, REACH_AGENT_TOKEN=agent_token) if base in (gw4, gw6, gw7) else env,
                 tmp / f"bench-inline-{n}.log",
             )
         for protocol in PROTOCOLS:
@@ -486,7 +538,7 @@ async def main(args: argparse.Namespace) -> None:
                 json={"capability": "bench-mcp", "protocol": "mcp", "service_address": mcp_url},
             )
             registered.raise_for_status()
-        for base in (gw2, gw3, gw4, gw5):
+        for base in (gw2, gw3, gw4, gw5, gw6, gw7):
             await wait_http(
                 f"{base}/reach/capabilities/bench-inline",
                 lambda r: r.status_code == 200 and len(r.json()["instances"]) == 1,
@@ -530,6 +582,20 @@ async def main(args: argparse.Namespace) -> None:
                 }
             )
         agent_url = f"http://{inst['address']}/reach/query"
+        peer = restate_peer.installed() and args.peers != "off"
+        if args.peers == "on" and not peer:
+            raise SystemExit(f"no Restate server at {restate_peer.SERVER}: make bench-peers")
+        ingress = 0
+        if peer:
+            ingress, admin, service_port = free_port(), free_port(), free_port()
+            procs["restate"] = restate_peer.start_server(
+                tmp, ingress, admin, free_port(), restate_peer.environment(), tmp / "restate.log"
+            )
+            procs["restate-service"] = restate_peer.start_service(
+                service_port, agent_url, env, tmp / "restate-service.log"
+            )
+            await restate_peer.register(admin, service_port)
+            await restate_peer.ready(ingress, PAYLOAD)
         front_http = f"http://127.0.0.1:{free_port()}"
         procs["front"] = spawn(
             [
@@ -711,6 +777,12 @@ async def main(args: argparse.Namespace) -> None:
 
             return call
 
+        async def restate_call() -> None:
+            async with caller.post(f"http://127.0.0.1:{ingress}/bench/invoke", json=PAYLOAD) as r:
+                text = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(text)
+
         paths: dict[str, Callable[[], Awaitable[None]]] = {
             "direct HTTP": direct,
             **{f"direct {NAMES[p]}": direct_via(p) for p in PROTOCOLS},
@@ -726,6 +798,9 @@ async def main(args: argparse.Namespace) -> None:
             "reach inline, gRPC front": front,
             "reach inline, sandboxed": reach("bench-inline", gw2),
             "reach inline, tracing on": reach("bench-inline", gw5),
+            "reach inline, production": reach("bench-inline", gw6, caller_token),
+            "reach inline, production + OTLP": reach("bench-inline", gw7, caller_token),
+            **({PEER: restate_call} if peer else {}),
             "reach queue": reach("bench-queue"),
             "reach inline, MCP front": mcp_front,
             "reach inline, A2A front": a2a_front,
@@ -776,7 +851,9 @@ async def main(args: argparse.Namespace) -> None:
                         concurrency,
                         args.tput_calls,
                         cpu_now,
-                        durable=frozenset(n for n in paths if ROW_PROCS[n][0] is not None),
+                        durable=frozenset(
+                            n for n in paths if ROW_PROCS[n][0] not in (None, "restate")
+                        ),
                         reverse=i % 2 == 1,
                     )
                 )
@@ -785,6 +862,10 @@ async def main(args: argparse.Namespace) -> None:
         await connectors.aclose()
         await channel.close()
         report(runs, concurrency, args)
+        if "reach inline, production + OTLP" in paths:
+            await asyncio.sleep(2)  # the gateway's last batch, and the sink's next count
+            spans, exports = read_count(tmp / "spans.count")
+            print(f"\nThe OTLP collector received {spans} spans in {exports} exports.")
     finally:
         for p in procs.values():
             p.terminate()
@@ -978,6 +1059,12 @@ if __name__ == "__main__":
         type=int,
         default=600,
         help="calls per path and concurrency in the throughput phase (at least 4x in flight)",
+    )
+    parser.add_argument(
+        "--peers",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the Restate row: auto (when `make bench-peers` installed its server), on, off",
     )
     parser.add_argument(
         "--only", default="", help="';'-separated path names to run (the floors always run)"
