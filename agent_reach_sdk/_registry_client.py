@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from agent_reach_proto import wire
+from agent_reach_sdk._beats import BeatGroup, group_for
 from agent_reach_sdk._gateways import Gateways
 from reach.messages import dumps
 
@@ -113,6 +114,7 @@ class RegistryClient:
         self._running = running
         self._on_join = on_join
         self._heartbeats: asyncio.Task[None] | None = None
+        self._group: BeatGroup | None = None
         self._refused: str | None = None  # the refusal last logged, until the gateway accepts
         self._beat_failures = 0  # heartbeats in a row that no gateway answered
         self._beat_warned_at = 0.0
@@ -205,13 +207,39 @@ class RegistryClient:
         )
 
     def start_heartbeats(self) -> None:
+        # The instances this process hosts for the same gateways and token beat together.
+        self._group = group_for(self.gateways.urls, self.token)
+        self._group.add(self)
         self._heartbeats = asyncio.create_task(self._heartbeat_loop())
 
     async def stop_heartbeats(self) -> None:
+        if self._group is not None:
+            self._group.remove(self)
+            self._group = None
         if self._heartbeats is not None:
             self._heartbeats.cancel()
             await asyncio.gather(self._heartbeats, return_exceptions=True)
             self._heartbeats = None
+
+    async def _send_heartbeat(self, report: dict[str, Any]) -> httpx.Response:
+        """This instance's heartbeat: in its group's batch when it has company, else alone."""
+        session = (self.ack or {}).get("session")
+        group = self._group
+        if group is not None and group.batching:
+            entry = {"instance_id": self.instance_id, **report}
+            if session:
+                entry["session"] = session
+            answer = await group.beat(self.gateways, entry, self._registry_timeout())
+            if answer is not None:
+                return answer
+        return await self.gateways.send(
+            "heartbeating",
+            "PUT",
+            f"/reach/agents/{self.instance_id}/heartbeat",
+            json=report,
+            headers={wire.HTTP_SESSION: session} if session else None,
+            **self._registry_timeout(),
+        )
 
     async def leave(self) -> None:
         """Deregister; the log says what happened (left, already forgotten, or refused)."""
@@ -257,22 +285,18 @@ class RegistryClient:
     async def _heartbeat_loop(self) -> None:
         assert self.client is not None
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
+            group = self._group
+            if group is not None and group.batching:
+                await group.turn()
+            else:
+                await asyncio.sleep(self.heartbeat_interval)
             what = "heartbeat" if self.joined.is_set() else "join"
             try:
                 if not self.joined.is_set():
                     await self.join()
                     self._beat_answered()
                     continue
-                session = (self.ack or {}).get("session")
-                r = await self.gateways.send(
-                    "heartbeating",
-                    "PUT",
-                    f"/reach/agents/{self.instance_id}/heartbeat",
-                    json=await self.health(),
-                    headers={wire.HTTP_SESSION: session} if session else None,
-                    **self._registry_timeout(),
-                )
+                r = await self._send_heartbeat(await self.health())
                 if r.status_code == 404:
                     # Evicted, or the gateway restarted with an empty registry: join again.
                     log.warning(
