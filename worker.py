@@ -19,6 +19,7 @@ import signal
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import (
@@ -283,6 +284,9 @@ def build_workers(
                 # The SDK's debug mode is what runs activations inline on this event loop (its
                 # other effects: no deadlock timeout, and a breakpoint() hook for workflows).
                 debug_mode=inline_activations(services.settings.temporal),
+                sticky_queue_schedule_to_start_timeout=timedelta(
+                    seconds=services.settings.temporal.sticky_schedule_to_start_s
+                ),
             )
         )
     for capability in capabilities:

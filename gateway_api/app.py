@@ -136,7 +136,7 @@ def create_app(
         workers = build_workers(client, services, invoke=run_worker, capabilities=queue_caps)
         finishes = None
         if run_worker:  # the invoke worker is the first: its results are read as they land
-            finishes = Finishes()
+            finishes = Finishes(task_timeout_s=settings.temporal.workflow_task_timeout_s)
             finishes.attach(workers[0])
         app.state.gateway = gateway = Gateway.build(
             settings,

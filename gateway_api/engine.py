@@ -51,10 +51,18 @@ InvokeHandle = WorkflowHandle[InvokeWorkflow, InvokeResponse]
 class Engine:
     """The invoke workflows of one task queue, over one client."""
 
-    def __init__(self, client: Client, task_queue: str, rpc_timeout: timedelta) -> None:
+    def __init__(
+        self,
+        client: Client,
+        task_queue: str,
+        rpc_timeout: timedelta,
+        task_timeout: timedelta | None = None,
+    ) -> None:
         self.client = client
         self.task_queue = task_queue
         self.rpc_timeout = rpc_timeout
+        # How long a workflow task may run before another worker gets it (None: Temporal's 10 s).
+        self.task_timeout = task_timeout
 
     def handle(self, request_id: str) -> InvokeHandle:
         return self.client.get_workflow_handle_for(InvokeWorkflow.run, request_id)
@@ -70,6 +78,7 @@ class Engine:
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 request_eager_start=True,
+                task_timeout=self.task_timeout,
                 rpc_timeout=self.rpc_timeout,
                 # The Temporal UI's one line per request; the workflow adds the outcome.
                 static_summary=f"{inp.target}.{inp.operation} from {inp.caller}",

@@ -85,7 +85,12 @@ class Gateway:
         poll. None for the optional parts: a bare gateway (tests)."""
         live = Live(settings)
         rpc_timeout = timedelta(seconds=settings.temporal.rpc_timeout_s)
-        engine = Engine(client, settings.temporal.task_queue, rpc_timeout)
+        engine = Engine(
+            client,
+            settings.temporal.task_queue,
+            rpc_timeout,
+            timedelta(seconds=settings.temporal.workflow_task_timeout_s),
+        )
         capabilities = Capabilities(registry, view)
         door = Door(
             live,

@@ -38,12 +38,15 @@ that ends failed (other than with its error or timeout) or cancelled, a start th
 eager (the task may run in another gateway), a second request with the same RequestID waiting
 at the same time.
 
-A run still going after the worker's sticky schedule-to-start timeout (10 s by default) is
-long-polled too. Until then its workflow tasks can only run here: a task scheduled for this
-worker moves to another one only when it waited that long for this worker to take it, and the
-first task (eager) only when it timed out, after as long. A fixed shorter wait would not do:
+A run still going after 10 s (or the worker's sticky schedule-to-start timeout or the starts'
+workflow task timeout, if either is longer: `temporal.sticky_schedule_to_start_s`,
+`temporal.workflow_task_timeout_s`) is long-polled too. A run leaves this worker unseen only
+when a later task of it waited that sticky timeout for this worker and went to another; a task
+of it that timed out here is seen (its completion is refused, and core evicts the run for
+another reason). A synchronous call is one task, so the wait outlasts those timeouts: were it
+as short as they are (2 s by default), every call slower than that would pay the long poll:
 under load, calls take longer, and long-polling the slow ones would make each call dearer just
-when the box has least to spare (2 s did, at 64 in flight here).
+when the box has least to spare (a 2 s wait did, at 64 in flight here).
 
 The bridge is the SDK's internal layer; tests/integration/test_finishes.py runs every path
 above against a real server, so an SDK upgrade that changes it fails there, not in production.
@@ -69,6 +72,8 @@ log = logging.getLogger("reach.gateway")
 _ENDING = RemoveFromCache.EvictionReason.WORKFLOW_EXECUTION_ENDING
 # The SDK's default sticky schedule-to-start timeout, for a worker that does not say its own.
 _STICKY_S = 10.0
+# The least a run may go on before its result is long-polled instead (see above).
+_LONG_POLL_AFTER_S = 10.0
 
 
 class Finish:
@@ -96,9 +101,13 @@ class Finish:
 class Finishes:
     """The requests this gateway waits on, and what its worker saw of their runs."""
 
-    def __init__(self, long_poll_after_s: float | None = None) -> None:
-        # None: the attached worker's sticky schedule-to-start timeout (see above).
+    def __init__(
+        self, long_poll_after_s: float | None = None, task_timeout_s: float = _STICKY_S
+    ) -> None:
+        # None: 10 s, or the attached worker's sticky schedule-to-start timeout or the starts'
+        # workflow task timeout (`task_timeout_s`) if longer (see above).
         self.long_poll_after_s = long_poll_after_s
+        self.task_timeout_s = task_timeout_s
         self._waiting: dict[str, Finish] = {}  # workflow id -> its wait
         self._runs: dict[str, Finish] = {}  # run id -> the wait of its workflow
         self._results: dict[str, Payload] = {}  # run id -> the result its completion carries
@@ -109,7 +118,8 @@ class Finishes:
         """Watch `worker`'s workflow activations and completions (its bridge to core)."""
         if self.long_poll_after_s is None:
             sticky = worker.config().get("sticky_queue_schedule_to_start_timeout")
-            self.long_poll_after_s = sticky.total_seconds() if sticky else _STICKY_S
+            sticky_s = sticky.total_seconds() if sticky else _STICKY_S
+            self.long_poll_after_s = max(_LONG_POLL_AFTER_S, sticky_s, self.task_timeout_s)
         bridge = getattr(worker, "_bridge_worker", None)
         if bridge is None:  # an SDK without it: every result is long-polled
             log.warning("this Temporal SDK has no worker bridge to watch; long-polling results")

@@ -302,6 +302,25 @@ class TemporalSettings(Section):
         "workflow never blocks (the test suite runs it in the sandbox, which refuses blocking "
         "calls); false restores the thread pool.",
     )
+    workflow_task_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=120,
+        description="How long a workflow task may run before Temporal gives it to another "
+        "worker (the start's task_timeout): after a SIGKILL of the process that ran a "
+        "request's task, the request waits this long before anyone else takes it. A local "
+        "activity longer than 80% of it costs one workflow task heartbeat each (three "
+        "history events and a round trip to Temporal); see Operations, Recovery.",
+    )
+    sticky_schedule_to_start_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=120,
+        description="How long a request's next workflow task waits for the worker that ran "
+        "its last one (its sticky queue) before any worker may take it: the wait after that "
+        "worker died. A busy worker that does not take it in time hands it on, and the next "
+        "worker replays the history instead of resuming the run from its cache.",
+    )
     dev_server: DevServerSettings = Field(
         default_factory=DevServerSettings,
         description="The embedded Temporal dev server that `reach up` starts.",

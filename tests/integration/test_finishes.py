@@ -99,7 +99,7 @@ async def bench(temporal_server: str) -> AsyncIterator[Bench]:
     )
     finishes = Finishes()
     finishes.attach(worker)
-    assert finishes.long_poll_after_s == 10.0  # the worker's sticky schedule-to-start timeout
+    assert finishes.long_poll_after_s == 10.0  # at least the sticky and task timeouts
     async with worker:
         yield Bench(client, finishes, task_queue)
     finishes.close()
