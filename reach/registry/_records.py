@@ -55,11 +55,46 @@ def parse_whole(stored: Record) -> InstanceRecord:
     return InstanceRecord.model_validate(values)
 
 
+_STATUS_PREFIXES = ('{"status": "', '{"status":"')
+"""How the health part begins as Reach writes it (json.dumps, pydantic): the status is read
+from there without parsing the rest (the checks may be kilobytes)."""
+
+_briefs: dict[str, tuple[str | None, str | None, str, float]] = {}
+MAX_BRIEFS = 50_000
+"""Brief fields parsed, by their text: a brief changes only at a Join, and every heartbeat
+reads one, so most are parsed once (the cache is emptied when full)."""
+
+
+def _status_of(health: str) -> str:
+    for prefix in _STATUS_PREFIXES:
+        if health.startswith(prefix):
+            end = health.find('"', len(prefix))
+            if end > 0:
+                return health[len(prefix) : end]
+    return str(json.loads(health).get("status", "ok"))
+
+
+def _brief_values(raw: str) -> tuple[str | None, str | None, str, float]:
+    found = _briefs.get(raw)
+    if found is None:
+        brief = json.loads(raw)
+        found = (
+            brief["principal"],
+            brief["session"],
+            brief["address"],
+            float(brief["heartbeat_interval"]),
+        )
+        if len(_briefs) >= MAX_BRIEFS:
+            _briefs.clear()
+        _briefs[raw] = found
+    return found
+
+
 def brief_of(stored: Record) -> Brief | None:
     """The heartbeat's view of a stored record (None: unreadable). A record written before the
     brief field existed is parsed whole, once per heartbeat, as it was."""
     try:
-        status = json.loads(stored.fields[HEALTH]).get("status", "ok")
+        status = _status_of(stored.fields[HEALTH])
         raw = stored.fields.get(BRIEF)
         if raw is None:
             record = parse_whole(stored)
@@ -70,14 +105,7 @@ def brief_of(stored: Record) -> Brief | None:
                 record.heartbeat_interval,
                 str(status),
             )
-        brief = json.loads(raw)
-        return Brief(
-            brief["principal"],
-            brief["session"],
-            brief["address"],
-            float(brief["heartbeat_interval"]),
-            str(status),
-        )
+        return Brief(*_brief_values(raw), status)
     except (KeyError, TypeError, ValueError, AttributeError):
         log.exception("unreadable instance record %s ignored", stored)
         return None
