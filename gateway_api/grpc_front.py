@@ -3,7 +3,9 @@ the HTTP API, in the same process and event loop, over the same service and acce
 
     Invoke      as POST /reach/invoke
     Join        as POST /reach/agents
-    Heartbeat   as PUT /reach/agents/{instance_id}/heartbeat, one HeartbeatAck per report
+    Heartbeat   as PUT /reach/agents/{instance_id}/heartbeat, one HeartbeatAck per report;
+                a report with `batch` set as POST /reach/heartbeats, one ack whose `batch`
+                answers each entry in order (each checked as a report of its own)
 
 plus the standard `grpc.health.v1.Health` service (SERVING only while `/readyz` would answer
 200) and server reflection, so generic clients (grpcurl, grpcui) can list and call it.
@@ -14,7 +16,9 @@ JSON-in-a-string fields are parsed first under the same rules, and refusals name
 (`payload_json`, `checks_json`). An empty proto3 string reads as an absent field: an empty
 `target` is "Field required", an empty Join `protocol` is the default `http`, an empty
 heartbeat `status` is `ok`. Join's `declared_operations` are the object entries of the HTTP
-body's `operations`, after its plain names (so a refusal names one as `operations.N`).
+body's `operations`, after its plain names (so a refusal names one as `operations.N`); an
+`input_schema_json` is parsed under the JSON rules and then bounded as the HTTP body's
+`input_schema` is. A heartbeat's optional `session` is the HTTP header `X-Reach-Session`.
 
 **Metadata** `authorization`, `x-reach-caller`, `traceparent` and `idempotency-key` mean what
 the HTTP headers of the same names mean, and are checked by the same rules (the same tokens,
@@ -76,14 +80,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from grpc_reflection.v1alpha import reflection  # type: ignore[import-untyped]
-from pydantic import TypeAdapter, ValidationError
 
 from agent_reach_proto import gateway_pb2 as pb
+from gateway_api._grpc_beats import batch_ack, beat_ack, entry_of, refused_ack
 from gateway_api.errors import status_code_of
 from gateway_api.gateway import Gateway
 from gateway_api.grpc_wire import (
@@ -94,17 +98,14 @@ from gateway_api.grpc_wire import (
     as_body,
     invoke_fields,
     join_fields,
-    json_text,
     metadata_of,
     parse,
     refusal_of,
 )
 from reach import acceptance
-from reach.acceptance import describe_validation_error
 from reach.config import ConfigError, ReachSettings
-from reach.errors import InvalidRequest, ReachError, Unavailable
-from reach.messages import InstanceId, dumps
-from reach.registry import Beat, BeatEntry, check_batch
+from reach.errors import ReachError, Unavailable
+from reach.messages import dumps
 from reach.security.tokens import Principal
 from reach.telemetry import tracing
 
@@ -116,8 +117,6 @@ DEFAULT_PORT = 7601
 GRACE_S = 5.0
 # How often readiness is re-checked for the health service.
 HEALTH_EVERY_S = 1.0
-
-_INSTANCE_ID: TypeAdapter[str] = TypeAdapter(InstanceId)
 
 # Requests arrive as bytes and are parsed here, so a malformed one is refused with the envelope.
 InvokeContext: TypeAlias = grpc.aio.ServicerContext[bytes, pb.InvokeResponse]
@@ -333,87 +332,16 @@ class ReachService:
         try:
             report = parse(pb.HeartbeatRequest, raw)
         except Exception as exc:
-            return _refused_ack("", exc)
+            return refused_ack("", exc)
+        limits, agents = self.gateway.limits, self.gateway.agents
         if report.batch:
-            return await self._beats(report, agent)
+            return await batch_ack(report, agents, agent, limits)
         try:
-            entry = self._entry(report)
-            beat = await self.gateway.agents.heartbeat(
-                entry.instance_id, entry.report, agent, entry.session
-            )
+            entry = entry_of(report, limits)
+            beat = await agents.heartbeat(entry.instance_id, entry.report, agent, entry.session)
         except Exception as exc:
-            return _refused_ack(report.instance_id, exc)
-        return _beat_ack(beat)
-
-    async def _beats(self, batch: pb.HeartbeatRequest, agent: Principal | None) -> pb.HeartbeatAck:
-        """A batched report: each entry checked and recorded on its own, one ack per entry."""
-        try:
-            check_batch(len(batch.batch))
-            if batch.instance_id or batch.status or batch.checks_json or batch.inflight:
-                raise InvalidRequest(
-                    "a batched heartbeat (batch set) leaves instance_id, status, checks_json "
-                    "and inflight empty: each entry carries its own"
-                )
-        except Exception as exc:
-            return _refused_ack("", exc)
-        acks: list[pb.HeartbeatAck | None] = []
-        entries: list[BeatEntry] = []
-        for report in batch.batch:
-            try:
-                if report.batch:
-                    raise InvalidRequest("a batched heartbeat's entry has no batch of its own")
-                entries.append(self._entry(report))
-                acks.append(None)
-            except Exception as exc:
-                acks.append(_refused_ack(report.instance_id, exc))
-        try:
-            outcomes = await self.gateway.agents.heartbeats(entries, agent)
-        except Exception as exc:  # the store failed: the whole batch is refused
-            return _refused_ack("", exc)
-        went = zip(entries, outcomes, strict=True)
-        answers = []
-        for ack in acks:
-            if ack is None:
-                entry, outcome = next(went)
-                if isinstance(outcome, ReachError):
-                    ack = _refused_ack(entry.instance_id, outcome)
-                else:
-                    ack = _beat_ack(outcome)
-            answers.append(ack)
-        return pb.HeartbeatAck(batch=answers)
-
-    def _entry(self, report: pb.HeartbeatRequest) -> BeatEntry:
-        """One report as the HTTP heartbeat's path and body (refusals named as there)."""
-        instance_id = report.instance_id
-        try:
-            _INSTANCE_ID.validate_python(instance_id)
-        except ValidationError as exc:
-            raise InvalidRequest(describe_validation_error(exc, root="instance_id")) from None
-        fields: dict[str, Any] = {"inflight": report.inflight}
-        if report.status:
-            fields["status"] = report.status
-        if report.checks_json:
-            fields["checks"] = json_text(report.checks_json, "checks_json")
-        # No body to measure: gRPC refused any message past the body limit before it was read,
-        # and the checks are measured (and their encodability checked) on their own.
-        health = acceptance.health_report_values(fields, b"", self.gateway.limits)
-        session = report.session if report.HasField("session") else None
-        return BeatEntry(instance_id, health, session)
-
-
-def _refused_ack(instance_id: str, exc: Exception) -> pb.HeartbeatAck:
-    error = refusal_of(exc, "Heartbeat", None).envelope["error"]
-    return pb.HeartbeatAck(
-        instance_id=instance_id, error_type=error["type"], message=error["message"]
-    )
-
-
-def _beat_ack(beat: Beat) -> pb.HeartbeatAck:
-    return pb.HeartbeatAck(
-        instance_id=beat.instance_id,
-        status=beat.status,
-        heartbeat_interval=beat.heartbeat_interval,
-    )
+            return refused_ack(report.instance_id, exc)
+        return beat_ack(beat)
 
 
 class _GrpcFront:
