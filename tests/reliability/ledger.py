@@ -64,7 +64,7 @@ class Report:
     def check(self) -> Report:
         by_id = {c.request_id: c for c in self.calls}
         for rid in self.runs:
-            if rid not in by_id:
+            if rid not in by_id and not rid.startswith("max-"):  # the soak's measured calls
                 self.violations.append(f"{rid}: in a ledger but never sent by this run")
         callbacks: dict[str, dict[str, Any]] = {}
         for webhook_id, envelope, _ in self.deliveries:

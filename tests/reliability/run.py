@@ -153,8 +153,10 @@ async def run(opts: Options) -> int:
     table = report.table()
     print(table)
     (tmp / "report.md").write_text(table + "\n")
+    everything = ["# broken invariants", *report.violations, "# not succeeded"]
+    (tmp / "verdicts.txt").write_text("\n".join(everything + report.not_succeeded) + "\n")
     if report.violations:
-        print(f"\n{len(report.violations)} invariant(s) broken (logs in {tmp}):")
+        print(f"\n{len(report.violations)} invariant(s) broken (all: {tmp}/verdicts.txt):")
         for v in report.violations[:50]:
             print(f"- {v}")
         return 1
