@@ -870,7 +870,11 @@ async def main(args: argparse.Namespace) -> None:
         for p in procs.values():
             p.terminate()
         for p in procs.values():
-            p.wait(10)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:  # the Restate service drains its streams
+                p.kill()
+                p.wait(10)
         server.stop()
 
 

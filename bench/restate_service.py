@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import uuid
 from typing import Any
 
@@ -43,15 +42,9 @@ async def invoke(ctx: restate.Context, payload: dict[str, Any]) -> dict[str, Any
 
 
 async def main(config: Config) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await serve(
-        restate.app(services=[service]),
-        config,
-        shutdown_trigger=stop.wait,
-    )
+    # The SDK's app takes SIGTERM over on its first call, to drain its open streams (which
+    # hypercorn's graceful shutdown then waits on): the bench kills it if it lingers.
+    await serve(restate.app(services=[service]), config, shutdown_trigger=asyncio.Event().wait)
 
 
 if __name__ == "__main__":
@@ -64,5 +57,4 @@ if __name__ == "__main__":
     config.bind = [f"127.0.0.1:{args.port}"]
     config.accesslog = None
     config.loglevel = "WARNING"
-    config.graceful_timeout = 1
     asyncio.run(main(config))
