@@ -166,8 +166,8 @@ class InvokeInput(BaseModel):
     status_at_start: str = Field(
         default="running",
         description="The ReachStatus the start set: the end updates it only when the outcome "
-        "differs. A synchronous inline request routed at the door starts as 'success' (what "
-        "almost all of them end as), so its end writes no search attribute at all.",
+        "differs. An inline request routed at the door starts as 'success' (what almost all of "
+        "them end as), so its end writes no search attribute at all.",
     )
 
 

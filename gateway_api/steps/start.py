@@ -56,10 +56,9 @@ def invoke_input(
         plan=plan,
         payload_bytes=payload_bytes,
         endpoint=endpoint,
-        # What nearly every such request ends as: then its end writes no search attribute.
-        status_at_start="success"
-        if endpoint is not None and plan.mode == "inline" and not request.callback
-        else "running",
+        # What nearly every such request ends as: then its end writes no search attribute (a
+        # running request reads as running whatever it says: reach.listing.status_of).
+        status_at_start="success" if endpoint is not None and plan.mode == "inline" else "running",
     )
 
 

@@ -132,6 +132,41 @@ async def test_search_attributes_and_cli_audit_trail(
     assert sa.get(SA_INSTANCE) == agents[0].instance_id
 
 
+async def test_a_callback_request_routed_at_the_door_writes_no_status_at_its_end(
+    gateway: GatewayProcess, http: httpx.AsyncClient, capability: str, temporal_server: str
+) -> None:
+    """It starts as 'success' like a synchronous one: one upsert fewer in its history (a
+    running request reads as running whatever ReachStatus says: reach.listing.status_of)."""
+    agents = await start_agents(gateway, capability, 1)
+    warm = {"target": capability, "operation": "query", "payload": {}}
+    assert (await http.post(f"{gateway.url}/reach/invoke", json=warm)).status_code == 200
+    client = await Client.connect(temporal_server)
+    async with CallbackReceiver() as receiver:
+        rid = f"req-{uuid.uuid4().hex}"
+        body = {"request_id": rid, "target": capability, "operation": "query", "payload": {}}
+        r = await http.post(f"{gateway.url}/reach/invoke", json={**body, "callback": receiver.url})
+        assert r.status_code == 202, r.text
+        await receiver.wait(1, timeout_s=30)
+    assert receiver.received[0][1]["status"] == "success"
+    history = await client.get_workflow_handle(rid).fetch_history()
+    started = history.events[0].workflow_execution_started_event_attributes
+    inp = json.loads(started.input.payloads[0].data)
+    assert inp["endpoint"]["instance_id"] == agents[0].instance_id  # routed at the door
+    assert inp["status_at_start"] == "success"
+    upserted = [
+        sorted(
+            e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
+        )
+        for e in history.events
+        if e.HasField("upsert_workflow_search_attributes_event_attributes")
+    ]
+    assert upserted == [["TemporalChangeVersion"]]  # the callback workflow's patch, no status
+    sa = (await client.get_workflow_handle(rid).describe()).typed_search_attributes
+    assert sa.get(SA_STATUS) == "success"
+    status = await http.get(f"{gateway.url}/reach/requests/{rid}")
+    assert status.json()["status"] == "success"
+
+
 async def test_callback_is_retried_until_the_receiver_accepts(
     gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
