@@ -9,8 +9,8 @@ import pytest
 
 from gateway_api.devserver import free_port
 from reach.config import RegistrySettings
-from reach.errors import Unavailable, UnknownInstance
-from reach.registry import HealthReport, JoinRequest, Registry
+from reach.errors import Forbidden, Unavailable, UnknownInstance
+from reach.registry import Beat, BeatEntry, HealthReport, JoinRequest, Registry
 from reach.store import MemoryStore, Store, create_store
 from reach.store.redis import RedisStore
 
@@ -203,3 +203,43 @@ async def test_a_large_group_is_scanned_and_pruned_in_pages(store: Store) -> Non
     assert len(scan.live) == 2499
     assert "m0007" not in scan.live
     assert await store.prune_group("big") == []
+
+
+async def test_a_batch_of_heartbeats_is_applied_entry_by_entry(store: Store) -> None:
+    """Registry.heartbeats over both backends (one read, one pipelined write on Redis): 300
+    entries (past one pipeline's 256), each refreshed or refused on its own."""
+    reg = Registry(store, RegistrySettings(heartbeat_timeout=30, heartbeat_interval=1))
+    for n in range(300):
+        await reg.join(join(f"i{n}"), "owner" if n % 2 else None)
+    other = await reg.join(join("theirs"), "someone-else")
+    entries = [BeatEntry(f"i{n}", HealthReport(inflight=n)) for n in range(300)]
+    entries += [
+        BeatEntry("gone", HealthReport()),
+        BeatEntry("theirs", HealthReport(status="unhealthy"), other.session),
+        BeatEntry("i1", HealthReport(status="degraded"), "a-stale-session"),
+    ]
+    outcomes = await reg.heartbeats(entries, "owner")
+    assert len(outcomes) == len(entries)
+    for n in range(300):
+        outcome = outcomes[n]
+        if n % 2:  # the owner's
+            assert isinstance(outcome, Beat), outcome
+            assert outcome.inflight == n
+        else:  # nobody's instance: an agent token may not beat it
+            assert isinstance(outcome, Forbidden), outcome
+    assert [type(o).__name__ for o in outcomes[300:]] == [
+        "UnknownInstance",
+        "Forbidden",
+        "InstanceReplaced",
+    ]
+    theirs = await reg.get("theirs")
+    assert theirs is not None
+    assert theirs.status == "ok"
+    # Without an owner to check (tokens off) and no sessions: the write alone.
+    outcomes = await reg.heartbeats([BeatEntry("i0", HealthReport(status="unhealthy"))])
+    assert isinstance(outcomes[0], Beat)
+    assert outcomes[0].status == "unhealthy"
+    i0 = await reg.get("i0")
+    assert i0 is not None
+    assert not i0.routable
+    assert await reg.heartbeats([]) == []
