@@ -165,20 +165,32 @@ class Dispatcher:
             return error_answer(404, "invalid_request", f"operation {name!r} is not served here")
         request_id = request.headers.get(wire.REQUEST_ID) or f"local-{time.time_ns()}"
         answers = self._answers
-        earlier = answers.earlier(request_id)
+        earlier = answers.earlier(request_id, request.headers.get(wire.ATTEMPT, ""))
         if earlier is not None:
             return earlier if isinstance(earlier, Answer) else await earlier
         future = answers.begin(request_id)
         try:
             answer = await self._execute(call, name, request_id, request)
         except asyncio.CancelledError:
-            answers.cancelled(request_id, future)
+            answers.cancelled(
+                request_id,
+                future,
+                may_have_run=self._once_only(name, request),
+                attempt=request.headers.get(wire.ATTEMPT, ""),
+            )
             raise
         except BaseException as exc:
             answers.failed(request_id, future, exc)
             raise
         answers.answered(request_id, future, answer)
         return answer
+
+    def _once_only(self, name: str, request: Inbound) -> bool:
+        """A run of `name` must not be repeated: not declared idempotent, and no idempotency
+        key for the handler to recognise a repeat by."""
+        if self.declared.get(name, {}).get("idempotent") is True:
+            return False
+        return not request.headers.get(wire.IDEMPOTENCY_KEY)
 
     async def _execute(
         self, call: tuple[OperationFunc, Shape], name: str, request_id: str, request: Inbound

@@ -251,7 +251,7 @@ async def test_a_duplicate_waiting_on_a_cancelled_delivery_is_answered() -> None
     runtime = AgentRuntime("cap", instance_id="cap-01")
     started = asyncio.Event()
 
-    @runtime.operation("slow")
+    @runtime.operation("slow", idempotent=True)  # else it may have run (the next test)
     async def slow(payload: dict[str, Any]) -> dict[str, Any]:
         started.set()
         await asyncio.sleep(30)
@@ -389,3 +389,48 @@ async def test_a_coroutine_handed_back_after_the_deadline_is_closed_not_left_una
         assert time.monotonic() < deadline, "the coroutine was left unawaited"
         await asyncio.sleep(0.01)
     assert not ran.is_set()  # given up on: it never runs
+
+
+@pytest.mark.parametrize(
+    ("idempotent", "key", "runs_again"),
+    [(None, "", False), (False, "", False), (True, "", True), (None, "k-1", True)],
+)
+async def test_a_run_cut_off_mid_handler_is_not_run_again_by_a_redelivery_of_its_attempt(
+    idempotent: bool | None, key: str, runs_again: bool
+) -> None:
+    """The reliability soak saw a keyless write run twice by one agent: its first delivery was
+    cancelled mid-handler (the gateway's connection dropped), the cache forgot it, and the
+    re-delivery of the same attempt by the worker that took over ran the handler again."""
+    runtime = AgentRuntime("cap", instance_id="cap-01")
+    runs: list[str] = []
+    entered = asyncio.Event()
+
+    @runtime.operation("write", idempotent=idempotent)
+    async def write(payload: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        runs.append(ctx.request_id)
+        entered.set()
+        if len(runs) == 1:
+            await asyncio.sleep(60)  # cut off here
+        return {"runs": len(runs)}
+
+    headers = {"x-reach-attempt": "1", **({"idempotency-key": key} if key else {})}
+    first = asyncio.ensure_future(runtime.dispatch(inbound("w", "write", **headers)))
+    await asyncio.wait_for(entered.wait(), 5)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await wait_for_empty(runtime)  # the handler has taken its cancellation
+    again = await runtime.dispatch(inbound("w", "write", **headers))
+    if runs_again:
+        assert again.status == 200, again.body
+        assert len(runs) == 2
+    else:
+        assert again.status == 502
+        assert again.body is not None
+        assert "may have run" in again.body["error"]["message"]
+        assert again.body["error"]["retryable"] is False
+        assert len(runs) == 1
+        # A new attempt is Reach's own decision that a retry is safe: it runs.
+        later = await runtime.dispatch(inbound("w", "write", **{**headers, "x-reach-attempt": "2"}))
+        assert later.status == 200, later.body
+        assert len(runs) == 2
