@@ -54,9 +54,10 @@ _groups: dict[Key, BeatGroup] = {}
 
 def group_for(urls: Sequence[str], token: str | None) -> BeatGroup:
     """The group of this event loop's instances beating `urls` with `token`."""
-    key: Key = (id(asyncio.get_running_loop()), tuple(urls), token)
+    loop = asyncio.get_running_loop()
+    key: Key = (id(loop), tuple(urls), token)
     group = _groups.get(key)
-    if group is None:
+    if group is None or group.loop is not loop:  # a loop that ended may leave its id behind
         group = _groups[key] = BeatGroup(key)
     return group
 
@@ -64,6 +65,7 @@ def group_for(urls: Sequence[str], token: str | None) -> BeatGroup:
 class BeatGroup:
     def __init__(self, key: Key) -> None:
         self.key = key
+        self.loop = asyncio.get_running_loop()
         self.members: list[Member] = []
         self.supported = True  # False once a gateway answered the batch route 404/405
         self._turn: asyncio.Future[None] | None = None
@@ -84,7 +86,8 @@ class BeatGroup:
         with contextlib.suppress(ValueError):
             self.members.remove(member)
         if not self.members:
-            _groups.pop(self.key, None)
+            if _groups.get(self.key) is self:
+                del _groups[self.key]
             if self._ticker is not None:
                 self._ticker.cancel()
 
