@@ -61,6 +61,7 @@ from gateway_api import _mcp_sse as sse
 from gateway_api import _mcp_tasks as tasks
 from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_http import host_allowed, origin_allowed
+from gateway_api._mcp_listen import MAX_STREAMS_PER_CALLER as MAX_STREAMS_PER_CALLER
 from gateway_api._mcp_listen import Listeners
 from gateway_api._mcp_tools import Catalog, call_result, rpc_error_of
 from gateway_api.errors import CatchBugs, reach_error_of_rpc

@@ -18,11 +18,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import (
-    ActivityError,
-    ApplicationError,
-    TimeoutError,
-)
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 
 with workflow.unsafe.imports_passed_through():
     from reach.errors import AgentFault
@@ -97,7 +93,6 @@ PATCHES: dict[Rule, str] = {
 FIRST_TASK_EVENTS = 3
 # Store steps (claims, tokens) are quick; this bounds one that is not.
 STORE_STEP = timedelta(seconds=10)
-
 
 # How the log names each step that waits (operators and tests read "retrying in").
 DOING = {Retry: "retrying", Redeliver: "re-delivering", WaitForStore: "waiting for the store"}

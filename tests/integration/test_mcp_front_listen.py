@@ -21,7 +21,7 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from gateway_api._mcp_listen import MAX_STREAMS_PER_CALLER
+from gateway_api.mcp_front import MAX_STREAMS_PER_CALLER
 from tests.conftest import new_stack
 from tests.helpers import GatewayProcess, wait_until
 from tests.integration.test_connector_mcp import registered

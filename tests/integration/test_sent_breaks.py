@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from activities._sent import sent_key
 from reach.policy.state import create_policy_state
 from reach.store.redis import RedisStore
 from tests.conftest import new_stack
@@ -148,7 +147,9 @@ async def test_an_attempt_refused_unsent_is_reported_at_once_not_redelivered(
             async with registered(http, gateway, server, capability) as iid:
                 request_id = rid()
                 held = await create_policy_state(store).claim(
-                    sent_key(request_id, 1), "a-lost-run 1", 300
+                    f"sent:{request_id}:1",
+                    "a-lost-run 1",
+                    300,  # the send-once claim's key
                 )
                 assert held == "a-lost-run 1"
                 r = await invoke(

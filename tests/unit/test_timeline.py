@@ -109,6 +109,9 @@ EXPECTED = {
     "cancel-a2a-task-before": [*SUCCESS[:3], "attempt_accepted", "ended"],
     "cancel-queued-call": ["accepted", "instance_chosen", "result"],
     "cancel-queued-call-before": ["accepted", "instance_chosen", "result"],
+    # An attempt refused unsent (another run holds its send-once claim): reported at once with
+    # that run's unknown outcome, never re-delivered (patch not-sent-not-redelivered).
+    "not-sent": [*SUCCESS[:3], "attempt_failed", "result"],
 }
 # Each recording's final status (the rest: success).
 STATUS = {
@@ -120,6 +123,7 @@ STATUS = {
     "cancel-queued-call": "canceled",
     "cancel-a2a-task-before": "error",
     "cancel-queued-call-before": "error",
+    "not-sent": "error",
 }
 
 
