@@ -341,6 +341,10 @@ class Registry:
             group_ttl_s=self._retention_s,
         )
         sampled = heartbeat_log.isEnabledFor(logging.INFO)
+        # Each instance whose status changed, announced once for the batch however many of its
+        # entries changed it (a batch flipping one instance 1000 times made 1000 announcements,
+        # each a store round trip in turn and a refresh on every gateway listening).
+        changed: dict[tuple[str, str], tuple[str, BeatEntry]] = {}
         for n, before in zip(going, previous, strict=True):
             entry = entries[n]
             outcome, was = beat_of(entry, before)
@@ -352,15 +356,8 @@ class Registry:
                 )
                 continue
             if was != outcome.status:
-                log.info(
-                    "health instance=%s capability=%s %s -> %s checks=%s",
-                    entry.instance_id,
-                    outcome.capability,
-                    was,
-                    outcome.status,
-                    entry.report.checks,
-                )
-                await self._announce(outcome.capability, entry.instance_id)
+                key = (outcome.capability, entry.instance_id)
+                changed[key] = (changed[key][0] if key in changed else str(was), entry)
             if sampled:
                 # Routine: the sampled heartbeat log (telemetry.heartbeat_log_sample).
                 heartbeat_log.info(
@@ -369,6 +366,16 @@ class Registry:
                     outcome.status,
                     outcome.inflight,
                 )
+        for (capability, instance_id), (was, entry) in changed.items():
+            log.info(
+                "health instance=%s capability=%s %s -> %s checks=%s",
+                instance_id,
+                capability,
+                was,
+                entry.report.status,
+                entry.report.checks,
+            )
+            await self._announce(capability, instance_id)
         return [outcome for outcome in outcomes if outcome is not None]  # every one is set
 
     async def leave(self, instance_id: str) -> bool:
