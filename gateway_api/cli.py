@@ -103,31 +103,37 @@ async def _serve(
         raise ConnectionError(gone[0])
 
 
-def _require_free_ports(settings: ReachSettings) -> None:
-    """The gateway's HTTP and gRPC ports, both on `listen_host`."""
-    from gateway_api.devserver import require_free
+def _gateway_ports(settings: ReachSettings) -> list[tuple[int, str, str, str]]:
+    """The gateway's HTTP and gRPC ports, both on `listen_host`, with the settings that move
+    them (`devserver.require_all_free`)."""
     from gateway_api.grpc_front import grpc_port
 
-    require_free(
-        settings.listen_port,
-        "gateway",
-        "reach.listen_port / REACH_LISTEN_PORT",
-        settings.listen_host,
-    )
-    port = grpc_port(settings)
-    if port:  # 0 binds any free port, None is no gRPC front
-        require_free(
-            port,
-            "gateway gRPC front",
-            "reach.transport.ports.grpc / REACH_TRANSPORT__PORTS__GRPC (negative: none)",
+    wanted = [
+        (
+            settings.listen_port,
+            "gateway",
+            "reach.listen_port / REACH_LISTEN_PORT",
             settings.listen_host,
         )
+    ]
+    port = grpc_port(settings)
+    if port:  # 0 binds any free port, None is no gRPC front
+        wanted.append(
+            (
+                port,
+                "gateway gRPC front",
+                "reach.transport.ports.grpc / REACH_TRANSPORT__PORTS__GRPC (negative: none)",
+                settings.listen_host,
+            )
+        )
+    return wanted
 
 
 def cmd_gateway(settings: ReachSettings, *, run_worker: bool) -> None:
+    from gateway_api.devserver import require_all_free
     from reach.process import run
 
-    _require_free_ports(settings)
+    require_all_free(_gateway_ports(settings))
     bound = settings.temporal.connect_wait_s
     run(_serve(settings, run_worker=run_worker, give_up_after_s=bound), settings)
 
@@ -234,23 +240,30 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
     import signal
     from pathlib import Path
 
-    from gateway_api.devserver import DevServer, require_free
+    from gateway_api.devserver import DevServer, require_all_free
     from reach.process import run
 
     dev = settings.temporal.dev_server
     ui_port = None if dev.headless else dev.ui_port
-    _require_free_ports(settings)
-    require_free(
-        dev.port,
-        "Temporal dev server",
-        "reach.temporal.dev_server.port / REACH_TEMPORAL__DEV_SERVER__PORT",
+    wanted = _gateway_ports(settings)
+    wanted.append(
+        (
+            dev.port,
+            "Temporal dev server",
+            "reach.temporal.dev_server.port / REACH_TEMPORAL__DEV_SERVER__PORT",
+            "127.0.0.1",
+        )
     )
     if ui_port:
-        require_free(
-            ui_port,
-            "Temporal UI",
-            "reach.temporal.dev_server.ui_port / REACH_TEMPORAL__DEV_SERVER__UI_PORT",
+        wanted.append(
+            (
+                ui_port,
+                "Temporal UI",
+                "reach.temporal.dev_server.ui_port / REACH_TEMPORAL__DEV_SERVER__UI_PORT",
+                "127.0.0.1",
+            )
         )
+    require_all_free(wanted)  # every port in use at once, not one per attempt
     state = Path(dev.db_filename).parent
     log_dir = state / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

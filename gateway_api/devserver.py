@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from reach.limits import UPDATE_PAYLOADS_LIMIT_BYTES
@@ -83,12 +84,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def require_free(port: int, what: str, setting: str, host: str = "127.0.0.1") -> None:
-    if not port_free(port, host):
-        raise PortInUse(
-            f"port {port} ({what}) is already in use on {host}. Stop whatever holds it, or "
-            f"choose another port with {setting}."
-        )
+def require_all_free(wanted: Sequence[tuple[int, str, str, str]]) -> None:
+    """Every `(port, what, setting, host)` free, else one PortInUse naming each port in use
+    and the setting that moves it: checked one at a time, a second `reach up` beside another
+    was refused four times in a row, once per port, before it could start."""
+    busy = [
+        f"port {port} ({what}) is already in use on {host}. Stop whatever holds it, or "
+        f"choose another port with {setting}."
+        for port, what, setting, host in wanted
+        if not port_free(port, host)
+    ]
+    if busy:
+        raise PortInUse("\n".join(busy))
 
 
 def wait_port(port: int, timeout_s: float, host: str = "127.0.0.1") -> None:
