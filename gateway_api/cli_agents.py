@@ -63,7 +63,12 @@ def cmd_add(api: Api, args: argparse.Namespace) -> int:
     details = ack.get("details") or {}
     if details:
         print(clean("details: " + ", ".join(f"{k}={v}" for k, v in sorted(details.items()))))
-    print(f"probed every {ack.get('heartbeat_interval')}s; remove: reach agents remove ID")
+    print(
+        clean(
+            f"probed every {ack.get('heartbeat_interval')}s; "
+            f"remove: reach agents remove {ack.get('instance_id')}"
+        )
+    )
     return 0
 
 

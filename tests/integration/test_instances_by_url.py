@@ -227,6 +227,7 @@ async def test_the_cli_adds_and_removes(
     )
     assert added.returncode == 0, added.stderr
     assert "registered cli-1" in added.stdout
+    assert "remove: reach agents remove cli-1" in added.stdout  # the id to copy, not "ID"
     assert "echo" in added.stdout
     assert routable(await capability(http, gateway, cap)) == ["cli-1"]
     removed = await asyncio.to_thread(reach_cli, "agents", "remove", "cli-1", *gw)
