@@ -64,7 +64,7 @@ with workflow.unsafe.imports_passed_through():
         refine_plan,
         timed_out,
     )
-    from workflows._failures import Failed, StaleRoute, cancelled, error_of
+    from workflows._failures import KEY_IT, SAFE_AGAIN, Failed, StaleRoute, cancelled, error_of
     from workflows._following import TaskFollowing
     from workflows._following import capability_queue as capability_queue  # invoke.py's
 
@@ -153,10 +153,8 @@ class AttemptLoop(TaskFollowing):
         if unknown:
             # It was (or may have been) sent and never answered: nobody knows whether it ran.
             who = f"agent {instance_id}" if instance_id else "the agent it was sent to"
-            message += (
-                f"; {who} may have run it: repeat it with an idempotency_key so that it runs "
-                "at most once"
-            )
+            safe = self._plan.idempotent or inp.idempotency_key
+            message += f"; {who} may have run it: " + (SAFE_AGAIN if safe else KEY_IT)
         return self._envelope(
             inp,
             "timeout",

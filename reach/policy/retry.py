@@ -14,7 +14,7 @@ out the answer (a durable timer, a route again, a report); it decides nothing it
   - the registry no longer knows the capability (it was known when the request was accepted:
     a store restarted empty, its agents not yet joined again): wait for it the same way;
   - the deadline: report it (`timed_out`: a call that was, or may have been, sent may have
-    run);
+    run, whatever the operation, and the report says so);
   - anything else: `next_step`, the plan's retries on other instances (`Retry`), or report
     (`GiveUp`, with the failure the caller is told of);
 - `after_store_failure`, after a quick store step (claim, token, release) failed: the same
@@ -278,12 +278,25 @@ def after_failure(
 
 
 def reported(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) -> Failure:
-    """What a request that gives up reports. If an attempt was sent and never answered, a
-    request that is neither idempotent nor keyed reports that attempt — it may have run — and
-    is no longer 'retryable', whatever the re-deliveries after it met."""
+    """What a request that gives up reports. If an attempt was sent and never answered, it may
+    have run, whatever the operation, and the report says so (`outcome_unknown`, with the
+    instance when the last failure names none). A request that is neither idempotent nor keyed
+    reports that attempt and is no longer 'retryable', whatever the re-deliveries after it met;
+    an idempotent or keyed one reports its last failure, still as retryable as it was."""
     unknown = tries.unknown
-    if unknown is None or plan.idempotent or keyed:
+    if unknown is None:
         return failure
+    if plan.idempotent or keyed:
+        if failure.error.outcome_unknown:
+            return failure
+        error = failure.error.model_copy(
+            update={
+                "outcome_unknown": True,
+                "message": f"{failure.error.message}; an earlier attempt to "
+                f"{unknown.instance_id} was sent and its answer never came, so it may have run",
+            }
+        )
+        return replace(failure, error=error, instance_id=failure.instance_id or unknown.instance_id)
     error = unknown.error.model_copy(
         update={
             "retryable": False,
@@ -298,10 +311,14 @@ def reported(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) 
 def timed_out(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) -> Failure:
     """What a request that reached its deadline reports. A call that was sent and never
     answered — this attempt's, one an earlier (lost) workflow task may have sent, or an
-    earlier re-delivered one — may have run: a request neither idempotent nor keyed says so,
-    and names the instance it went to (None when nobody recorded it)."""
+    earlier re-delivered one — may have run: the report says so (`outcome_unknown`), whatever
+    the operation's idempotency or key (the flag says what Reach knows; whether repeating it
+    is safe is the caller's to tell from the operation and its key), and names the instance it
+    went to (None when nobody recorded it). A deadline met before anything was sent says
+    nothing of the kind: it never ran."""
+    del plan, keyed  # what the deadline says does not depend on them
     sent = failure.sent or tries.unknown is not None
-    if not sent or plan.idempotent or keyed:
+    if not sent:
         return failure
     instance_id = failure.instance_id
     if instance_id is None and tries.unknown is not None:

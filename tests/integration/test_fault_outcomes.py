@@ -136,6 +136,51 @@ async def test_a_keyless_write_whose_gateway_was_killed_mid_call_may_have_run_an
         assert executions(ledger, request_id) == [instance_id]  # run once, never again
 
 
+async def test_a_read_or_keyed_write_past_its_deadline_says_it_may_have_run_and_where(
+    gateway: GatewayProcess, tmp_path: Path, http: httpx.AsyncClient, capability: str
+) -> None:
+    """`outcome_unknown` says what Reach knows, whatever the operation's idempotency: a read
+    (declared idempotent) and a write with an idempotency key, both sent and running past
+    their deadline on the agent, time out saying they may have run, on which instance (they
+    said nothing before: make soak found timeouts the ledger showed had run). A request
+    refused before anything was sent (no instance left) says no such thing."""
+    gw = gateway
+    ledger = tmp_path / "ledger.txt"
+    agent = await Agent(
+        gw, f"{capability}-01", capability, "--delay-ms", "4000", "--ledger", str(ledger)
+    ).ready()
+    for operation, extra in (("query", {}), ("create", {"idempotency_key": rid()})):
+        request_id = rid()
+        r = await invoke(
+            http, gw, capability, operation, request_id=request_id, timeout_ms=1500, **extra
+        )
+        assert r.status_code == 504, r.text
+        envelope = r.json()
+        error = envelope["error"]
+        assert (error["type"], error["retryable"]) == ("timeout", False), error
+        assert error.get("outcome_unknown") is True, (operation, error)
+        assert envelope["instance_id"] == agent.instance_id, envelope
+        assert agent.instance_id in error["message"], error
+        # Repeating it is safe here, so no advice to add a key.
+        assert "with an idempotency_key" not in error["message"], error
+        assert executions(ledger, request_id) == [agent.instance_id]  # it ran (it starts so)
+    # The agent leaves: a request now is refused before anything is sent, and says so.
+    agent.proc.stop()
+
+    async def gone() -> bool:
+        shown = await http.get(f"{gw.url}/reach/capabilities/{capability}")
+        return shown.status_code == 404 or not shown.json()["instances"]
+
+    await wait_until(gone, 20)
+    request_id = rid()
+    r = await invoke(http, gw, capability, "query", request_id=request_id, timeout_ms=1500)
+    assert r.status_code in (404, 503), r.text
+    envelope = r.json()
+    assert "outcome_unknown" not in envelope["error"], envelope
+    assert envelope.get("instance_id") is None, envelope
+    assert executions(ledger, request_id) == []
+
+
 async def test_a_queued_request_past_its_deadline_is_refused_429_never_sent(
     gateway: GatewayProcess, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:

@@ -328,10 +328,12 @@ async def test_an_unknown_outcome_says_so(
     error = r.json()["error"]
     assert error["outcome_unknown"] is True
     assert "idempotency_key" in error["message"]
-    # An idempotent one can simply be asked again: no such warning.
+    # An idempotent one may have run just the same (the flag says what Reach knows), but it
+    # can simply be asked again: no advice to add a key.
     r = await invoke(http, fast_gateway, capability, "query", timeout_ms=800)
     assert r.status_code == 504, r.text
-    assert "outcome_unknown" not in r.json()["error"]
+    assert r.json()["error"]["outcome_unknown"] is True
+    assert "with an idempotency_key" not in r.json()["error"]["message"]
 
 
 # -- shared through Redis: two gateways, one deployment --------------------------------------

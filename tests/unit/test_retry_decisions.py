@@ -176,10 +176,14 @@ def test_a_keyless_write_that_may_have_run_reports_that_attempt_not_the_last_one
     assert step.report.instance_id == "i1"
     assert (step.report.error.retryable, step.report.error.outcome_unknown) == (False, True)
     assert "idempotency_key" in step.report.error.message
-    # With a key, the last failure is the report: repeating the request is safe.
+    # With a key, the last failure is the report (repeating the request is safe, so it stays
+    # retryable), and it still says the earlier attempt may have run, naming its instance.
     keyed, _ = decide(write, tries, Failure(error("no_instance")), keyed=True)
     assert isinstance(keyed, GiveUp)
-    assert keyed.report == Failure(error("no_instance"))
+    assert keyed.report is not None
+    assert keyed.report.instance_id == "i1"
+    assert keyed.report.error.type == "no_instance"
+    assert (keyed.report.error.retryable, keyed.report.error.outcome_unknown) == (True, True)
 
 
 def test_a_store_step_waits_on_the_store_backoff_until_its_time_is_up() -> None:
@@ -236,9 +240,14 @@ def test_a_deadline_reports_a_call_that_may_have_run_with_its_instance() -> None
     assert isinstance(step, GiveUp)
     assert step.report is not None
     assert (step.report.instance_id, step.report.error.outcome_unknown) == ("i1", True)
-    # Idempotent or keyed: running it again is safe, so nothing is unknown to the caller.
-    assert timed_out(plan(), Attempts(), Failure(late, "i1", sent=True), keyed=False).error == late
-    assert timed_out(write, tries, Failure(late, "i1", sent=True), keyed=True).error == late
+    # Idempotent or keyed: running it again is safe, yet whether it ran is just as unknown,
+    # and the report says so (the flag is what Reach knows, `retryable` whether to repeat it).
+    unknown_late = error("timeout", retryable=False, unknown=True)
+    for p, keyed, tried in ((plan(), False, Attempts()), (write, True, tries)):
+        report = timed_out(p, tried, Failure(late, "i1", sent=True), keyed=keyed)
+        assert report == Failure(unknown_late, "i1", sent=True)
+    # Nothing sent (refused before the call, or no instance): nothing to say, whatever the plan.
+    assert timed_out(plan(), Attempts(), Failure(late), keyed=True) == Failure(late)
 
 
 def test_a_capability_the_registry_forgot_is_waited_for_until_the_deadline() -> None:
@@ -524,17 +533,15 @@ def test_a_queued_request_never_waits_longer_than_it_may(
     failure=failures,
     keyed=st.booleans(),
 )
-def test_a_deadline_says_may_have_run_exactly_when_a_keyless_write_was_or_may_have_been_sent(
+def test_a_deadline_says_may_have_run_exactly_when_the_call_was_or_may_have_been_sent(
     p: CallPlan, tries: Attempts, failure: Failure, keyed: bool
 ) -> None:
     late = replace(failure, error=error("timeout", retryable=False))
     report = timed_out(p, tries, late, keyed=keyed)
     sent = late.sent or tries.unknown is not None
-    unsafe = not (p.idempotent or keyed)
-    assert bool(report.error.outcome_unknown) == (sent and unsafe) or (
-        not (sent and unsafe) and report == late
-    )
-    if sent and unsafe:
+    # Whatever the operation's idempotency or key: the flag says what Reach knows.
+    assert bool(report.error.outcome_unknown) == sent
+    if sent:
         assert report.error.retryable is False
         # The instance is named whenever anyone recorded one.
         if late.instance_id is not None or tries.unknown is not None:
