@@ -12,8 +12,11 @@ right token costs one `GetTask`, and one that never comes costs one fallback wai
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import time
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,6 +33,48 @@ log = logging.getLogger("reach.gateway")
 MAX_PUSH_BYTES = 1024 * 1024
 """A notification's body, which is not read, may declare at most this many bytes."""
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+PUSH_GAP_S = 1.0
+"""A gateway signals one request at most once in this long: a flood of notifications with the
+request's token (the agent holds it, and it never changes) was a signal and a GetTask look
+each, ~8 history events a push, and each look grew the fallback poll's wait toward 5 min."""
+_PACED_MAX = 10_000
+
+
+class _Pacer:
+    """Which requests were signalled in the last PUSH_GAP_S, and the one trailing signal each
+    of them has pending for the pushes that came since (so the last push is never lost)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._pending: dict[str, asyncio.Task[None]] = {}
+
+    def now(self, rid: str, signal: Callable[[], Awaitable[None]]) -> bool:
+        """True: signal it now. False: folded into a pending signal (started if none is)."""
+        at = time.monotonic()
+        last = self._last.get(rid)
+        if last is None or at - last >= PUSH_GAP_S:
+            if len(self._last) >= _PACED_MAX:
+                self._last = {k: v for k, v in self._last.items() if at - v < PUSH_GAP_S}
+            self._last[rid] = at
+            return True
+        if rid not in self._pending and len(self._pending) < _PACED_MAX:
+            self._pending[rid] = asyncio.create_task(self._later(rid, last + PUSH_GAP_S, signal))
+        return False
+
+    async def _later(self, rid: str, when: float, signal: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await asyncio.sleep(max(0.0, when - time.monotonic()))
+            self._last[rid] = time.monotonic()
+            await signal()
+        except RPCError as exc:  # ended meanwhile, or the server away: the poll covers it
+            log.info("A2A push for %s (coalesced): not signalled (%s)", rid, exc.message)
+        finally:
+            self._pending.pop(rid, None)
+
+
+async def _signal(gateway: Gateway, rid: str) -> None:
+    handle = gateway.client.get_workflow_handle(rid)
+    await handle.signal(SIGNAL_A2A_PUSH, rpc_timeout=gateway.rpc_timeout)
 
 
 async def pushed(request: Request) -> Response:
@@ -60,9 +105,15 @@ async def pushed(request: Request) -> Response:
         return error_response(
             rid, PayloadTooLarge(f"a push notification of at most {MAX_PUSH_BYTES} bytes")
         )
-    handle = gateway.client.get_workflow_handle(rid)
+    pacer: _Pacer | None = getattr(request.app.state, "a2a_push_pacer", None)
+    if pacer is None:
+        pacer = request.app.state.a2a_push_pacer = _Pacer()
+    if not pacer.now(rid, lambda: _signal(gateway, rid)):
+        # Another push for it was signalled less than PUSH_GAP_S ago: this one is folded into
+        # the signal sent at the gap's end (the look then reads whatever the agent said last).
+        return JSONResponse({"request_id": rid, "running": True}, status_code=202)
     try:
-        await handle.signal(SIGNAL_A2A_PUSH, rpc_timeout=gateway.rpc_timeout)
+        await _signal(gateway, rid)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             # Ended already (the last look found the end first), or never started here.

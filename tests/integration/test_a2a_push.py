@@ -202,3 +202,46 @@ async def test_a_gateway_sigkilled_while_following_a_pushed_task_never_sends_it_
     finally:
         agent.proc.stop()
         survivor.proc.stop()
+
+
+async def test_a_flood_of_pushes_does_not_make_a_look_each(
+    pushing: tuple[GatewayProcess, A2AAgentProcess, A2AAgentProcess],
+    http: httpx.AsyncClient,
+    temporal_server: str,
+) -> None:
+    """The request's token in hand (the agent has it, and it never changes), 300 notifications
+    at once: each was a signal and a GetTask look, ~8 history events, so a few thousand would
+    have pushed the request's history to Temporal's limit (the workflow terminated, not
+    answered). A gateway signals one request at most once a second; the rest are taken (202)
+    and coalesced."""
+    gateway, _, _ = pushing
+    async with CallbackReceiver() as receiver:
+        request_id = rid()
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json={
+                "request_id": request_id,
+                "target": "a2a-push-lost",
+                "operation": "slow",
+                "payload": {"seconds": 6},
+                "timeout_ms": 90_000,
+                "callback": receiver.url,
+            },
+        )
+        assert r.status_code == 202, r.text
+
+        async def following() -> bool:
+            got = await http.get(f"{gateway.url}/reach/requests/{request_id}")
+            attempts = got.json().get("attempts") or []
+            return bool(attempts) and attempts[0]["outcome"] == "accepted"
+
+        await wait_until(following, 20, every_s=0.05)
+        url = f"{gateway.url}{PUSH_PATH}/{request_id}"
+        headers = {TOKEN_HEADER: push_token(KEY, request_id)}
+        codes = [(await http.post(url, json={}, headers=headers)).status_code for _ in range(300)]
+        assert set(codes) == {202}, codes
+        await receiver.wait(1, timeout_s=60)
+        assert receiver.received[0][1]["status"] == "success", receiver.received[0][1]
+    events = await history_of(temporal_server, request_id)
+    assert signals(events) <= 20, signals(events)
+    assert looks(events) <= 22, looks(events)
