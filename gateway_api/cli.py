@@ -346,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
 API_COMMANDS = (cli_view.COMMANDS - {"config"}) | cli_ops.COMMANDS
 
 
+# The long-running processes; every other command prints an answer and exits.
+PROCESS_COMMANDS = ("up", "gateway", "worker")
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what the shell reports for `cmd | head` cut short
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.config:
@@ -358,6 +363,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         _exit(_run(args))
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError as exc:
+        if args.command in PROCESS_COMMANDS:  # one of their sockets: said as before
+            _exit(1, f"error: {exc}")
+        # Whoever read the output stopped (`reach requests | head`): nobody to tell, nothing
+        # left to write; it said `error: [Errno 32] Broken pipe` and exited 1. Exit as a tool
+        # that SIGPIPE ended does for the shell (141), stdout pointed away so that the final
+        # flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        _exit(EXIT_BROKEN_PIPE)
     except Exception as exc:
         if _start_up_error(exc):
             _exit(1, f"error: {exc}")
