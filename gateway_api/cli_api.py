@@ -268,7 +268,11 @@ def error_text(data: dict[str, Any]) -> str:
         text = f"{error.get('type', 'error')}: {error.get('message', '')}"
         agent = error.get("agent")
         if isinstance(agent, dict):
-            text += f" (agent: {agent.get('type', '?')}: {agent.get('message', '')})"
+            said = str(agent.get("message", ""))
+            # Reach's message often quotes the agent's already (an MCP tool's error): its type
+            # alone then, not the same text twice.
+            new = bool(said) and said not in str(error.get("message", ""))
+            text += f" (agent: {agent.get('type', '?')}" + (f": {said}" if new else "") + ")"
         return clean(text)
     detail = data.get("detail")
     return clean(str(detail if detail is not None else data))
