@@ -209,7 +209,15 @@ def join_or_registration(
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:
-        raise InvalidRequest(describe_validation_error(exc, root="body")) from None
+        said = describe_validation_error(exc, root="body")
+        if model is JoinRequest and "instance_id" not in data and isinstance(protocol, str):
+            # `reach agents add grpc URL` said only "instance_id: Field required".
+            said += (
+                f" (a {protocol} instance joins by itself, naming its instance_id, as the SDK"
+                " does; only protocols such as a2a and mcp are registered by URL:"
+                " docs/instances-by-url.md)"
+            )
+        raise InvalidRequest(said) from None
 
 
 def health_report(raw: bytes, limits: Limits) -> HealthReport:

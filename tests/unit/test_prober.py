@@ -167,8 +167,12 @@ def test_the_body_is_a_registration_only_for_a_protocol_registered_by_url() -> N
     parsed = acceptance.join_or_registration(raw, limits, lambda p: p == PROTOCOL)
     assert isinstance(parsed, UrlRegistration)
     assert parsed.instance_id is None
-    with pytest.raises(InvalidRequest, match="instance_id"):
+    with pytest.raises(InvalidRequest, match="instance_id") as refused:
         acceptance.join_or_registration(raw, limits, lambda p: False)
+    # A Join without its id says why one is needed: `reach agents add grpc URL` said no more
+    # than "instance_id: Field required".
+    assert "a fakeurl instance joins by itself, naming its instance_id" in str(refused.value)
+    assert "registered by URL" in str(refused.value)
     with pytest.raises(InvalidRequest, match="heartbeat_interval"):
         acceptance.join_or_registration(
             raw[:-1] + b', "heartbeat_interval": 1}', limits, lambda p: True
