@@ -52,8 +52,17 @@ def refusals(
     out: list[ReachError | None] = []
     for entry, record in zip(entries, stored, strict=True):
         brief = brief_of(record) if record is not None else None
-        if brief is None:  # not registered (or unreadable): the write answers unknown_instance
-            out.append(None)
+        if brief is None and record is not None and principal is not None:
+            # Unreadable: who registered it cannot be checked, so no token's beat is let write
+            # it (the check failed open: anyone's token refreshed it and wrote its health).
+            out.append(
+                Forbidden(
+                    f"instance {entry.instance_id!r}: its record cannot be read, so the "
+                    "principal that registered it cannot be checked"
+                )
+            )
+        elif brief is None:  # not registered (or unreadable, no owner to check): the write
+            out.append(None)  # answers unknown_instance
         elif principal is not None and brief.principal != principal:
             out.append(
                 Forbidden(f"instance {entry.instance_id!r} was registered by another principal")

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from tests.conftest import new_stack
 from tests.helpers import GatewayProcess, wait_until
+from tests.integration.test_auth import issue_cli
 
 pytestmark = pytest.mark.integration
 
@@ -74,4 +75,59 @@ async def test_a_batch_flipping_one_instance_announces_it_once(
     finally:
         listening.cancel()
         await pubsub.aclose()
+        await client.aclose()
+
+
+@pytest.fixture(scope="module")
+async def secured(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory, module_redis_prefix: str
+) -> AsyncIterator[tuple[GatewayProcess, dict[str, str]]]:
+    stack = new_stack(
+        temporal_server,
+        tmp_path_factory.mktemp("hostile-beats-s"),
+        registry="redis",
+        key_prefix=f"{module_redis_prefix}-s",
+        heartbeat_timeout=30.0,
+        extra={"REACH_AUTH__MODE": "tokens"},
+    )
+    tokens = {
+        name: issue_cli(stack, "--principal", name, "--agent", "--capability", "*")[0]
+        for name in ("owner", "intruder")
+    }
+    async with GatewayProcess(stack, "secured") as gw:
+        yield gw, tokens
+
+
+async def test_an_unreadable_record_is_not_beaten_by_a_token_that_cannot_be_checked(
+    secured: tuple[GatewayProcess, dict[str, str]],
+    http: httpx.AsyncClient,
+    redis_url: str,
+    module_redis_prefix: str,
+) -> None:
+    """A record whose brief cannot be read (written by another version, or damaged) cannot
+    show who registered it: an agent token's heartbeat for it was let through to the write
+    (the check failed open), refreshing it and writing the intruder's health into it."""
+    gateway, tokens = secured
+    capability = f"unread-{uuid.uuid4().hex[:8]}"
+    instance = f"{capability}-0"
+    join = {"instance_id": instance, "capability": capability, "service_address": "127.0.0.1:9"}
+    owner = {"Authorization": f"Bearer {tokens['owner']}"}
+    r = await http.post(f"{gateway.url}/reach/agents", json=join, headers=owner)
+    assert r.status_code == 200, r.text
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        key = f"{module_redis_prefix}-s:rec:{instance}"
+        fields = await client.hgetall(key)
+        assert b"brief" in fields, fields
+        await client.hset(key, "brief", "{damaged")
+        intruder = {"Authorization": f"Bearer {tokens['intruder']}"}
+        body = [{"instance_id": instance, "status": "unhealthy"}]
+        r = await http.post(f"{gateway.url}/reach/heartbeats", json=body, headers=intruder)
+        assert r.status_code == 200, r.text
+        [result] = r.json()["results"]
+        assert (result["error"] or {}).get("type") == "forbidden", result
+        health = await client.hget(key, "health")
+        assert health is not None
+        assert b"unhealthy" not in health, health
+    finally:
         await client.aclose()
