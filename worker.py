@@ -180,10 +180,14 @@ class Services:
         await self.store.aclose()
 
 
-def build_services(settings: ReachSettings, *, sweep: bool = True) -> Services:
+def build_services(
+    settings: ReachSettings, *, sweep: bool = True, in_gateway: bool = True
+) -> Services:
     """Everything an invoke needs in this process (call `start()` in its event loop). An
     unknown routing strategy in the configuration is a ConfigError here. `sweep`: prune
-    evicted instances every second (gateways do; a capability worker need not)."""
+    evicted instances every second (gateways do; a capability worker need not).
+    Where agents reach Reach back (A2A push notifications): `in_gateway`, this process's own
+    gateway address (`settings.gateway_url`); else `push_url_of` (public_url, or none)."""
     store = create_store(settings.registry)
     registry = Registry(store, settings.registry, settings.transport)
     view = RegistryView(
@@ -203,7 +207,7 @@ def build_services(settings: ReachSettings, *, sweep: bool = True) -> Services:
         settings.transport,
         live_instances=live_instances,
         security=settings.security,
-        gateway_url=settings.gateway_url,
+        gateway_url=settings.gateway_url if in_gateway else push_url_of(settings),
     )
     check_routing(settings)
     inflight = create_inflight(
@@ -324,7 +328,7 @@ async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence
     await announce_retention(client, client.namespace)
     # Evictions are pruned by the gateways (and by an invoke worker); capability workers
     # only follow the registry.
-    services = build_services(settings, sweep=invoke)
+    services = build_services(settings, sweep=invoke, in_gateway=False)
     await services.start()
     audit = AuditLog(settings.audit)  # callback requests' outcome records, as the gateway's
     await audit.start()
@@ -347,6 +351,25 @@ async def serve(settings: ReachSettings, *, invoke: bool, capabilities: Sequence
         scrape.close()
     await audit.aclose()
     await services.aclose()
+
+
+def push_url_of(settings: ReachSettings) -> str | None:
+    """The gateway URL a worker apart from its gateways gives A2A agents for their push
+    notifications: `public_url` alone (the listen address is a gateway's, not this process's,
+    and may be another host's or another stack's). None, said once at start, when push is
+    possible (a webhook key) but no URL is set: that worker's A2A tasks are followed by polling."""
+    if settings.public_url:
+        url = settings.public_url.rstrip("/")
+        if settings.security.webhook_key is not None:
+            log.info("A2A push notifications to this worker's tasks go to %s", url)
+        return url
+    if settings.security.webhook_key is not None:
+        log.warning(
+            "A2A push notifications off in this worker: public_url (REACH_PUBLIC_URL) is not "
+            "set, so the A2A agents it calls are sent no push config and their tasks are "
+            "followed by polling; set it to a URL the agents reach a gateway at"
+        )
+    return None
 
 
 async def serve_metrics(services: Services) -> asyncio.Server | None:

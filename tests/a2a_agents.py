@@ -107,6 +107,7 @@ class TestExecutor(AgentExecutor):
         self.counts: Counter[str] = Counter()
         self.message_ids: list[str] = []
         self.contexts: dict[str, str] = {}  # message id -> the context it was answered in
+        self.push_urls: dict[str, str] = {}  # task id -> the push config's URL it came with
 
     async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
         message = context.message
@@ -120,6 +121,11 @@ class TestExecutor(AgentExecutor):
         context_id = context.context_id or ""
         if message is not None:
             self.contexts[message.message_id] = context_id
+        push = (
+            context.configuration.task_push_notification_config if context.configuration else None
+        )
+        if push is not None and push.url:
+            self.push_urls[task_id] = push.url
         current = context.current_task
         if current is not None and current.status.state == TaskState.TASK_STATE_INPUT_REQUIRED:
             updater = TaskUpdater(event_queue, task_id, context_id)
@@ -205,6 +211,7 @@ def app(name: str, url: str, push: str = "") -> Starlette:
                 "counts": dict(executor.counts),
                 "message_ids": executor.message_ids,
                 "contexts": executor.contexts,
+                "push_urls": executor.push_urls,
             }
         )
 

@@ -66,7 +66,10 @@ class ReachSettings(BaseSettings):
         "the standard library's. uvloop takes ~1 ms off a durable invoke here (bench/invoke.py).",
     )
     public_url: str | None = Field(
-        default=None, description="How agents reach this gateway; defaults to listen host:port."
+        default=None,
+        description="How agents reach this gateway; defaults to listen host:port. A worker "
+        "apart from its gateways (worker.py) gives it to A2A agents for push notifications; "
+        "without it that worker follows their tasks by polling.",
     )
     registry: RegistrySettings = Field(
         default_factory=RegistrySettings,
