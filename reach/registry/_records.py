@@ -65,7 +65,8 @@ MAX_BRIEFS = 50_000
 reads one, so most are parsed once (the cache is emptied when full)."""
 
 
-def _status_of(health: str) -> str:
+def status_of(health: str) -> str:
+    """A health part's status, read from its head when Reach wrote it."""
     for prefix in _STATUS_PREFIXES:
         if health.startswith(prefix):
             end = health.find('"', len(prefix))
@@ -94,7 +95,7 @@ def brief_of(stored: Record) -> Brief | None:
     """The heartbeat's view of a stored record (None: unreadable). A record written before the
     brief field existed is parsed whole, once per heartbeat, as it was."""
     try:
-        status = _status_of(stored.fields[HEALTH])
+        status = status_of(stored.fields[HEALTH])
         raw = stored.fields.get(BRIEF)
         if raw is None:
             record = parse_whole(stored)

@@ -49,8 +49,10 @@ from reach.store.base import Record, Subscription
 
 log = logging.getLogger("reach.registry.view")
 
-RESYNC_SLICE_S = 0.001
-"""How long a resync works before it lets the event loop go."""
+RESYNC_SLICE_S = 0.0003
+"""How long a resync works before it lets the event loop go: short, since the views, sweeps
+and requests of one process that are ready together all run before a timer is looked at (at
+1 ms, three views' slices and a sweep held a 1 ms timer 5-7 ms at 10,000 instances)."""
 
 BASE_EDITS = 64
 """Changed instances past which (and past an eighth of the capability) a snapshot is built
@@ -331,24 +333,22 @@ class RegistryView:
     async def _replace_paged(self, capability: str, live: Mapping[str, Record]) -> None:
         """`_replace`, a slice of `RESYNC_SLICE_S` at a time with the loop let go in between: a
         resync of 10,000 instances would otherwise hold it for a hundred milliseconds and more.
-        Routing meanwhile reads each instance as it was or as it is, never a made-up one."""
-        slice_ends = time.perf_counter() + RESYNC_SLICE_S
-        for n, instance_id in enumerate(list(self._members.get(capability, ()))):
+        The clock is read after every record (a few records parsed whole can take a
+        millisecond). Routing meanwhile reads each instance as it was or as it is, never a
+        made-up one."""
+        clock = time.perf_counter
+        slice_ends = clock() + RESYNC_SLICE_S
+        for instance_id in list(self._members.get(capability, ())):
             if instance_id not in live:
                 self._set(instance_id, None)
-            if n % 64 == 63 and time.perf_counter() >= slice_ends:
-                await asyncio.sleep(0)
-                slice_ends = time.perf_counter() + RESYNC_SLICE_S
-        page: dict[str, Record] = {}
-        for instance_id, stored in live.items():
-            page[instance_id] = stored
-            if len(page) >= 16:
-                self._apply(capability, page)
-                page = {}
-                if time.perf_counter() >= slice_ends:
+                if clock() >= slice_ends:
                     await asyncio.sleep(0)
-                    slice_ends = time.perf_counter() + RESYNC_SLICE_S
-        self._apply(capability, page)
+                    slice_ends = clock() + RESYNC_SLICE_S
+        for instance_id, stored in live.items():
+            self._apply_one(capability, instance_id, stored)
+            if clock() >= slice_ends:
+                await asyncio.sleep(0)
+                slice_ends = clock() + RESYNC_SLICE_S
         self._drop_if_empty(capability)
 
     def _replace(self, capability: str, live: Mapping[str, Record]) -> None:
@@ -363,19 +363,22 @@ class RegistryView:
 
     def _apply(self, capability: str, live: Mapping[str, Record]) -> None:
         for instance_id, stored in live.items():
-            mark = Registry.fingerprint(stored)
-            if (
-                mark is not None
-                and self._seen.get(instance_id) == mark
-                and self._where.get(instance_id) == capability
-            ):
-                continue
-            record = self.registry.parse(stored)
-            if record is None or record.capability != capability:
-                continue
-            self._set(instance_id, record)
-            if mark is not None:
-                self._seen[instance_id] = mark
+            self._apply_one(capability, instance_id, stored)
+
+    def _apply_one(self, capability: str, instance_id: str, stored: Record) -> None:
+        mark = Registry.fingerprint(stored)
+        if (
+            mark is not None
+            and self._seen.get(instance_id) == mark
+            and self._where.get(instance_id) == capability
+        ):
+            return
+        record = self.registry.parse(stored)
+        if record is None or record.capability != capability:
+            return
+        self._set(instance_id, record)
+        if mark is not None:
+            self._seen[instance_id] = mark
 
     def _drop_if_empty(self, capability: str) -> None:
         if not self._members.get(capability):

@@ -17,9 +17,9 @@ class _MemorySubscription(Subscription):
             self._listeners.remove(self._listener)
 
 
-SCAN_PAGE = 500
-"""Members a scan or prune of a group checks before it lets the event loop go (a group of
-10,000 read at once held it for 4 ms and more)."""
+SCAN_PAGE = 200
+"""Members a scan or prune of a group (or records an `expire`) checks before it lets the event
+loop go (a group of 10,000 read at once held it for 4 ms and more; pages of 500, ~0.5 ms)."""
 
 
 class MemoryStore(Store):
@@ -182,9 +182,18 @@ class MemoryStore(Store):
         return [g for g, expires in self._group_expiry.items() if now < expires]
 
     async def expire(self) -> list[str]:
+        # Paged (every record is looked at: 10,000 at once held the loop ~3 ms); each record's
+        # check and removal is one step, so one refreshed in between is not removed.
+        ids = list(self._records)
+        for start in range(0, len(ids), 4 * SCAN_PAGE):
+            if start:
+                await asyncio.sleep(0)
+            now = self._clock()
+            for record_id in ids[start : start + 4 * SCAN_PAGE]:
+                item = self._records.get(record_id)
+                if item is not None and now >= item[1]:
+                    del self._records[record_id]
         now = self._clock()
-        for record_id in [i for i, (_, expires) in self._records.items() if now >= expires]:
-            del self._records[record_id]
         for key in [k for k, (_, expires) in self._counters.items() if _past(expires, now)]:
             del self._counters[key]
         forgotten = [g for g, expires in self._group_expiry.items() if now >= expires]

@@ -113,3 +113,90 @@ def test_the_view_derives_a_status_change_and_routes_what_the_store_holds() -> N
             await view.aclose()
 
     asyncio.run(run())
+
+
+def test_a_resync_lets_the_loop_go_and_parses_only_what_changed(monkeypatch: Any) -> None:
+    """A resync works in short slices (here: one record each) with the loop let go between
+    them, so a heartbeat and a leave land in the middle of it; it ends at what the store
+    holds, and parses again only the records whose join part or status changed."""
+    import reach.registry.view as view_module
+
+    async def run() -> None:
+        registry = Registry(MemoryStore(), RegistrySettings(heartbeat_timeout=60))
+        for i in range(300):
+            await registry.join(
+                JoinRequest(
+                    capability="cap", instance_id=f"i{i:03d}", service_address=f"10.0.0.{i}:1"
+                )
+            )
+        view = RegistryView(registry, resync_s=3600, sweep_s=None)
+        await view.start()
+        parsed: list[str] = []
+        parse = registry.parse
+
+        def counting(stored: Any) -> Any:
+            record = parse(stored)
+            parsed.append(record.instance_id if record else "?")
+            return record
+
+        monkeypatch.setattr(registry, "parse", counting)
+        monkeypatch.setattr(view_module, "RESYNC_SLICE_S", 0.0)
+        try:
+            for i in range(300):  # only last_seen changes: nothing to parse
+                await registry.heartbeat(f"i{i:03d}", HealthReport())
+            steps = 0
+
+            async def beside() -> None:
+                nonlocal steps
+                while not resynced.done():
+                    steps += 1
+                    if steps == 50:
+                        await registry.heartbeat("i250", HealthReport(status="degraded"))
+                        await registry.leave("i260")
+                    await asyncio.sleep(0)
+
+            resynced = asyncio.ensure_future(view.resync())
+            await asyncio.gather(resynced, beside())
+            assert steps > 100  # the loop went round between records
+            snap = await view.snapshot("cap")
+            assert snap is not None
+            assert [e.instance_id for e in snap.degraded] == ["i250"]
+            assert "i260" not in snap.by_id
+            assert len(snap.entries) == 299
+            assert set(parsed) <= {"i250"}  # the status change, re-read by event or resync
+            await view.resync()  # (a record re-read on its event has no fingerprint yet)
+            parsed.clear()
+            await view.resync()
+            assert parsed == []
+        finally:
+            await view.aclose()
+
+    asyncio.run(run())
+
+
+def test_the_memory_stores_expire_lets_the_loop_go_and_keeps_what_is_refreshed() -> None:
+    from reach.store.memory import SCAN_PAGE
+
+    async def run() -> None:
+        clock = [0.0]
+        store = MemoryStore(clock=lambda: clock[0])
+        n = 10 * SCAN_PAGE
+        for i in range(n):
+            ttl = 5.0 if i % 2 else 20.0  # odd ones expire at 10
+            await store.put_record(f"r{i}", "g", {"join": "{}"}, ttl_s=ttl, group_ttl_s=60)
+        clock[0] = 10.0
+        steps = 0
+
+        async def beside() -> None:
+            nonlocal steps
+            while not expired.done():
+                steps += 1
+                await asyncio.sleep(0)
+
+        expired = asyncio.ensure_future(store.expire())
+        await asyncio.gather(expired, beside())
+        assert steps > 1
+        left = await store.get_records([f"r{i}" for i in range(n)])
+        assert [r is not None for r in left] == [i % 2 == 0 for i in range(n)]
+
+    asyncio.run(run())
