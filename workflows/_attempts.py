@@ -108,6 +108,7 @@ class AttemptLoop(TaskFollowing):
         self._late: LateAnswer | None = None
         # Instances this run has called, with the principal that registered each: who may answer.
         self._sent_to: dict[str, str | None] = {}
+        self._routing = False  # an attempt's resolve is out: whom it goes to is not known yet
         self._attempts: list[AttemptInfo] = []
         self._tries = Attempts()
         self._waited_ms: int | None = None
@@ -320,6 +321,7 @@ class AttemptLoop(TaskFollowing):
                     deadline_ms=self._deadline_ms,
                     idempotency_key=inp.idempotency_key,
                     traceparent=inp.traceparent,
+                    context_id=inp.context_id,
                 ),
                 payload=inp.payload,
                 metadata=Metadata(size_bytes=inp.payload_bytes),
@@ -432,7 +434,7 @@ class AttemptLoop(TaskFollowing):
                 ErrorInfo(type="timeout", message="deadline reached", retryable=False), instance_id
             )
         budget = timedelta(milliseconds=remaining)
-        sent_before = self._sent
+        sent_before, self._routing = self._sent, name == ACTIVITY_RESOLVE
         if name == ACTIVITY_CALL:
             self._sent = self._in_flight = True
             self._calling = arg.endpoint.instance_id if isinstance(arg, CallInput) else None

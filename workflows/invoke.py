@@ -143,6 +143,13 @@ class InvokeWorkflow(AttemptLoop):
         # gateway's to allow: it requires instance_id when tokens are on).
         sender = answer.instance_id
         if sender is not None and sender not in self._sent_to:
+            if not self._sent or self._routing:
+                # Not known yet: a worker taking over a lost task (its process died) is handed
+                # the answers that came meanwhile before it runs the attempt that task sent
+                # again, so who was sent the request shows only once that attempt is routed.
+                raise ApplicationError(
+                    "this request is being routed; send the answer again", type="not_yet"
+                )
             raise ApplicationError(
                 f"this request was not sent to instance {sender!r}", type="forbidden"
             )

@@ -10,8 +10,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agent_reach_sdk.wire import Answer, Inbound
 from tests.conftest import new_stack
-from tests.helpers import Agent, CallbackReceiver, GatewayProcess, Worker, wait_until
+from tests.helpers import (
+    Agent,
+    CallbackReceiver,
+    GatewayProcess,
+    Worker,
+    agent_server,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -114,10 +122,13 @@ async def test_a_late_answer_to_a_sigkilled_gateways_request_is_taken_elsewhere_
         assert r.status_code == 202, r.text
 
         async def waiting_for_the_answer() -> bool:
-            got = await http.get(f"{survivor_api.url}/reach/requests/{rid}")
-            return (
-                ledger.exists() and rid in ledger.read_text() and got.json()["status"] == "running"
-            )
+            # The call's 202 is in history (its task completed): the attempt is listed. Only
+            # "running" and the ledger let the kill land inside that task, whose answer then
+            # takes the lost-task path (the test below).
+            got = (await http.get(f"{survivor_api.url}/reach/requests/{rid}")).json()
+            return got["status"] == "running" and [
+                a["outcome"] for a in got.get("attempts") or []
+            ] == ["accepted"]
 
         await wait_until(waiting_for_the_answer, 10, every_s=0.02)
         doomed.proc.kill()  # its worker holds the run in its cache; the answer comes 0.5 s on
@@ -128,6 +139,85 @@ async def test_a_late_answer_to_a_sigkilled_gateways_request_is_taken_elsewhere_
         envelope = receiver.received[0][1]
     assert envelope["status"] == "success", envelope
     assert envelope["result"]["instance_id"] == agent.instance_id
+    assert recovered_s < RECOVERY_BOUND_S, f"finished {recovered_s:.1f} s after the SIGKILL"
+
+
+class HeldAgent:
+    """A non-SDK agent whose first call is never answered (its gateway dies holding it); it
+    accepts (202) the re-run's call, and the test answers late for it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.server = agent_server(self._handle)
+
+    async def _handle(self, request: Inbound) -> Answer:
+        self.calls.append(request.headers.get("x-reach-attempt", ""))
+        if len(self.calls) == 1:
+            await asyncio.sleep(60)
+        return Answer(202, {"status": "accepted"})
+
+
+async def test_an_answer_that_comes_while_a_lost_task_is_taken_over_is_not_refused(
+    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """The gateway dies inside the task that calls the agent: nothing of that task is in
+    history. The agent's late answer, sent meanwhile, reaches the worker that takes over
+    before that worker has run the call again. It was refused 403 'not sent to instance'
+    (the worker knew no call yet; the SDK does not resend a 403, and the request waited out
+    its deadline); now a 503 says send it again, and the resend is taken."""
+    stack = new_stack(
+        temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix, heartbeat_timeout=30
+    )
+    doomed = GatewayProcess(stack, "doomed")
+    survivor_api = GatewayProcess(stack, "api", worker=False)
+    survivor = Worker(stack)
+    agent = HeldAgent()
+    await asyncio.gather(
+        doomed.ready(), survivor_api.ready(), survivor.ready(), agent.server.start()
+    )
+    try:
+        instance = "held-01"
+        join = {"capability": "held-cap", "instance_id": instance}
+        join["service_address"] = f"127.0.0.1:{agent.server.port}"
+        assert (await http.post(f"{survivor_api.url}/reach/agents", json=join)).status_code == 200
+        async with CallbackReceiver() as receiver:
+            rid = f"req-{uuid.uuid4().hex}"
+            r = await http.post(
+                f"{doomed.url}/reach/invoke",
+                json={
+                    "request_id": rid,
+                    "target": "held-cap",
+                    "operation": "query",
+                    "payload": {},
+                    "timeout_ms": 60_000,
+                    "callback": receiver.url,
+                },
+            )
+            assert r.status_code == 202, r.text
+            await wait_until(lambda: len(agent.calls) == 1, 10, every_s=0.01)
+            doomed.proc.kill()  # inside the task that holds the call
+            killed = time.monotonic()
+            answer = {"instance_id": instance, "status": "success", "result": {"late": True}}
+            said: list[int] = []
+            while time.monotonic() - killed < 30:  # as the SDK does: a 503 is sent again
+                late = await http.post(
+                    f"{survivor_api.url}/reach/requests/{rid}/result", json=answer
+                )
+                said.append(late.status_code)
+                if late.status_code != 503:
+                    break
+                assert late.json()["error"]["type"] == "unavailable", late.text
+                await asyncio.sleep(0.2)
+            assert said[-1] == 202, (said, late.text, survivor.proc.output())
+            await receiver.wait(1, timeout_s=30)
+            recovered_s = time.monotonic() - killed
+            envelope = receiver.received[0][1]
+    finally:
+        await agent.server.close()
+    assert envelope["status"] == "success", envelope
+    assert envelope["result"] == {"late": True}
+    assert envelope["instance_id"] == instance
+    assert len(agent.calls) == 2  # the lost task's call, then the re-run's (answered 202)
     assert recovered_s < RECOVERY_BOUND_S, f"finished {recovered_s:.1f} s after the SIGKILL"
 
 

@@ -390,10 +390,17 @@ async def test_two_gateways_probe_an_instance_once_per_interval_between_them() -
     ack = await agents.remote.register(body(), None)
     other = Agents(agents.live, registry)  # a second gateway over the same store
     first = Prober(agents.remote, agents.live.settings, clock=lambda: later(0.2))
-    second = Prober(other.remote, agents.live.settings, clock=lambda: later(0.05))
     assert await first.round() == {ack.instance_id: "ok"}
-    assert await second.round() == {ack.instance_id: "skipped"}  # heartbeaten 0.05 s ago
-    assert len(FakeUrlConnector.asked) == 2  # the registration's discovery, one probe
+    probed = await registry.get(ack.instance_id)
+    assert probed is not None
+    # The second gateway's round comes a quarter interval after that probe's heartbeat, on
+    # its own clock (real time could be past the half interval on a busy box).
+    seen = probed.last_seen
+    second = Prober(other.remote, agents.live.settings, clock=lambda: seen + 0.05)
+    assert await second.round() == {ack.instance_id: "skipped"}
+    later_one = Prober(other.remote, agents.live.settings, clock=lambda: seen + 0.11)
+    assert await later_one.round() == {ack.instance_id: "ok"}  # past half an interval: due
+    assert len(FakeUrlConnector.asked) == 3  # the registration's discovery, two probes
 
 
 def test_records_with_and_without_the_by_url_fields_read_everywhere() -> None:
