@@ -31,6 +31,23 @@ so what a notification says is never taken on its word). Polling stays the fallb
 longer timer, from `PUSH_FIRST_WAIT_S` growing to `PUSH_MAX_WAIT_S`: a notification that never
 comes, or came while no gateway was up, delays the end by one such wait at most.
 
+A flood of notifications (each gateway signals a request at most once a second, but several
+gateways, or a replayed token, can still send many) must neither delay the end nor grow the
+history without bound (`PATCH_A2A_PUSH_PACE`): a look a notification woke leaves the fallback
+poll's backoff and schedule as they were (the poll looks when it was due, however many
+notifications came between), and two looks are at least `MIN_LOOK_GAP_S` apart. Requests
+accepted before that rule grew the poll's wait with every look, so pushes that stopped left
+the end unseen for minutes.
+
+Streaming (the card says the agent streams and no push config was sent: the handle says
+`stream`, `PATCH_A2A_STREAM`): the first look is one long activity that re-attaches to the
+task's stream (A2A `SubscribeToTask`), heartbeats while it waits, and returns when the task
+reaches a final or interrupted state, so the end is seen as the agent says it. When the stream
+ends or breaks first, the activity asks once (`GetTask`) and the workflow falls back to
+polling on timers, as above; a look lost with its worker (its heartbeat stops) subscribes
+again. The handle was in history before the subscription began, so a worker or gateway killed
+mid-stream never sends the message again.
+
 Nothing here is retried by the policy: the request was delivered once, and its work is the
 agent's. Requests recorded before follow handles existed never reach this code (their replies
 carry none), so no history needs a patch for it.
@@ -77,6 +94,13 @@ PATCH_A2A_PUSH = "a2a-push-follow"
 PUSH_FIRST_WAIT_S = 10.0
 PUSH_MAX_WAIT_S = 300.0
 PUSH_LOOK_WINDOW_MS = 1  # one GetTask: the push said when to look
+# A look a push woke leaves the poll's backoff alone; looks keep a gap (requests accepted
+# before this rule grew the poll's wait with every look, pushed or not).
+PATCH_A2A_PUSH_PACE = "a2a-push-pace"
+MIN_LOOK_GAP_S = 1.0
+# Following a task by its stream (SubscribeToTask) when the agent streams and does not push.
+PATCH_A2A_STREAM = "a2a-stream-follow"
+SUBSCRIBE_KEY = "subscribe"  # in a look's handle: follow by the stream, not by asking
 
 
 def capability_queue(capability: str) -> str:
@@ -151,10 +175,22 @@ class TaskFollowing:
         look = 0
         unanswered_since: int | None = None
         pushed = handle.get("push") is True and workflow.patched(PATCH_A2A_PUSH)
+        subscribe = (
+            not pushed and handle.get("stream") is True and workflow.patched(PATCH_A2A_STREAM)
+        )
+        paced = workflow.patched(PATCH_A2A_PUSH_PACE)
         seen = self._pushes
+        polls = 0  # looks the poll's timer woke (paced): its backoff
+        poll_at: int | None = None  # when the poll looks next (paced)
+        looked_at = self._now_ms()
         while True:
             remaining = self._deadline_ms - self._now_ms()
-            if look > 0 and self._late is None and remaining > 0:
+            if look > 0 and self._late is None and remaining > 0 and paced:
+                poll_at, polls = await self._paced_wait(
+                    pushed, poll_at, polls, looked_at, remaining, seen
+                )
+                seen = self._pushes
+            elif look > 0 and self._late is None and remaining > 0:
                 wait = push_wait_before(look - 1) if pushed else wait_before(look - 1)
 
                 def woken(seen: int = seen) -> bool:  # a late answer, or a push since
@@ -173,9 +209,17 @@ class TaskFollowing:
                 return await self._task_past_deadline(inp, endpoint, handle)
             look += 1
             try:
-                window = PUSH_LOOK_WINDOW_MS if pushed else LOOK_WINDOW_MS
-                reply = await self._look(inp, endpoint, handle, remaining, window)
+                if subscribe:
+                    reply = await self._look(
+                        inp, endpoint, {**handle, SUBSCRIBE_KEY: True}, remaining, remaining
+                    )
+                    # Answered: the task ended, or its stream did first (then: poll from here).
+                    subscribe = False
+                else:
+                    window = PUSH_LOOK_WINDOW_MS if pushed else LOOK_WINDOW_MS
+                    reply = await self._look(inp, endpoint, handle, remaining, window)
             except (ActivityError, ApplicationError, TimeoutError) as exc:
+                looked_at = self._now_ms()
                 error = error_of(exc, instance_id).error
                 if error.type not in ("transport_error", "timeout"):
                     return self._envelope(inp, "error", error=error, instance_id=instance_id)
@@ -196,10 +240,53 @@ class TaskFollowing:
                     instance_id=instance_id,
                 )
             unanswered_since = None
+            looked_at = self._now_ms()
             if reply.status == "accepted":
                 handle = {**handle, **(reply.follow or {})}
                 continue
             return self._final_reply(inp, reply, instance_id)
+
+    async def _paced_wait(
+        self,
+        pushed: bool,
+        poll_at: int | None,
+        polls: int,
+        looked_at: int,
+        remaining: int,
+        seen: int,
+    ) -> tuple[int | None, int]:
+        """The wait before a look (`PATCH_A2A_PUSH_PACE`): until the poll is due, a late
+        answer, or a push; after a push, until `MIN_LOOK_GAP_S` has passed since the last
+        look (`seen`: the pushes counted before it). What the poll's schedule and backoff are
+        after it: a look the poll's timer woke grows the backoff, a look a push woke leaves
+        both as they were."""
+        now = self._now_ms()
+        if poll_at is None:
+            wait = push_wait_before(polls) if pushed else wait_before(polls)
+            poll_at = now + int(wait * 1000)
+
+        def woken() -> bool:  # a late answer, or a push since the last look began
+            return self._late is not None or self._pushes != seen
+
+        until_poll = min(poll_at - now, remaining)
+        if until_poll > 0:
+            with contextlib.suppress(builtins.TimeoutError):
+                await workflow.wait_condition(woken, timeout=timedelta(milliseconds=until_poll))
+        if self._late is not None:
+            return poll_at, polls
+        by_push = woken()
+        gap = int(MIN_LOOK_GAP_S * 1000) - (self._now_ms() - looked_at)
+        left = self._deadline_ms - self._now_ms()
+        if gap > 0 and left > 0:
+            # Pushes meanwhile are this look's; a late answer still ends the gap at once.
+            def late() -> bool:
+                return self._late is not None
+
+            with contextlib.suppress(builtins.TimeoutError):
+                await workflow.wait_condition(late, timeout=timedelta(milliseconds=min(gap, left)))
+        if by_push:
+            return poll_at, polls
+        return None, polls + 1  # the poll's own look (or the deadline's)
 
     async def _look(
         self,
@@ -210,7 +297,8 @@ class TaskFollowing:
         window_ms: int = LOOK_WINDOW_MS,
     ) -> Reply:
         """One look: a regular activity (scheduling it records the handle before anything
-        else happens) that asks about the task for up to a window, polling in process."""
+        else happens) that asks about the task for up to a window, polling in process (or,
+        its handle saying `SUBSCRIBE_KEY`, holding the task's stream for that window)."""
         window = max(1, min(remaining_ms, window_ms))
         arg = FollowTaskInput(
             endpoint=endpoint,

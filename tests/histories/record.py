@@ -127,6 +127,8 @@ async def call(inp: CallInput) -> Reply:
         return Reply(status="accepted", follow=dict(TASK, state="submitted"))
     if op == "pushtask":  # the same, its agent pushing notifications about it
         return Reply(status="accepted", follow=dict(TASK, state="submitted", push=True))
+    if op == "streamtask":  # the same, its agent streaming and not pushing
+        return Reply(status="accepted", follow=dict(TASK, state="submitted", stream=True))
     if op == "slow":
         await asyncio.sleep(inp.timeout_ms / 1000 + 0.5)
     return Reply(status="ok", result={"answer": 42})
@@ -135,12 +137,23 @@ async def call(inp: CallInput) -> Reply:
 TASK = {"task_id": "task-1", "context_id": "ctx-1", "url": "http://x/", "state": "working"}
 
 
+# Looks that find the task still working before one finds it done (1 unless named here).
+LOOKS_WORKING = {"replay-a2a-push-paced": 2}
+
+
 @activity.defn(name="reach.follow_task")
 async def follow_task(inp: FollowTaskInput) -> Reply:
-    """The first look finds the task still working (a timer, then another look); done."""
-    if first_time(f"look-{inp.request_id}"):
+    """The first look finds the task still working (a timer, then another look); done. A
+    look by the task's stream finds it done, unless its stream is cut (`-cut`)."""
+    if inp.handle.get("subscribe") is True and not inp.request_id.endswith("-cut"):
+        return Reply(status="ok", result={"answer": 42})
+    LOOKED[inp.request_id] = LOOKED.get(inp.request_id, 0) + 1
+    if LOOKED[inp.request_id] <= LOOKS_WORKING.get(inp.request_id, 1):
         return Reply(status="accepted", follow=TASK)
     return Reply(status="ok", result={"answer": 42})
+
+
+LOOKED: dict[str, int] = {}
 
 
 @activity.defn(name="reach.cancel_task")
@@ -218,9 +231,21 @@ CASES = {
     # An A2A task whose agent pushes: a look, a wait a push notification (a signal) ends
     # before its timer fires, a look that finds it done (PATCH_A2A_PUSH).
     "a2a-push": ("pushtask", {**DOOR, "timeout_ms": 60_000}),
+    # Pushes in a flood (PATCH_A2A_PUSH_PACE): two at once wake one look, which waits out the
+    # gap between looks first; the poll's next wait is the rest of its schedule, not longer;
+    # another push, another gap, a look that finds it done.
+    "a2a-push-paced": ("pushtask", {**DOOR, "timeout_ms": 60_000}),
+    # A task followed by its stream (PATCH_A2A_STREAM): one look that holds the stream and
+    # finds it done; and one whose stream is cut: a timer, then a poll's look.
+    "a2a-stream": ("streamtask", {**DOOR, "timeout_ms": 60_000}),
+    "a2a-stream-cut": ("streamtask", {**DOOR, "timeout_ms": 60_000}),
 }
-# Each pushed case: the event after which the push notification is signalled.
-PUSH_AT = {"a2a-push": "EVENT_TYPE_TIMER_STARTED"}
+# Each pushed case: the events (type, how many of them) after which pushes are signalled
+# (each signalled as many times as listed).
+PUSH_AT: dict[str, list[tuple[str, int, int]]] = {
+    "a2a-push": [("EVENT_TYPE_TIMER_STARTED", 1, 1)],
+    "a2a-push-paced": [("EVENT_TYPE_TIMER_STARTED", 1, 2), ("EVENT_TYPE_TIMER_STARTED", 3, 1)],
+}
 # Each cancel case: the event it waits for before it cancels.
 CANCEL_AT = {
     "cancel-queued-call": "EVENT_TYPE_ACTIVITY_TASK_SCHEDULED",
@@ -240,16 +265,20 @@ async def cancel_at(handle: Any, event_type: str) -> None:
     raise AssertionError(f"no {event_type} to cancel at")
 
 
-async def push_at(handle: Any, event_type: str) -> None:
-    """Signal a push notification as soon as the history holds an `event_type` event."""
+async def push_at(handle: Any, event_type: str, nth: int = 1, times: int = 1) -> None:
+    """Signal `times` push notifications as soon as the history holds `nth` `event_type`
+    events."""
     wanted = getattr(EventType, event_type)
-    for _ in range(200):
+    for _ in range(400):
+        seen = 0
         async for event in handle.fetch_history_events():
-            if event.event_type == wanted:
+            seen += event.event_type == wanted
+        if seen >= nth:
+            for _ in range(times):
                 await handle.signal(SIGNAL_A2A_PUSH)
-                return
+            return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"no {event_type} to push at")
+    raise AssertionError(f"no {nth} {event_type} to push at")
 
 
 async def main(names: list[str]) -> None:
@@ -282,8 +311,8 @@ async def main(names: list[str]) -> None:
                 )
                 if name.removesuffix("-before") in CANCEL_AT:
                     await cancel_at(handle, CANCEL_AT[name.removesuffix("-before")])
-                if name in PUSH_AT:
-                    await push_at(handle, PUSH_AT[name])
+                for event_type, nth, times in PUSH_AT.get(name, []):
+                    await push_at(handle, event_type, nth, times)
                 if operation == "defer":
                     await asyncio.sleep(0.3)
                     await handle.execute_update(

@@ -30,6 +30,10 @@ def test_there_are_histories_to_replay() -> None:
     assert {"cancel-queued-call", "cancel-a2a-task"} <= names
     assert {"cancel-queued-call-before", "cancel-a2a-task-before"} <= names
     assert "a2a-push" in names  # a task whose agent pushes notifications (PATCH_A2A_PUSH)
+    # A push flood that neither grows the poll's wait nor makes looks closer than a second
+    # (PATCH_A2A_PUSH_PACE); a task followed by its stream, and one whose stream was cut
+    # (PATCH_A2A_STREAM).
+    assert {"a2a-push-paced", "a2a-stream", "a2a-stream-cut"} <= names
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
