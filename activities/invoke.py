@@ -18,13 +18,14 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities import _following as following
 from activities._conversations import check_follow_up, keep_owner
 from activities._progress import Recorder, recording
 from activities._sent import NotSent, claim_send, idempotent
 from activities.telemetry import traced_call
 from agent_reach_proto import wire
 from connectors import ConnectorSet, GuardedTransport, refusal_in
-from reach.config import SecuritySettings
+from reach.config import SECRET_KEY_NAMES, SecuritySettings
 from reach.errors import (
     AgentError,
     DeadlineExceeded,
@@ -73,9 +74,6 @@ from reach.telemetry.metrics import ReachMetrics
 log = logging.getLogger("reach.activities")
 
 HEARTBEAT_EVERY_S = 2.0
-# Inside one look at an agent's task (reach.follow_task): the pauses between its questions.
-FOLLOW_FIRST_PAUSE_S = 0.01
-FOLLOW_MAX_PAUSE_S = 1.0
 
 
 def to_application_error(err: ReachError, *, not_sent: bool = False) -> ApplicationError:
@@ -253,7 +251,9 @@ class ReachActivities:
                 self.metrics.retry(endpoint.capability)
             called = time.perf_counter()
             if connector.reports_progress:  # its notes go to the request's timeline
-                recorder = Recorder(self.policy.state, inp)
+                audit = self.audit  # log messages are redacted as its records are
+                keys = audit.settings.redact_keys if audit is not None else SECRET_KEY_NAMES
+                recorder = Recorder(self.policy.state, inp, keys)
             with recording(recorder):
                 if tracing.tracer is not None:  # a client span: the agent's span is its child
                     reply = await traced_call(tracing.tracer, connector, inp, _awaited)
@@ -294,31 +294,11 @@ class ReachActivities:
 
     @activity.defn(name=ACTIVITY_FOLLOW_TASK)
     async def follow_task(self, inp: FollowTaskInput) -> Reply:
-        """One look at an agent's long work (an A2A task) a call answered with a handle for:
-        questions (reads, safe to repeat, never a resend of the request) until the work ends
-        or `window_ms` passes; the last answer."""
+        """One look at an agent's long work (an A2A task) a call answered with a handle for
+        (`activities._following`): the last answer."""
         try:
             connector = self.connectors.get(inp.endpoint.protocol)
-            loop = asyncio.get_running_loop()
-            until = loop.time() + inp.window_ms / 1000
-            handle, pause = inp.handle, FOLLOW_FIRST_PAUSE_S
-            first = True
-            while True:
-                left = until - loop.time()
-                # The first question has its whole time (a window shorter than it, a push's
-                # look, asks once); the next ones end within the window.
-                timeout_s = inp.timeout_ms / 1000
-                if not first and left > 0:
-                    timeout_s = min(timeout_s, left)
-                first = False
-                reply = await connector.follow(inp.endpoint, handle, timeout_s)
-                if reply.status != "accepted" or until - loop.time() <= pause:
-                    return reply
-                handle = {**handle, **(reply.follow or {})}
-                if not _runs_local():
-                    activity.heartbeat()
-                await asyncio.sleep(pause)
-                pause = min(pause * 1.5, FOLLOW_MAX_PAUSE_S)
+            return await following.look(connector, inp, _runs_local())
         except ReachError as err:
             raise to_application_error(err) from err
         except Exception as exc:

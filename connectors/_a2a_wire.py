@@ -59,6 +59,7 @@ JSONRPC_ERRORS: dict[int, str] = {
     -32009: "version_not_supported",
 }
 TASK_NOT_FOUND = -32001
+PUSH_NOT_SUPPORTED = -32003
 # The longest task or context id taken from an agent (A2A's are UUIDs: 36).
 MAX_ID_CHARS = 1024
 

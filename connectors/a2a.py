@@ -15,7 +15,11 @@ goes on following the same task: the message is never sent again. When the card 
 pushes notifications (and Reach has a webhook key to sign with), the message carries a push
 config pointing at the gateway's `POST /reach/a2a/push/{request_id}` with that request's token
 (`reach.security.a2a_push`), and the handle says `push`: the workflow then looks when a
-notification arrives, polling only as a slower fallback (`workflows._following`).
+notification arrives, polling only as a slower fallback (`workflows._following`). Else, when
+the card says the agent streams, the handle says `stream`: the workflow holds the task's
+stream (`subscribe`, `SubscribeToTask`, `connectors._a2a_stream`) and looks when it says the
+task stopped going, polling only when the stream breaks first. An agent that refuses the
+push config (`PushNotificationNotSupportedError`) is sent the message again without it.
 
 Connections: one guarded httpx client (its own keep-alive pool) per instance, opened on first
 use, closed when idle past `transport.idle_timeout_s` or when the instance leaves the registry;
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import ssl
 from typing import Any
 
@@ -35,9 +40,11 @@ import httpx
 
 from agent_reach_proto import wire
 from connectors._a2a_card import MAX_CARD_BYTES, card_url, discovery_of
+from connectors._a2a_stream import ended, read_until_end, sse_data
 from connectors._a2a_wire import (
     A2A_VERSION,
     CONTINUE_KEY,
+    PUSH_NOT_SUPPORTED,
     TASK_NOT_FOUND,
     get_task_request,
     reply_of_get,
@@ -73,13 +80,17 @@ from reach.security.netguard import DEFAULT_PORTS, AddressGuard, host_port
 __all__ = [
     "A2AConnector",
     "discovery_of",
+    "ended",
     "reply_of_get",
     "reply_of_send",
     "reply_of_task",
     "result_of",
     "rpc_error",
     "send_request",
+    "sse_data",
 ]
+
+log = logging.getLogger("reach.connectors.a2a")
 
 MAX_ERROR_BODY_BYTES = 64 * 1024
 CARD_TIMEOUT_S = 5.0
@@ -364,10 +375,22 @@ class A2AConnector(PooledConnector):
         push = self._push_config(endpoint, message.header.request_id)
         if push is not None:
             params["configuration"]["taskPushNotificationConfig"] = push
-        result = await self._call(endpoint, url, "SendMessage", params, timeout_s, headers)
+        try:
+            result = await self._call(endpoint, url, "SendMessage", params, timeout_s, headers)
+        except AgentError as exc:
+            if push is None or getattr(exc, "code", None) != PUSH_NOT_SUPPORTED:
+                raise
+            # The agent refused the message for its push config (its card said it pushes):
+            # refused, so not taken; sent once more without it, the same message id.
+            push = None
+            del params["configuration"]["taskPushNotificationConfig"]
+            result = await self._call(endpoint, url, "SendMessage", params, timeout_s, headers)
         reply = reply_of_send(result, endpoint, url, limit)
-        if push is not None and reply.follow is not None:
-            reply.follow["push"] = True  # the workflow waits for the agent's notifications
+        if reply.follow is not None:
+            if push is not None:
+                reply.follow["push"] = True  # the workflow waits for the agent's notifications
+            elif endpoint.details.get("streaming") is True:
+                reply.follow["stream"] = True  # the workflow holds the task's stream
         return reply
 
     def reached_at(self, gateway_url: str) -> None:
@@ -408,6 +431,42 @@ class A2AConnector(PooledConnector):
                 exc.outcome_unknown = True
             raise
         return reply_of_get(result, endpoint, url, limit, task_id)
+
+    async def subscribe(
+        self, endpoint: Endpoint, handle: dict[str, Any], window_s: float, timeout_s: float
+    ) -> Reply:
+        """Follow the task `handle` names by its stream (`SubscribeToTask`) for up to
+        `window_s`, then look once (`follow`): when the stream says the task stopped going,
+        or ended, broke or went quiet first (then the look may find it still going, and the
+        workflow polls). The window passing first: the task as last seen, still going."""
+        url = str(handle.get("url") or "") or await self._rpc_url(endpoint)
+        task_id = str(handle.get("task_id") or "")
+        try:
+            async with asyncio.timeout(max(window_s, 0.001)):
+                why = await self._stream(endpoint, url, task_id, timeout_s)
+        except TimeoutError:
+            kept = {k: v for k, v in handle.items() if k != "subscribe"}
+            return Reply(status="accepted", follow=kept)
+        if why:
+            log.info("A2A task %s of %s: %s; asking", task_id, endpoint.instance_id, why)
+        return await self.follow(endpoint, handle, timeout_s)
+
+    async def _stream(self, endpoint: Endpoint, url: str, task_id: str, timeout_s: float) -> str:
+        """Read the task's stream until it says the task stopped going (""), or why not."""
+        pool = self._pools.acquire(
+            f"{endpoint.instance_id} {endpoint.address}",
+            endpoint.capability,
+            endpoint.address,
+            instance_id=endpoint.instance_id,
+        )
+        try:
+            with map_httpx_exceptions(endpoint.address):
+                where = f"agent {endpoint.instance_id}"
+                return await read_until_end(pool.value, url, task_id, where, timeout_s)
+        except ReachError as exc:  # broke, went quiet, or told something that is no event
+            return f"its stream failed ({exc.message[:200]})"
+        finally:
+            self._pools.release(pool)
 
     async def cancel(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> None:
         """Ask the agent to cancel the task `handle` names (a task already ended is fine)."""

@@ -12,6 +12,11 @@ Skills (the skill is the message's `reach.operation` metadata, as Reach's connec
     fail    a Task that fails, in the agent's own words
     cancel  a Task the agent cancels itself
 
+Its card says it streams (`--stream off`: it does not); `--stream break` cuts every task
+stream (`SubscribeToTask`) half a second in, mid-task. `GET /count` also counts `GetTask`s
+(`get_task`), subscriptions (`subscribed`), streams cut (`stream_broken`), and says when each
+task completed (`done_at`, epoch seconds).
+
 `A2AAgentProcess` starts one for a test (a free port, its log in the test's directory).
 """
 
@@ -24,6 +29,7 @@ import ssl
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +71,9 @@ SKILLS = {
 }
 
 
-def card(name: str, url: str, *, push: bool = False, description: str = "") -> AgentCard:
+def card(
+    name: str, url: str, *, push: bool = False, streaming: bool = True, description: str = ""
+) -> AgentCard:
     return AgentCard(
         name=name,
         description=description or "Reach's test agent",
@@ -73,7 +81,7 @@ def card(name: str, url: str, *, push: bool = False, description: str = "") -> A
         supported_interfaces=[
             AgentInterface(url=url, protocol_binding="JSONRPC", protocol_version="1.0")
         ],
-        capabilities=AgentCapabilities(streaming=True, push_notifications=push),
+        capabilities=AgentCapabilities(streaming=streaming, push_notifications=push),
         default_input_modes=["application/json", "text/plain"],
         default_output_modes=["application/json", "text/plain"],
         skills=[
@@ -107,6 +115,7 @@ class TestExecutor(AgentExecutor):
         self.counts: Counter[str] = Counter()
         self.message_ids: list[str] = []
         self.contexts: dict[str, str] = {}  # message id -> the context it was answered in
+        self.done_at: dict[str, float] = {}  # task id -> when it completed (epoch seconds)
         self.push_urls: dict[str, str] = {}  # task id -> the push config's URL it came with
 
     async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
@@ -159,6 +168,7 @@ class TestExecutor(AgentExecutor):
                 [new_data_part({"done": True, "seconds": seconds})], name="result"
             )
             await updater.add_artifact([new_text_part("all done")], name="note")
+            self.done_at[task_id] = time.time()
             await updater.complete()
         elif skill == "ask":
             await updater.requires_input(
@@ -193,15 +203,45 @@ class CountingSender(BasePushNotificationSender):
             await super().send_notification(task_id, event)
 
 
-def app(name: str, url: str, push: str = "") -> Starlette:
+class CountingHandler(DefaultRequestHandler):
+    """The SDK's handler, counting GetTask and SubscribeToTask (`cut`: each stream breaks
+    half a second in, its connection dropped mid-task)."""
+
+    def __init__(self, *args: Any, counts: Counter[str], cut: bool, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.counts = counts
+        self.cut = cut
+
+    async def on_get_task(self, params: Any, context: Any) -> Task | None:
+        self.counts["get_task"] += 1
+        return await super().on_get_task(params, context)
+
+    async def on_subscribe_to_task(self, params: Any, context: Any) -> AsyncIterator[Any]:
+        self.counts["subscribed"] += 1
+        async for event in super().on_subscribe_to_task(params, context):
+            yield event
+            if self.cut:
+                await asyncio.sleep(0.5)
+                self.counts["stream_broken"] += 1
+                raise ConnectionResetError("the test agent cuts its stream")
+
+
+def app(name: str, url: str, push: str = "", stream: str = "") -> Starlette:
     """`push`: "" (the card says no push), "on" (sent), "lost" (the card says push, and
-    every notification is lost on the way)."""
+    every notification is lost on the way); `stream`: "" (the card says it streams), "off"
+    (it says not), "break" (it streams, and cuts every task stream mid-task)."""
     executor = TestExecutor()
-    own = card(name, url, push=bool(push))
+    own = card(name, url, push=bool(push), streaming=stream != "off")
     store = InMemoryPushNotificationConfigStore()
     sender = CountingSender(store, executor.counts, lost=push == "lost") if push else None
-    handler = DefaultRequestHandler(
-        executor, InMemoryTaskStore(), own, push_config_store=store, push_sender=sender
+    handler = CountingHandler(
+        executor,
+        InMemoryTaskStore(),
+        own,
+        push_config_store=store,
+        push_sender=sender,
+        counts=executor.counts,
+        cut=stream == "break",
     )
     routes = [*create_jsonrpc_routes(handler, "/"), *create_agent_card_routes(own)]
 
@@ -212,6 +252,7 @@ def app(name: str, url: str, push: str = "") -> Starlette:
                 "message_ids": executor.message_ids,
                 "contexts": executor.contexts,
                 "push_urls": executor.push_urls,
+                "done_at": executor.done_at,
             }
         )
 
@@ -224,6 +265,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default="test-agent")
     parser.add_argument("--push", choices=("", "on", "lost"), default="")
+    parser.add_argument("--stream", choices=("", "off", "break"), default="")
     # TLS: its certificate and key, and the CA a client's certificate must come from (required).
     parser.add_argument("--tls", nargs=3, metavar=("CERT", "KEY", "CLIENT_CA"))
     args = parser.parse_args()
@@ -240,7 +282,7 @@ def main() -> None:
         }
     print(f"a2a agent {args.name} serving at {url}", flush=True)
     uvicorn.run(
-        app(args.name, url, args.push),
+        app(args.name, url, args.push, args.stream),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",
@@ -257,6 +299,7 @@ class A2AAgentProcess:
         name: str = "test-agent",
         push: str = "",
         tls: tuple[str, str, str] | None = None,
+        stream: str = "",
         client: ssl.SSLContext | None = None,
     ) -> None:
         """`tls`: serve HTTPS (certificate, key, the CA clients' certificates must come from);
@@ -278,6 +321,8 @@ class A2AAgentProcess:
                 name,
                 "--push",
                 push,
+                "--stream",
+                stream,
                 *(["--tls", *tls] if tls else []),
             ],
             {},

@@ -231,6 +231,7 @@ async def test_a_gateway_sigkilled_while_following_a_task_never_sends_it_again(
         assert body["result"]["data"] == [{"done": True, "seconds": 3}]
     counts = (await agent.counts())["counts"]
     assert counts["total"] == 1  # the agent's own count: one message, ever
+    assert counts["subscribed"] >= 1  # followed by its stream (the card says it streams)
 
 
 async def test_follow_ups_stay_in_one_context_which_only_its_caller_may_append_to(

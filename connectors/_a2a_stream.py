@@ -1,0 +1,117 @@
+"""Following an A2A task by its stream: `SubscribeToTask` on the JSON-RPC binding, read as
+server-sent events (docs/protocols/a2a.md, "Following a long task").
+
+A subscription is only a way to learn *when* to look: what the task ended as is read by one
+`GetTask` after the stream says so (the stream's artifacts come in chunks that would have to be
+put together, and a `GetTask` reads the whole task as polling does). So the stream's events are
+read for their state alone, each checked as an A2A `StreamResponse` about the task followed:
+
+    a task or status update, submitted / working       still going: read on
+    a task or status update, final or interrupted      the end: stop, and look (`GetTask`)
+    a message                                          the end of the stream: look
+    the stream ends, breaks, stays quiet past          stop, and look; still going means the
+    STREAM_QUIET_S, or answers with a JSON-RPC error   workflow polls from here
+
+An event about another task, or one the SDK's types cannot read, ends the subscription like a
+break (the look that follows says what the followed task is).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from a2a.types import StreamResponse, TaskState
+
+from connectors._a2a_wire import A2A_VERSION, PENDING, parse
+from reach.errors import AgentError
+from reach.messages import dumps
+
+# An SDK agent's SSE stream sends a ping comment every 15 s: a stream quiet for longer is lost.
+STREAM_QUIET_S = 60.0
+# The longest SSE line read (an event past it is refused, not held).
+MAX_LINE_BYTES = 4 * 1024 * 1024
+
+
+async def sse_data(response: httpx.Response, limit: int) -> AsyncIterator[Any]:
+    """Each event's data of a server-sent event stream, read as JSON; no line past `limit`."""
+    buffer = b""
+    data: list[bytes] = []
+    async for chunk in response.aiter_bytes():
+        buffer += chunk
+        while True:
+            end = buffer.find(b"\n")
+            if end < 0:
+                if len(buffer) > limit:
+                    raise AgentError(f"a stream event of more than {limit} bytes", retryable=False)
+                break
+            line, buffer = buffer[:end].rstrip(b"\r"), buffer[end + 1 :]
+            if not line:  # the event's end
+                if data:
+                    yield _json(b"\n".join(data))
+                data = []
+            elif line.startswith(b"data:"):
+                data.append(line[5:].removeprefix(b" "))
+    if data:
+        yield _json(b"\n".join(data))
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise AgentError("a stream event that is not JSON", retryable=False) from None
+
+
+def ended(answer: Any, task_id: str, where: str) -> bool:
+    """Whether a stream's JSON-RPC answer says the task `task_id` stopped going (final or
+    interrupted, or a message), or raises the AgentError it is (a JSON-RPC error, an event
+    about another task, one that is not an A2A stream event)."""
+    if not isinstance(answer, dict):
+        raise AgentError(f"{where}: a stream event that is not a JSON-RPC object")
+    if answer.get("error") is not None:
+        raise AgentError(f"{where}: the stream answered an error: {str(answer['error'])[:200]}")
+    event = parse(answer.get("result"), StreamResponse(), "stream event", where)
+    if event.HasField("message"):
+        return True
+    if event.HasField("task"):
+        about, state = event.task.id, event.task.status.state
+    elif event.HasField("status_update"):
+        about, state = event.status_update.task_id, event.status_update.status.state
+    else:  # an artifact update: the state stands
+        return False
+    if about != task_id:
+        raise AgentError(f"{where}: the stream of task {task_id[:100]} told of {about[:100]!r}")
+    return state not in PENDING and state != TaskState.TASK_STATE_UNSPECIFIED
+
+
+async def read_until_end(
+    http: httpx.AsyncClient, url: str, task_id: str, where: str, timeout_s: float
+) -> str:
+    """Subscribe to the task and read its stream until it says the task stopped going (""),
+    or why it stopped first; httpx's exceptions and AgentErrors are the caller's to map."""
+    body = dumps(
+        {"jsonrpc": "2.0", "id": 1, "method": "SubscribeToTask", "params": {"id": task_id}}
+    )
+    headers = {
+        "Content-Type": "application/json",
+        "Accept": "text/event-stream",
+        "A2A-Version": A2A_VERSION,
+    }
+    timeout = httpx.Timeout(STREAM_QUIET_S, connect=timeout_s)
+    request = http.build_request("POST", url, content=body, headers=headers, timeout=timeout)
+    response = await http.send(request, stream=True)
+    try:
+        kind = response.headers.get("content-type", "")
+        if response.status_code != 200 or not kind.startswith("text/event-stream"):
+            # An error answered at once (the task ended already, or has no stream left to
+            # join): the look that follows says what it is.
+            return f"SubscribeToTask answered HTTP {response.status_code} {kind[:60]}"
+        async for answer in sse_data(response, MAX_LINE_BYTES):
+            if ended(answer, task_id, where):
+                return ""
+    finally:
+        await response.aclose()
+    return "its stream ended before the task did"

@@ -1,0 +1,85 @@
+"""The A2A connector's reading of a task's stream (SubscribeToTask's server-sent events):
+events split anywhere across chunks, what ends a subscription, what is refused."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from connectors.a2a import ended, sse_data
+from reach.errors import AgentError
+
+TASK = "task-1"
+
+
+def event(result: dict[str, Any]) -> bytes:
+    answer = {"jsonrpc": "2.0", "id": 1, "result": result}
+    return f"data: {json.dumps(answer)}\r\n\r\n".encode()
+
+
+def status(state: str, task_id: str = TASK) -> dict[str, Any]:
+    return {"statusUpdate": {"taskId": task_id, "contextId": "c", "status": {"state": state}}}
+
+
+def streamed(body: bytes, size: int) -> httpx.Response:
+    chunks = [body[i : i + size] for i in range(0, len(body), size)]
+
+    class Chunks(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            for chunk in chunks:
+                yield chunk
+
+    return httpx.Response(200, stream=Chunks())
+
+
+@pytest.mark.parametrize("size", [1, 7, 4096])
+async def test_events_are_read_whole_however_the_stream_is_cut(size: int) -> None:
+    body = (
+        b": ping\r\n\r\n"
+        + event({"task": {"id": TASK, "status": {"state": "TASK_STATE_WORKING"}}})
+        + event(status("TASK_STATE_COMPLETED"))
+    )
+    got = [answer async for answer in sse_data(streamed(body, size), 1 << 20)]
+    assert [ended(answer, TASK, "agent a") for answer in got] == [False, True]
+
+
+@pytest.mark.parametrize(
+    ("result", "stops"),
+    [
+        (status("TASK_STATE_WORKING"), False),
+        (status("TASK_STATE_SUBMITTED"), False),
+        ({"artifactUpdate": {"taskId": TASK, "artifact": {"artifactId": "a"}}}, False),
+        (status("TASK_STATE_COMPLETED"), True),
+        (status("TASK_STATE_FAILED"), True),
+        (status("TASK_STATE_INPUT_REQUIRED"), True),
+        (status("TASK_STATE_AUTH_REQUIRED"), True),
+        ({"message": {"messageId": "m", "role": "ROLE_AGENT", "parts": [{"text": "hi"}]}}, True),
+    ],
+)
+def test_what_ends_a_subscription(result: dict[str, Any], stops: bool) -> None:
+    assert ended({"jsonrpc": "2.0", "id": 1, "result": result}, TASK, "agent a") is stops
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"jsonrpc": "2.0", "id": 1, "error": {"code": -32001, "message": "gone"}},
+        {"jsonrpc": "2.0", "id": 1, "result": status("TASK_STATE_COMPLETED", "another")},
+        {"jsonrpc": "2.0", "id": 1, "result": {"statusUpdate": {"status": {"state": 3.5}}}},
+        [1, 2],
+    ],
+)
+def test_an_error_another_task_s_event_or_no_event_is_refused(answer: Any) -> None:
+    with pytest.raises(AgentError):
+        ended(answer, TASK, "agent a")
+
+
+async def test_an_event_past_the_limit_is_refused_unheld() -> None:
+    body = b"data: " + b"x" * 5000
+    with pytest.raises(AgentError, match="more than 1000 bytes"):
+        async for _ in sse_data(streamed(body, 100), 1000):
+            pass
