@@ -55,6 +55,8 @@ MAX_REMEMBERED_UNKNOWN = 10_000
 MAX_CONNECTIONS_PER_SERVER = 16
 # What a discovery's pools count under: the probe calls no capability's operation.
 DISCOVERY = "discovery"
+LOG_LEVEL_META = "io.modelcontextprotocol/logLevel"
+LOG_LEVEL = "info"
 
 
 def reach_meta(header: Header) -> dict[str, Any]:
@@ -65,6 +67,9 @@ def reach_meta(header: Header) -> dict[str, Any]:
         wire.CALLER: header.caller,
         wire.ATTEMPT: header.attempt,
         "progressToken": header.request_id,
+        # Log messages at LOG_LEVEL and above, for the request's timeline: a 2026-07-28 server
+        # sends none unless asked per request (a session-based server sends what it likes).
+        LOG_LEVEL_META: LOG_LEVEL,
     }
     if header.deadline_ms is not None:
         meta[wire.DEADLINE_MS] = header.deadline_ms
@@ -79,7 +84,7 @@ class McpConnector(PooledConnector):
     protocol = "mcp"
     deduplicates = False  # an MCP server runs a tools/call sent twice twice
     registered_by_url = True
-    reports_progress = True  # notifications/progress, for the request's timeline
+    reports_progress = True  # notifications/progress and /message, for the request's timeline
 
     def __init__(
         self,
@@ -116,6 +121,7 @@ class McpConnector(PooledConnector):
         self._unknown: OrderedDict[str, None] = OrderedDict()
         self._cancels: set[asyncio.Task[None]] = set()
         self.progress_seen = 0  # progress notifications read (each to reach.progress.report)
+        self.logs_seen = 0  # log messages read (each to reach.progress.report_log)
 
     @classmethod
     def check_address(cls, address: str) -> str:
@@ -287,12 +293,16 @@ class McpConnector(PooledConnector):
             server.listen(lambda: self.changed(server.url))
 
     def _heard(self, address: str, notification: dict[str, Any]) -> None:
-        """A notification on a call's stream: progress goes to the request's record (the
-        activity's sink), a changed tool list to this process's prober (`Connector.watch`)."""
+        """A notification on a call's stream: progress and log messages go to the request's
+        record (the activity's sink), a changed tool list to this process's prober
+        (`Connector.watch`)."""
         method = notification.get("method")
         if method == "notifications/progress":
             self.progress_seen += 1
             progress.report(notification.get("params"))
+        elif method == "notifications/message":
+            self.logs_seen += 1
+            progress.report_log(notification.get("params"))
         elif method == "notifications/tools/list_changed":
             log.info("MCP server at %s says its tools changed", address)
             self.changed(address)

@@ -1,13 +1,16 @@
 """A `tools/call` answered as an SSE stream by the MCP front: `X-Reach-Request-Id` in its
 headers at once, the agents' progress as `notifications/progress` (when the client gave a
-`progressToken`), keep-alive comments, and the result as the last event.
+`progressToken`), their log messages as `notifications/message` (when the client asked for a
+level: `_mcp_logging`), keep-alive comments, and the result as the last event.
 
-Progress comes from the record the call's activity keeps in the shared policy state
-(`reach.progress`: an MCP server's notifications behind Reach), read every `RELAY_EVERY_S`
+Progress and log messages come from the record the call's activity keeps in the shared policy
+state (`reach.progress`: an MCP server's notifications behind Reach), read every `RELAY_EVERY_S`
 while the call runs and once more before the result; its notes are forwarded under the
 client's token, each only when its progress is above the last one sent (the spec's rule that
 progress increases: a retried attempt's notes, which start again, are not sent). The first
-notification, progress 0, names the RequestID.
+notification, progress 0, names the RequestID. Log messages are sent in the order they came,
+each once, those below the client's level not at all; what the record kept is what is sent
+(the last `reach.progress.MAX_LOGS` of each write, their data redacted as the audit redacts).
 """
 
 from __future__ import annotations
@@ -43,16 +46,22 @@ def progress_token(message: wire.Message) -> str | int | None:
 
 
 class Relay:
-    """The progress notifications of one streamed call."""
+    """The progress notifications and log messages of one streamed call."""
 
-    def __init__(self, state: PolicyState, request_id: str, token: str | int) -> None:
+    def __init__(
+        self, state: PolicyState, request_id: str, token: str | int | None, level: str | None
+    ) -> None:
         self.state = state
         self.key = progress.progress_key(request_id)
-        self.token = token
+        self.token = token  # None: no progress relayed
+        self.level = level  # None: no log messages relayed
         self.sent_progress = 0.0  # the opening notice's
         self.seen = 0  # notes of the record already looked at (its count)
+        self.sent_log = (0, 0)  # (attempt, seq) of the last log message looked at
 
     def notice(self, request_id: str) -> bytes:
+        if self.token is None:
+            return b""
         note = {
             "progressToken": self.token,
             "progress": 0,
@@ -65,12 +74,22 @@ class Relay:
     async def forward(self, send: Send) -> bool:
         """Send what the record holds beyond what was sent; whether anything was."""
         try:
-            count, notes = progress.decode(await self.state.peek(self.key))
+            raw = await self.state.peek(self.key)
         except ReachError:  # the store's trouble: the call goes on, its progress unsaid
             return False
+        timed = self._progress(raw) if self.token is not None else []
+        if self.level is not None:
+            timed += self._logs(raw, self.level)
+        frames = b"".join(frame for _, frame in sorted(timed, key=lambda t: t[0]))
+        if frames:
+            await http.chunk(send, frames)
+        return bool(frames)
+
+    def _progress(self, raw: str | None) -> list[tuple[float, bytes]]:
+        count, notes = progress.decode(raw)
         new = notes[max(0, len(notes) - (count - self.seen)) :] if count > self.seen else []
         self.seen = max(self.seen, count)
-        frames = b""
+        out = []
         for note in new:
             if note.get("progress", 0) <= self.sent_progress:
                 continue
@@ -78,10 +97,24 @@ class Relay:
             params: dict[str, Any] = {"progressToken": self.token, "progress": note["progress"]}
             params.update({k: note[k] for k in ("total", "message") if k in note})
             notice = {"jsonrpc": "2.0", "method": "notifications/progress", "params": params}
-            frames += wire.sse_event(notice)
-        if frames:
-            await http.chunk(send, frames)
-        return bool(frames)
+            out.append((float(note["at_ms"]), wire.sse_event(notice)))
+        return out
+
+    def _logs(self, raw: str | None, level: str) -> list[tuple[float, bytes]]:
+        """Each log message past the last one looked at (by attempt, then number: a retried
+        attempt's are new), at or above the client's level."""
+        out = []
+        for note in progress.decode_logs(raw)[1]:
+            place = (int(note.get("attempt", 1)), note["seq"])
+            if place <= self.sent_log:
+                continue
+            self.sent_log = place
+            if not progress.level_at_least(note["level"], level):
+                continue
+            params = {k: note[k] for k in ("level", "logger", "data") if k in note}
+            notice = {"jsonrpc": "2.0", "method": "notifications/message", "params": params}
+            out.append((float(note["at_ms"]), wire.sse_event(notice)))
+        return out
 
 
 async def stream(
@@ -91,8 +124,10 @@ async def stream(
     request_id: str,
     outcome: Outcome,
     state: PolicyState,
+    level: str | None = None,
 ) -> None:
-    """The rest of a long call as an SSE stream (see the module docstring)."""
+    """The rest of a long call as an SSE stream (see the module docstring); `level`: the log
+    messages relayed (`_mcp_logging`)."""
     try:
         await send(
             {
@@ -107,9 +142,11 @@ async def stream(
             }
         )
         token = progress_token(message)
-        relay = Relay(state, request_id, token) if token is not None else None
-        if relay is not None:
-            await http.chunk(send, relay.notice(request_id))
+        relay = None
+        if token is not None or level is not None:
+            relay = Relay(state, request_id, token, level)
+            if token is not None:
+                await http.chunk(send, relay.notice(request_id))
         loop = asyncio.get_running_loop()
         said = loop.time()
         while not task.done():

@@ -57,12 +57,14 @@ from temporalio.service import RPCError
 
 import reach
 from gateway_api import _mcp_http as http
+from gateway_api import _mcp_logging as logs
 from gateway_api import _mcp_sse as sse
 from gateway_api import _mcp_tasks as tasks
 from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_http import host_allowed, origin_allowed
 from gateway_api._mcp_listen import MAX_STREAMS_PER_CALLER as MAX_STREAMS_PER_CALLER
 from gateway_api._mcp_listen import Listeners
+from gateway_api._mcp_sse import Relay as Relay  # what a streamed call relays (tests read it)
 from gateway_api._mcp_tools import Catalog, call_result, rpc_error_of
 from gateway_api.errors import CatchBugs, reach_error_of_rpc
 from gateway_api.front import Bytes
@@ -86,10 +88,10 @@ INSTRUCTIONS = (
 # A tool call still running after this long is answered as an SSE stream (when accepted).
 SSE_AFTER_S = 2.0
 _HOST = re.compile(r"[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](:[0-9]{1,5})?")
-# Logging and completions are declared so that clients may use them: Reach sends no log
-# messages (agents have no way to) and completes nothing (it has no prompts or resources).
-# `tools.listChanged` is true at `initialize` (the GET stream says so); 2026-07-28 has no
-# such stream (its subscriptions/listen is not offered).
+# Logging: the log messages of MCP servers behind Reach, relayed at the level the client asks
+# for (`_mcp_logging`); completions are declared so that clients may ask, and complete nothing
+# (there are no prompts or resources). `tools.listChanged` is true at `initialize` (the GET
+# stream says so); 2026-07-28 has no such stream (its subscriptions/listen is not offered).
 CAPABILITIES: dict[str, Any] = {"tools": {"listChanged": False}, "logging": {}, "completions": {}}
 
 
@@ -310,7 +312,11 @@ class McpFront:
                 "_headers": {"mcp-session-id": wire.new_session(version, identity.caller)},
             }
             return out
-        if method == "ping" or method == "logging/setLevel":  # Reach sends no log messages
+        if method == "ping":
+            out = {}
+        elif method == "logging/setLevel":  # the session's (`_mcp_logging`)
+            session = None if modern else headers.get(wire.SESSION_HEADER)
+            await logs.set_level(self.gateway.views.policy.state, session, message.params)
             out = {}
         elif method == "completion/complete":  # nothing to complete: no prompts, no resources
             out = {"completion": {"values": [], "hasMore": False}}
@@ -389,6 +395,7 @@ class McpFront:
             raise wire.RpcError(
                 wire.INVALID_PARAMS, f"arguments are not standard JSON: {exc}"
             ) from None
+        level = logs.asked(message) if modern else None
         as_task = modern and tasks.wanted(message)
         asked = tasks.asked_2025(message, version)
         streams = wire.accepts(headers, "text/event-stream")
@@ -402,8 +409,12 @@ class McpFront:
         if not streams:  # awaited here: no timer, no task
             return await _outcome(invoke, front, modern)
         task = asyncio.ensure_future(invoke)
+        state = self.gateway.views.policy.state
+        if not modern:  # read beside the call, which has started
+            level = await logs.session_level(state, headers.get(wire.SESSION_HEADER))
         if streams:
-            if sse.progress_token(message) is not None:  # the agents' progress: stream at once
+            # The agents' progress or log messages wanted: stream at once.
+            if sse.progress_token(message) is not None or level is not None:
                 await self._durable(task, front)
                 done: set[Any] = {task} if task.done() else set()
             else:
@@ -417,7 +428,8 @@ class McpFront:
                     task,
                     rid,
                     lambda ended: _outcome(ended, _named(rid), modern),
-                    self.gateway.views.policy.state,
+                    state,
+                    level,
                 )
                 return None
         return await _outcome(task, front, modern)

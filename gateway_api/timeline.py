@@ -38,6 +38,7 @@ from reach.timeline import (
     Timeline,
     build_timeline,
     failure_dict,
+    with_logs,
     with_progress,
 )
 from workflows.invoke import SA_CALLER
@@ -54,8 +55,8 @@ async def read_timeline(
 ) -> Timeline:
     """The request's timeline. With tokens required only its caller (or an admin) may read
     it; to anyone else it does not exist (as GET /reach/requests/{id}). `state`: the policy
-    state holding its calls' progress notes (`reach.progress`), merged in as `progress`
-    events; None: none shown."""
+    state holding its calls' progress notes and log messages (`reach.progress`), merged in as
+    `progress` and `log` events; None: none shown."""
     handle = client.get_workflow_handle(request_id)
     desc = await _describe(client, request_id, rpc_timeout)
     if desc is None or desc.workflow_type != WORKFLOW_INVOKE:
@@ -86,7 +87,8 @@ async def _with_progress(timeline: Timeline, state: PolicyState, request_id: str
     except ReachError:  # the store is down: the history's story still stands
         return timeline
     count, notes = progress.decode(raw)
-    return with_progress(timeline, count, notes)
+    timeline = with_progress(timeline, count, notes)
+    return with_logs(timeline, *progress.decode_logs(raw))
 
 
 async def _describe(

@@ -16,10 +16,11 @@ recorded), `fail` (answers isError), `long_task` (2026-07-28 with the tasks exte
 declared: answered with a task that completes after `seconds`, followed by tasks/get and
 stopped by tasks/cancel — the SDK has no tasks receiver, so this server's own code serves the
 extension; otherwise it just runs), `ask_model` and `ask_user` (ask the client for sampling or
-elicitation mid-call), `grow` (adds the tool it names and sends `notifications/tools/list_changed`
-on the call's stream), `grow_quietly` (the same, said on the session's GET stream). `GET /_seen`
-tells what the server received: each JSON-RPC method with its `_meta` and session header, and
-the tool calls that were cancelled.
+elicitation mid-call), `chatty` (sends a log message at each of debug, info, warning and error,
+the warning's data an object with a password in it, 50 ms apart), `grow` (adds the tool it
+names and sends `notifications/tools/list_changed` on the call's stream), `grow_quietly` (the
+same, said on the session's GET stream). `GET /_seen` tells what the server received: each
+JSON-RPC method with its `_meta` and session header, and the tool calls that were cancelled.
 
 `McpServerProcess` starts one and restarts, kills and asks it.
 """
@@ -119,6 +120,19 @@ def build(mode: str, calls: Path) -> Any:
     async def ask_user(question: str, ctx: Context) -> str:
         got = await ctx.elicit(question, schema=Answer)
         return f"{got.action}"
+
+    @server.tool(description="Log at four levels, then answer.", structured_output=False)
+    async def chatty(ctx: Context) -> str:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # logging is deprecated from 2026-07-28 on
+            await ctx.debug("looking closely")
+            await asyncio.sleep(0.05)
+            await ctx.info("working", logger_name="chatty")
+            await asyncio.sleep(0.05)
+            await ctx.warning({"user": "ann", "password": "hunter2"})
+            await asyncio.sleep(0.05)
+            await ctx.error("x" * 5000)
+        return "chatted"
 
     @server.tool(description="Add a tool, and say on the call's stream that the list changed.")
     async def grow(name: str, ctx: Context) -> str:

@@ -17,7 +17,8 @@ Event kinds: accepted, instance_chosen, routing_failed, sent, waiting_for_worker
 attempt_succeeded, attempt_accepted, attempt_failed, rerouted, backoff, redeliver, store_wait,
 wait, in_flight, rate_limited, token, idempotency, released, late_answer, result, timeout, ended,
 callback, callback_retrying, callback_pending, callback_delivered, callback_given_up; and
-progress (an agent's own report while a call ran: `reach.progress`, merged by `with_progress`).
+progress and log (an agent's own reports while a call ran: `reach.progress`, merged by
+`with_progress` and `with_logs`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from reach.timeline._model import (
     error_of,
     failure_dict,
 )
-from reach.timeline._progress import with_progress
+from reach.timeline._progress import with_logs, with_progress
 
 __all__ = [
     "LOCAL_ACTIVITY_MARKER",
@@ -43,6 +44,7 @@ __all__ = [
     "build_timeline",
     "error_of",
     "failure_dict",
+    "with_logs",
     "with_progress",
 ]
 

@@ -1,8 +1,10 @@
-"""Progress events: the notes an agent reported while a call ran (`reach.progress`), merged
-into a timeline by their time."""
+"""Progress and log events: the notes and log messages an agent reported while a call ran
+(`reach.progress`), merged into a timeline by their time."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 from reach.timeline._model import Timeline, TimelineEvent
@@ -16,10 +18,35 @@ def _summary(note: dict[str, Any]) -> str:
     return f"attempt {note.get('attempt', 1)} progress {done}{said}"
 
 
+def _log_summary(note: dict[str, Any]) -> str:
+    data = note.get("data")
+    said = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    logger = f" {note['logger']}" if note.get("logger") else ""
+    return f"attempt {note.get('attempt', 1)} log {note['level']}{logger}: {said[:200]}"
+
+
+def with_logs(timeline: Timeline, count: int, logs: list[dict[str, Any]]) -> Timeline:
+    """`timeline` with a `log` event for each log message kept, placed by its time."""
+    keys = ("attempt", "level", "logger", "data")
+    return _merged(timeline, count, logs, "log", _log_summary, keys)
+
+
 def with_progress(timeline: Timeline, count: int, notes: list[dict[str, Any]]) -> Timeline:
     """`timeline` with a `progress` event for each note, placed by its time (after the events
     that came before it); `count` is how many came in all (the first of those kept says how
     many earlier ones were not)."""
+    keys = ("attempt", "progress", "total", "message")
+    return _merged(timeline, count, notes, "progress", _summary, keys)
+
+
+def _merged(
+    timeline: Timeline,
+    count: int,
+    notes: list[dict[str, Any]],
+    kind: str,
+    summary: Callable[[dict[str, Any]], str],
+    keys: tuple[str, ...],
+) -> Timeline:
     if not notes or timeline.accepted_at is None:
         return timeline
     base_ms = timeline.accepted_at.timestamp() * 1000
@@ -27,11 +54,10 @@ def with_progress(timeline: Timeline, count: int, notes: list[dict[str, Any]]) -
     dropped = max(0, count - len(notes))
     for i, note in enumerate(sorted(notes, key=lambda n: float(n["at_ms"]))):
         at = max(0, round(float(note["at_ms"]) - base_ms))
-        keys = ("attempt", "progress", "total", "message")
         detail: dict[str, Any] = {k: note[k] for k in keys if k in note}
         if i == 0 and dropped:
             detail["earlier_not_kept"] = dropped
-        event = TimelineEvent(at_ms=at, kind="progress", summary=_summary(note), detail=detail)
+        event = TimelineEvent(at_ms=at, kind=kind, summary=summary(note), detail=detail)
         place = len(events)
         while place > 0 and events[place - 1].at_ms > at:
             place -= 1

@@ -68,7 +68,7 @@ def tools_listed(url: str, timeout_s: float) -> None:
         try:
             with urllib.request.urlopen(request, timeout=2) as r:
                 listed = r.read().decode()
-                if "test_simple_text" in listed and "test_tool_with_progress" in listed:
+                if all(t in listed for t in ("test_simple_text", "test_tool_with_logging")):
                     return
         except OSError:
             pass

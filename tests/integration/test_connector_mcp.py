@@ -87,7 +87,7 @@ async def test_tools_are_discovered_as_operations(
     ops = {op.name: op for op in found.operations}
     assert set(ops) == {
         *("echo", "lookup", "put", "count", "slow", "fail", "long_task"),
-        *("ask_model", "ask_user", "grow", "grow_quietly"),
+        *("ask_model", "ask_user", "chatty", "grow", "grow_quietly"),
     }
     # Annotations decide: readOnlyHint or idempotentHint is idempotent, nothing else is.
     assert {name for name, op in ops.items() if op.idempotent} == {"lookup", "put"}

@@ -1,5 +1,6 @@
 """What an MCP server says mid-call, against real servers (the `mcp` package's) and a real
-gateway on the Temporal dev server: its progress shows in the request's timeline, its word that
+gateway on the Temporal dev server: its progress and log messages show in the request's
+timeline (and reach an MCP client of Reach's front at the level it asked for), its word that
 its tools changed has them discovered again at once, and its requests for a model or a user
 (sampling, elicitation) are refused at once instead of holding the call to its deadline; and
 an MCP client calling through Reach's front hears that progress."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -169,6 +171,86 @@ async def test_an_mcp_client_of_reach_hears_the_progress_of_a_server_behind_it(
     values = [done for done, _, _ in heard]
     assert values == sorted(values)
     assert len(set(values)) == len(values)  # increasing, as the spec asks
+
+
+async def test_log_messages_show_in_the_timeline_redacted_and_bounded(
+    gateway: GatewayProcess,
+    http: httpx.AsyncClient,
+    servers: dict[str, McpServerProcess],
+    capability: str,
+) -> None:
+    """A session-based server sends every level; a 2026-07-28 one only what Reach asked for
+    (info and above). A password in a message's data is masked, a long text cut."""
+    expected = {
+        "session": ["debug", "info", "warning", "error"],
+        "stateless": ["info", "warning", "error"],
+    }
+    for mode in MODES:
+        async with registered(http, gateway, servers[mode], f"{capability}-{mode}"):
+            request_id = rid()
+            body = {
+                "target": f"{capability}-{mode}",
+                "operation": "chatty",
+                "payload": {},
+                "request_id": request_id,
+            }
+            r = await http.post(f"{gateway.url}/reach/invoke", json=body)
+            assert r.status_code == 200, r.text
+            url = f"{gateway.url}/reach/requests/{request_id}/timeline"
+            story = (await http.get(url)).json()
+            logged = [e for e in story["events"] if e["kind"] == "log"]
+            assert [e["detail"]["level"] for e in logged] == expected[mode], mode
+            by_level = {e["detail"]["level"]: e["detail"] for e in logged}
+            assert by_level["info"]["data"] == "working"
+            assert by_level["info"]["logger"] == "chatty"
+            assert by_level["warning"]["data"] == {"user": "ann", "password": "***"}
+            assert by_level["error"]["data"] == "x" * progress.MAX_LOG_CHARS
+            assert logged[0]["summary"].startswith("attempt 1 log ")
+            kinds = [e["kind"] for e in story["events"]]
+            assert kinds.index("sent") < kinds.index("log")
+            assert max(i for i, k in enumerate(kinds) if k == "log") < kinds.index("result")
+
+
+@pytest.mark.parametrize("client_mode", ["legacy", "auto"])
+async def test_an_mcp_client_of_reach_hears_log_messages_at_the_level_it_asked(
+    gateway: GatewayProcess,
+    http: httpx.AsyncClient,
+    servers: dict[str, McpServerProcess],
+    capability: str,
+    client_mode: str,
+) -> None:
+    """logging/setLevel for a session (kept where every gateway reads it), the request's own
+    `_meta` level at 2026-07-28: the server's messages at or above it come back on the call's
+    stream, before its result; a client that asked for none hears none."""
+
+    async def heard_with(level: str | None) -> list[Any]:
+        heard: list[Any] = []
+
+        async def on_log(params: Any) -> None:
+            heard.append(params)
+
+        async with (
+            httpx2.AsyncClient(trust_env=False) as client_http,
+            Client(
+                streamable_http_client(f"{gateway.url}/mcp", http_client=client_http),
+                mode=client_mode,  # type: ignore[arg-type]
+                logging_callback=on_log,
+                log_level=level if client_mode == "auto" else None,  # type: ignore[arg-type]
+            ) as client,
+        ):
+            if level is not None and client_mode == "legacy":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # deprecated from 2026-07-28 on
+                    await client.set_logging_level(level)  # type: ignore[arg-type]
+            result = await client.call_tool(f"{capability}.chatty", {})
+            assert not result.is_error, result
+        return heard
+
+    async with registered(http, gateway, servers["session"], capability):
+        heard = await heard_with("warning")
+        assert [h.level for h in heard] == ["warning", "error"]
+        assert heard[0].data == {"user": "ann", "password": "***"}
+        assert await heard_with(None) == []
 
 
 @pytest.mark.slow  # ~40 s here: a gateway and a worker of their own on Redis

@@ -69,3 +69,75 @@ def test_notes_are_placed_by_time_among_the_events() -> None:
     assert first.detail["earlier_not_kept"] == 3
     assert "earlier_not_kept" not in second.detail
     assert with_progress(story, 0, []) is story
+
+
+def test_a_log_message_is_kept_redacted_and_bounded() -> None:
+    params = {"level": "warning", "logger": "l" * 300, "data": {"api_key": "k", "n": 1}}
+    note = progress.log_of(params, 7.6, 2, 3, keys=("api_key",))
+    assert note == {
+        "at_ms": 8,
+        "attempt": 2,
+        "seq": 3,
+        "level": "warning",
+        "data": {"api_key": "***", "n": 1},
+        "logger": "l" * 128,
+    }
+    cut = progress.log_of({"level": "info", "data": "y" * 5000}, 0, 1, 1)
+    assert cut is not None
+    assert cut["data"] == "y" * progress.MAX_LOG_CHARS
+    big = {"level": "info", "data": [str(i) * 50 for i in range(200)]}
+    huge = progress.log_of(big, 0, 1, 1)
+    assert huge is not None
+    assert set(huge["data"]) == {"len", "sha256"}
+    assert progress.log_of({"level": "loud", "data": "x"}, 0, 1, 1) is None
+    assert progress.log_of("nope", 0, 1, 1) is None
+
+
+def test_the_record_keeps_the_last_log_messages_beside_the_notes() -> None:
+    log = progress.ProgressLog(1, lambda: 5.0)
+    assert log.add({"progress": 1})
+    assert progress.ProgressLog(1, lambda: 5.0).encode() == '{"count":0,"notes":[]}'
+    for i in range(progress.MAX_LOGS + 3):
+        assert log.add_log({"level": "info", "data": str(i)})
+    assert not log.add_log({"data": "no level"})
+    assert log.changes == 1 + progress.MAX_LOGS + 3
+    raw = log.encode()
+    count, logs = progress.decode_logs(raw)
+    assert count == progress.MAX_LOGS + 3
+    assert [n["seq"] for n in logs] == list(range(4, progress.MAX_LOGS + 4))
+    assert progress.decode(raw)[0] == 1  # the notes are read as before
+    assert progress.decode_logs(None) == (0, [])
+    assert progress.decode_logs('{"logs": [{"at_ms": 1, "level": "loud", "seq": 1}]}') == (0, [])
+    assert progress.level_at_least("error", "warning")
+    assert not progress.level_at_least("info", "warning")
+    assert not progress.level_at_least("loud", "debug")
+
+
+async def test_the_front_relays_each_log_message_once_at_or_above_the_level() -> None:
+    from gateway_api.mcp_front import Relay
+    from reach.policy.state import MemoryPolicyState
+
+    state = MemoryPolicyState()
+    frames: list[bytes] = []
+
+    async def send(message: dict[str, object]) -> None:
+        body = message.get("body")
+        if isinstance(body, bytes) and body:
+            frames.append(body)
+
+    log = progress.ProgressLog(1, lambda: 5.0)
+    for level in ("debug", "warning", "error"):
+        log.add_log({"level": level, "data": level})
+    await state.put(progress.progress_key("r"), log.encode(), 60)
+    relay = Relay(state, "r", None, "warning")
+    assert await relay.forward(send)
+    assert not await relay.forward(send)  # nothing new: nothing sent again
+    again = progress.ProgressLog(2, lambda: 6.0)  # a retried attempt's messages are new
+    again.add_log({"level": "error", "data": "second"})
+    await state.put(progress.progress_key("r"), again.encode(), 60)
+    assert await relay.forward(send)
+    sent = b"".join(frames).decode()
+    assert sent.count("notifications/message") == 3
+    assert '"data":"debug"' not in sent
+    assert "progress" not in sent
+    assert sent.index('"data":"warning"') < sent.index('"data":"error"') < sent.index("second")
