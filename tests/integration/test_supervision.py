@@ -162,17 +162,29 @@ async def test_the_first_token_does_not_evict_the_demo_agents_of_up(tmp_path: Pa
 
             await wait_until(closed, 5)  # the gateway re-reads the tokens file every 0.2 s
 
-            # Past the heartbeat timeout (counted from the door closing, after the last heartbeat
-            # before the token) with room to spare, every invoke is answered: the agents were
-            # never evicted.
+            # Every invoke is answered until both agents were replaced by ones holding a token
+            # (their records are then fresh: nothing left to evict), and the old ones stopped.
+            # Before, that never happened: the agents had no token and were evicted
+            # ~heartbeat_timeout after the door closed (the deadline below is past it).
             start = time.monotonic()
             failed = []
-            while time.monotonic() - start < timeout_s * 1.5:
+
+            async def replaced() -> bool:
                 r = await query(http, gateway, token, timeout_ms=3000)
                 if r.status_code != 200:
                     failed.append((round(time.monotonic() - start, 1), r.status_code, r.text))
-                await asyncio.sleep(0.5)
+                held = await instances(http, gateway, token)
+                return (
+                    {"retriever-01", "retriever-02"} <= held.keys()
+                    and {held[i]["principal"] for i in ("retriever-01", "retriever-02")}
+                    == {"demo-agents"}
+                    and len(processes_mentioning(f"--reach {gateway}")) == 2
+                )
+
+            await wait_until(replaced, timeout_s * 3, every_s=0.3)
             assert failed == [], failed
+            r = await query(http, gateway, token, timeout_ms=3000)
+            assert r.status_code == 200, r.text
             held = await instances(http, gateway, token)
             assert {"retriever-01", "retriever-02"} <= held.keys()
             # Before: the agents had no token, and were evicted ~heartbeat_timeout later.
