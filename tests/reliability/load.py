@@ -13,7 +13,7 @@ import itertools
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,9 +47,11 @@ class Call:
         return self.op == "write" and self.key is None
 
 
-def plan(count: int, seed: int, *, mcp: bool = True) -> list[Call]:
-    """`count` calls: sync and async, reads, keyed and keyless writes, over every protocol;
-    with `mcp`, one in ten a write to the MCP server registered by URL."""
+def plan(
+    count: int, seed: int, protocols: Sequence[str] = (*PROTOCOLS, "mcp", "a2a"), start: int = 0
+) -> list[Call]:
+    """`count` calls: sync and async, reads, keyed and keyless writes, over `protocols`: the
+    SDK ones in turn, and one in ten to each capability registered by URL (mcp, a2a)."""
     rng = random.Random(seed)
     kinds = [
         ("read", "sync", False, 30),
@@ -60,15 +62,17 @@ def plan(count: int, seed: int, *, mcp: bool = True) -> list[Call]:
         ("write", "async", True, 15),
     ]
     weights = [w for *_, w in kinds]
+    sdk = [p for p in protocols if p in PROTOCOLS]
+    by_url = {9: "mcp", 4: "a2a"}  # n % 10
     calls = []
-    for n in range(count):
+    for n in range(start, start + count):
         op, mode, keyed, _ = rng.choices(kinds, weights)[0]
         rid = f"rel-{seed}-{n:05d}-{rng.getrandbits(32):08x}"
         key = f"key-{rid}" if keyed else None
         delay = rng.choice((20, 20, 20, 300, 1500))  # some long enough for a fault mid-call
-        protocol = PROTOCOLS[n % len(PROTOCOLS)]
-        if mcp and n % 10 == 9:  # a write to the MCP server's `count` tool
-            protocol, op = "mcp", "write"
+        protocol = sdk[n % len(sdk)]
+        if by_url.get(n % 10) in protocols:
+            protocol = by_url[n % 10]
         calls.append(Call(n, rid, protocol, op, mode, key, delay))
     return calls
 
@@ -91,21 +95,20 @@ class Load:
             "payload": {"n": call.n, "delay_ms": call.delay_ms},
             "timeout_ms": self.timeout_ms,
         }
-        if call.protocol == "mcp":  # tests/mcp_servers.py's `count`: its calls file the ledger
-            body["operation"] = "count"
-            body["payload"] = {"tag": call.request_id, "sleep_s": call.delay_ms / 1000}
         if call.mode == "async":
             body["callback"] = self.callback
         if call.key is not None:
             body["idempotency_key"] = call.key
         return body
 
-    async def send(self, http: httpx.AsyncClient, call: Call) -> None:
+    async def send(self, http: httpx.AsyncClient, call: Call, first: int | None = None) -> None:
+        """Until Reach has it; `first`: the gateway tried first (else the next in turn)."""
         call.sent_at = time.monotonic()
         body = self.body(call)
         while time.monotonic() - call.sent_at < self.give_up_s:
             urls = self.urls()
-            url = urls[next(self._turn) % len(urls)]
+            turn = next(self._turn) if first is None else first
+            url, first = urls[turn % len(urls)], None
             try:
                 r = await http.post(
                     f"{url}/reach/invoke",
@@ -136,10 +139,16 @@ class Load:
             return
 
     async def run(
-        self, calls: list[Call], rate: float, concurrency: int = 48, until: float | None = None
+        self,
+        calls: list[Call],
+        rate: float,
+        concurrency: int = 48,
+        until: float | None = None,
+        enough: asyncio.Event | None = None,
     ) -> None:
         """Send `calls` at `rate` a second (open loop), at most `concurrency` in flight; none
-        after `until` (monotonic: a soak is bounded in time, a busy stack sends fewer)."""
+        after `until` (monotonic: a soak is bounded in time, a busy stack sends fewer) or once
+        `enough` is set (the short run: its faults are done and back)."""
         room = asyncio.Semaphore(concurrency)
         start = time.monotonic()
         limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=8)
@@ -155,7 +164,8 @@ class Load:
             for i, call in enumerate(calls):
                 await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
                 await room.acquire()
-                if until is not None and time.monotonic() > until:
+                late = until is not None and time.monotonic() > until
+                if late or (enough is not None and enough.is_set()):
                     room.release()
                     break
                 tasks.append(asyncio.create_task(one(call)))
@@ -174,7 +184,7 @@ class Load:
                     left += [c for c, ok in zip(chunk, done, strict=True) if not ok]
                 pending = left
                 if pending:
-                    await asyncio.sleep(1.0)
+                    await asyncio.sleep(0.3)
 
     async def _read(self, http: httpx.AsyncClient, call: Call) -> bool:
         urls = self.urls()
