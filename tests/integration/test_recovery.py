@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ from tests.helpers import (
     Agent,
     CallbackReceiver,
     GatewayProcess,
+    Stack,
     Worker,
     agent_server,
     wait_until,
@@ -28,6 +30,30 @@ pytestmark = pytest.mark.integration
 # well above that, for a busy box, and well below the SDK's 10 s of each that came before
 # (bench/recovery.py prints the figures).
 RECOVERY_BOUND_S = 6.0
+
+
+@pytest.fixture(scope="module")
+async def takeover(
+    temporal_server: str, module_redis_prefix: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[Stack, GatewayProcess, Worker]]:
+    """What outlives a SIGKILLed gateway, shared by the late-answer tests (each kills a doomed
+    gateway of its own): the gateway agents join and answer through (no worker), and a
+    `worker.py` that takes the dead gateway's requests over."""
+    stack = new_stack(
+        temporal_server,
+        tmp_path_factory.mktemp("takeover"),
+        registry="redis",
+        key_prefix=module_redis_prefix,
+        heartbeat_timeout=30,
+    )
+    api = GatewayProcess(stack, "api", worker=False)
+    worker = Worker(stack)
+    try:
+        await asyncio.gather(api.ready(), worker.ready())
+        yield stack, api, worker
+    finally:
+        api.proc.stop()
+        worker.proc.stop()
 
 
 async def test_sigkilled_gateway_worker_mid_request_is_finished_elsewhere(
@@ -91,19 +117,15 @@ async def test_sigkilled_gateway_worker_mid_request_is_finished_elsewhere(
 
 
 async def test_a_late_answer_to_a_sigkilled_gateways_request_is_taken_elsewhere_soon(
-    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+    takeover: tuple[Stack, GatewayProcess, Worker], http: httpx.AsyncClient
 ) -> None:
     """The request waits for a late answer (202) when the gateway whose worker ran it dies:
     the answer's workflow task is scheduled on that worker's sticky queue, and moves to the
     survivor after temporal.sticky_schedule_to_start_s, not the SDK's 10 s."""
-    stack = new_stack(
-        temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix, heartbeat_timeout=30
-    )
+    stack, survivor_api, survivor = takeover
     doomed = GatewayProcess(stack, "doomed")
-    survivor_api = GatewayProcess(stack, "api", worker=False)
-    survivor = Worker(stack)
-    await asyncio.gather(doomed.ready(), survivor_api.ready(), survivor.ready())
-    ledger = tmp_path / "ledger.txt"
+    await doomed.ready()
+    ledger = stack.tmp / f"ledger-{uuid.uuid4().hex[:8]}.txt"
     flags = ("--defer", "--delay-ms", "500", "--ledger", str(ledger))
     agent = await Agent(survivor_api, "late-01", "late-cap", *flags).ready()
     async with CallbackReceiver() as receiver:
@@ -158,23 +180,17 @@ class HeldAgent:
 
 
 async def test_an_answer_that_comes_while_a_lost_task_is_taken_over_is_not_refused(
-    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+    takeover: tuple[Stack, GatewayProcess, Worker], http: httpx.AsyncClient
 ) -> None:
     """The gateway dies inside the task that calls the agent: nothing of that task is in
     history. The agent's late answer, sent meanwhile, reaches the worker that takes over
     before that worker has run the call again. It was refused 403 'not sent to instance'
     (the worker knew no call yet; the SDK does not resend a 403, and the request waited out
     its deadline); now a 503 says send it again, and the resend is taken."""
-    stack = new_stack(
-        temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix, heartbeat_timeout=30
-    )
+    stack, survivor_api, survivor = takeover
     doomed = GatewayProcess(stack, "doomed")
-    survivor_api = GatewayProcess(stack, "api", worker=False)
-    survivor = Worker(stack)
     agent = HeldAgent()
-    await asyncio.gather(
-        doomed.ready(), survivor_api.ready(), survivor.ready(), agent.server.start()
-    )
+    await asyncio.gather(doomed.ready(), agent.server.start())
     try:
         instance = "held-01"
         join = {"capability": "held-cap", "instance_id": instance}

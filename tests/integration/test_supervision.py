@@ -238,7 +238,7 @@ async def test_a_gateway_whose_temporal_is_gone_for_good_exits_loudly(
             temporal=server.address,
             tmp=tmp_path,
             task_queue=f"tq-{uuid.uuid4().hex[:8]}",
-            extra={"REACH_TEMPORAL__CONNECT_WAIT_S": "4"},
+            extra={"REACH_TEMPORAL__CONNECT_WAIT_S": "2"},
         )
         gateway = await GatewayProcess(stack).ready()
         assert server.process is not None
@@ -252,7 +252,7 @@ async def test_a_gateway_whose_temporal_is_gone_for_good_exits_loudly(
         code = await asyncio.to_thread(gateway.proc.popen.wait, 60)
         out = gateway.proc.output()
         assert code == 1, out
-        said = f"Temporal at {server.address} has not answered for 4 s (temporal.connect_wait_s)"
+        said = f"Temporal at {server.address} has not answered for 2 s (temporal.connect_wait_s)"
         assert f"error: {said}" in out  # the last line, on standard error
         assert "Traceback" not in out
     finally:
