@@ -40,7 +40,16 @@ ATTEMPT = "x-reach-attempt"  # always: 1, 2, ...
 DEADLINE_MS = "x-reach-deadline-ms"  # when set: absolute, Unix epoch milliseconds
 IDEMPOTENCY_KEY = "idempotency-key"  # when set
 TRACEPARENT = "traceparent"  # when set: W3C trace context
-METADATA_NAMES = (REQUEST_ID, CALLER, ATTEMPT, DEADLINE_MS, IDEMPOTENCY_KEY, TRACEPARENT)
+CONTEXT_ID = "x-reach-context-id"  # when set: the conversation's first RequestID
+METADATA_NAMES = (
+    REQUEST_ID,
+    CALLER,
+    ATTEMPT,
+    DEADLINE_MS,
+    IDEMPOTENCY_KEY,
+    TRACEPARENT,
+    CONTEXT_ID,
+)
 
 # -- HTTP ------------------------------------------------------------------------------------------
 
@@ -50,6 +59,7 @@ HTTP_ATTEMPT = "X-Reach-Attempt"
 HTTP_DEADLINE_MS = "X-Reach-Deadline-Ms"
 HTTP_IDEMPOTENCY_KEY = "Idempotency-Key"
 HTTP_TRACEPARENT = "traceparent"
+HTTP_CONTEXT_ID = "X-Reach-Context-Id"
 # The HTTP spelling of each metadata name (the same names, lower-cased, are METADATA_NAMES).
 HTTP_HEADERS = {
     REQUEST_ID: HTTP_REQUEST_ID,
@@ -58,6 +68,7 @@ HTTP_HEADERS = {
     DEADLINE_MS: HTTP_DEADLINE_MS,
     IDEMPOTENCY_KEY: HTTP_IDEMPOTENCY_KEY,
     TRACEPARENT: HTTP_TRACEPARENT,
+    CONTEXT_ID: HTTP_CONTEXT_ID,
 }
 # Reach calls `POST {service_address}/reach/{operation}`.
 HTTP_PATH_PREFIX = "/reach/"
@@ -140,6 +151,8 @@ class RequestHeader(Protocol):
     def idempotency_key(self) -> str | None: ...
     @property
     def traceparent(self) -> str | None: ...
+    @property
+    def context_id(self) -> str | None: ...
 
 
 def metadata(header: RequestHeader) -> list[tuple[str, str]]:
@@ -156,6 +169,8 @@ def metadata(header: RequestHeader) -> list[tuple[str, str]]:
         pairs.append((IDEMPOTENCY_KEY, header.idempotency_key))
     if header.traceparent:
         pairs.append((TRACEPARENT, header.traceparent))
+    if header.context_id:
+        pairs.append((CONTEXT_ID, header.context_id))
     return pairs
 
 

@@ -223,6 +223,7 @@ class Dispatcher:
             deadline_ms=deadline,
             idempotency_key=h.get(wire.IDEMPOTENCY_KEY),
             headers=dict(h),
+            context_id=h.get(wire.CONTEXT_ID),
         )
         try:
             payload = json.loads(request.body or b"{}")

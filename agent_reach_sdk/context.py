@@ -23,6 +23,7 @@ class RequestContext:
     deadline_ms: int | None = None
     idempotency_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    context_id: str | None = None  # the conversation it belongs to (x-reach-context-id)
 
     def defer(self) -> Deferred:
         """Answer 202 now; send the result later with `AgentRuntime.send_result`."""

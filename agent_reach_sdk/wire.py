@@ -20,6 +20,7 @@ from typing import Any
 # The metadata names, lower case, the same on every protocol: the contract's, re-exported.
 from agent_reach_proto.wire import ATTEMPT as ATTEMPT
 from agent_reach_proto.wire import CALLER as CALLER
+from agent_reach_proto.wire import CONTEXT_ID as CONTEXT_ID
 from agent_reach_proto.wire import DEADLINE_MS as DEADLINE_MS
 from agent_reach_proto.wire import IDEMPOTENCY_KEY as IDEMPOTENCY_KEY
 from agent_reach_proto.wire import METADATA_NAMES as METADATA_NAMES

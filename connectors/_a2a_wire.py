@@ -96,7 +96,8 @@ def _plain(value: Any) -> Any:
 def send_request(message: ReachMessage) -> dict[str, Any]:
     """The `SendMessage` params for a Reach message (ProtoJSON, written out: the payload is
     JSON Reach already checked): the payload as one data part, the Reach header in
-    `metadata.reach`, a follow-up's task and context ids from the payload's `_a2a`."""
+    `metadata.reach`, a follow-up's task and context ids from the payload's `_a2a`, else the
+    request's conversation (`Header.context_id`) as the context id."""
     header = message.header
     payload = message.payload
     follow_up = payload.get(CONTINUE_KEY) if CONTINUE_KEY in payload else None
@@ -112,6 +113,8 @@ def send_request(message: ReachMessage) -> dict[str, Any]:
         reach["deadline_ms"] = header.deadline_ms
     if header.idempotency_key is not None:
         reach["idempotency_key"] = header.idempotency_key
+    if header.context_id is not None:
+        reach["context_id"] = header.context_id
     wire: dict[str, Any] = {
         "messageId": message_id(header.request_id, header.attempt),
         "role": "ROLE_USER",
@@ -123,6 +126,10 @@ def send_request(message: ReachMessage) -> dict[str, Any]:
             wire["taskId"] = str(follow_up["task_id"])
         if follow_up.get("context_id"):
             wire["contextId"] = str(follow_up["context_id"])
+    # A Reach conversation is the agent's context too (an agent takes a client's contextId for
+    # a new task), unless the follow-up names the agent's own task (its context is its own).
+    if header.context_id and "contextId" not in wire and "taskId" not in wire:
+        wire["contextId"] = header.context_id
     # returnImmediately: answer with the task as soon as there is one, so its id goes into the
     # request's history before the work is done and nothing after needs the message again.
     return {"message": wire, "configuration": {"returnImmediately": True}}

@@ -130,6 +130,8 @@ def build(args: argparse.Namespace) -> AgentRuntime:
             "passages": rank(text, int(payload.get("top_k", 3))),
             "fingerprint": hashlib.sha256(text.encode()).hexdigest()[:12],
         }
+        if ctx.context_id:  # the conversation it belongs to (an A2A client's contextId)
+            result["context_id"] = ctx.context_id
         if args.reply_bytes:
             result["padding"] = "x" * args.reply_bytes
         if args.defer:

@@ -40,6 +40,7 @@ from temporalio.service import RPCError
 
 from gateway_api import _a2a_cards as cards
 from gateway_api import listing, timeline
+from gateway_api._a2a_context import context_of, conversation
 from gateway_api._a2a_tasks import (
     LIST_FILTERS,
     RpcError,
@@ -59,7 +60,7 @@ from gateway_api.steps.wait import SYNC_GRACE_S
 from reach import acceptance
 from reach.errors import ReachError, Unavailable, UnknownCapability
 from reach.listing import DEFAULT_LIMIT, MAX_LIMIT, UNDER_WAY
-from reach.messages import REQUEST_ID_PATTERN, InvokeResponse, dumps
+from reach.messages import REQUEST_ID_PATTERN, InvokeResponse, dumps, new_request_id
 from reach.security.tokens import Principal
 from reach.telemetry import tracing
 
@@ -165,17 +166,18 @@ class Call:
 
     async def send(self, params: SendMessageRequest) -> dict[str, Any]:
         body = await self._invoke_body(params)
+        context = body.get("context_id")
         immediately = params.configuration.return_immediately
         # returnImmediately: answered once durable, and nothing of it is held here after.
         response = await self._door(body, _Front(0.0 if immediately else None), "SendMessage")
         if response.status == "accepted" and immediately and "callback" not in body:
             rid = response.request_id
-            task = Task(id=rid, context_id=rid)
-            task.status.CopyFrom(status_of(rid, _SUBMITTED, None, {}))
+            task = Task(id=rid, context_id=context or rid)
+            task.status.CopyFrom(status_of(rid, _SUBMITTED, None, {}, context))
             return _json(SendMessageResponse(task=task))
         if response.status == "accepted" and not immediately:
             response = await self._outcome(response.request_id, body)  # blocking
-        return {"task": task_json(response)}
+        return {"task": task_json(response, context)}
 
     async def stream(
         self, rpc_id: str | int | None, params: SendMessageRequest
@@ -187,21 +189,24 @@ class Call:
             job.result()  # a refusal: raised here, answered as a JSON-RPC error
         rid = front.request_id or job.result().request_id
         self.request_id = rid
-        first = Task(id=rid, context_id=rid, status=status_of(rid, _SUBMITTED, None, {}))
+        context = body.get("context_id") or rid
+        status = status_of(rid, _SUBMITTED, None, {}, context)
+        first = Task(id=rid, context_id=context, status=status)
         return self._events(rpc_id, rid, first, job, owned=False, body=body)
 
     async def subscribe(
         self, rpc_id: str | int | None, params: SubscribeToTaskRequest
     ) -> AsyncIterator[str]:
         rid = self.task_id_of(params.id)
-        current = await self.gateway.requests.status(rid, self.reader())
+        current, original = await self.gateway.requests.looked(rid, self.reader())
         if current.status not in UNDER_WAY:
             raise a2a_error(
                 UnsupportedOperationError, f"task {rid} already ended ({current.status})"
             )
         handle = self.gateway.engine.handle(rid)
         final = asyncio.ensure_future(self.gateway.engine.outcome(handle))
-        return self._events(rpc_id, rid, task_of(current), final, owned=True, body=None)
+        first = task_of(current, context_of(original))
+        return self._events(rpc_id, rid, first, final, owned=True, body=None)
 
     async def _events(
         self,
@@ -217,6 +222,7 @@ class Call:
         attempts, backoffs), then its result as an artifact and its final status; or, when the
         server stops first, an `unavailable` error (the task goes on)."""
         yield sse(rpc_id, StreamResponse(task=first))
+        context = first.context_id
         seen, every = 0, POLL_S
         draining = asyncio.ensure_future((self.draining or asyncio.Event()).wait())
         waits: set[asyncio.Future[Any]] = {final, draining}
@@ -229,7 +235,7 @@ class Call:
                     )
                     return
                 every = min(every * 1.5, POLL_MAX_S)
-                events, seen = await self._progress(rid, seen)
+                events, seen = await self._progress(rid, seen, context)
                 for event in events:
                     yield sse(rpc_id, event)
             try:
@@ -242,16 +248,16 @@ class Call:
             except RPCError as exc:  # Temporal unavailable: the task goes on, GetTask reads it
                 yield sse(rpc_id, None, rpc_error_of(reach_error_of_rpc(exc), rid))
                 return
-            events, seen = await self._progress(rid, seen)
+            events, seen = await self._progress(rid, seen, context)
             for event in events:
                 yield sse(rpc_id, event)
-            task = task_of(response)
+            task = task_of(response, context)
             for artifact in task.artifacts:
                 update = TaskArtifactUpdateEvent(
-                    task_id=rid, context_id=rid, artifact=artifact, last_chunk=True
+                    task_id=rid, context_id=context, artifact=artifact, last_chunk=True
                 )
                 yield sse(rpc_id, StreamResponse(artifact_update=update))
-            status = TaskStatusUpdateEvent(task_id=rid, context_id=rid, status=task.status)
+            status = TaskStatusUpdateEvent(task_id=rid, context_id=context, status=task.status)
             status.metadata.CopyFrom(task.metadata)
             yield sse(rpc_id, StreamResponse(status_update=status))
         finally:
@@ -259,7 +265,9 @@ class Call:
             if owned and not final.done():
                 final.cancel()
 
-    async def _progress(self, rid: str, seen: int) -> tuple[list[StreamResponse], int]:
+    async def _progress(
+        self, rid: str, seen: int, context: str
+    ) -> tuple[list[StreamResponse], int]:
         """The timeline's steps after the first `seen`, as working status updates."""
         gateway = self.gateway
         try:
@@ -272,8 +280,8 @@ class Call:
             if event.kind in NOT_PROGRESS or event.kind.startswith("callback"):
                 continue
             detail = {"kind": event.kind, "atMs": event.at_ms, **event.detail}
-            status = status_of(rid, _WORKING, event.summary, detail)
-            update = TaskStatusUpdateEvent(task_id=rid, context_id=rid, status=status)
+            status = status_of(rid, _WORKING, event.summary, detail, context)
+            update = TaskStatusUpdateEvent(task_id=rid, context_id=context, status=status)
             out.append(StreamResponse(status_update=update))
         return out, max(seen, len(story.events))
 
@@ -321,10 +329,22 @@ class Call:
         meta = {**(self.raw.get("metadata") or {}), **(sent.get("metadata") or {})}
         operation = next((meta[k] for k in OPERATION_KEYS if k in meta), None)
         payload = payload_of(sent)
+        rid = next((meta[k] for k in ("request_id", "requestId") if k in meta), None)
+        if rid is None:
+            rid = meta["request_id"] = new_request_id()  # a new task, maybe a new context
         if message.task_id:
-            asked, payload = await self._follow_up(message.task_id, payload)
-            operation = operation or asked
-        elif operation is None:
+            self.task_id_of(message.task_id)
+        if message.context_id and not _valid_id(message.context_id):
+            raise a2a_error(
+                InvalidParamsError,
+                f"message.contextId {message.context_id[:140]!r}: not a context of Reach's "
+                "(a task id); a new conversation is a message without one",
+            )
+        asked, payload, context = await conversation(
+            self.gateway.requests, self.capability, self.reader(), message, payload, str(rid)
+        )
+        operation = operation or asked
+        if operation is None:
             operation = await self._only_operation()
         if not isinstance(operation, str):
             raise a2a_error(InvalidParamsError, "message.metadata.operation: a string")
@@ -336,32 +356,13 @@ class Call:
         for key, field in INVOKE_FIELDS.items():
             if key in meta:
                 body[field] = meta[key]
+        if isinstance(context, str) and _valid_id(context):
+            body["context_id"] = context
+            body.setdefault("routing_key", context)  # one instance per context, when hashed
         push = params.configuration.task_push_notification_config
         if push.url:
             body["callback"] = push.url
         return body
-
-    async def _follow_up(self, task_id: str, payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """A message naming a task continues one an A2A agent's task asked input for: a new
-        request of the same operation, its payload carrying that task's ids (`_a2a`)."""
-        rid = self.task_id_of(task_id)
-        prior = await self.gateway.requests.status(rid, self.reader())
-        if prior.status != "input_required":
-            raise a2a_error(
-                UnsupportedOperationError,
-                f"message.taskId {rid!r} is {prior.status}: only a task that asks for input "
-                "takes a follow-up; every other message is a new request (send it without "
-                "taskId)",
-            )
-        engine = self.gateway.engine
-        original = await engine.original(engine.handle(rid))
-        if original is None or original.target != self.capability:
-            raise a2a_error(
-                InvalidParamsError, f"message.taskId {rid!r}: not a task of {self.capability!r}"
-            )
-        ids = prior.result or {}
-        handle = {key: ids[key] for key in ("task_id", "context_id") if ids.get(key)}
-        return original.operation, {**payload, "_a2a": payload.get("_a2a") or handle}
 
     async def _only_operation(self) -> str:
         # What a capability serves is for token holders only, as its card is, and only what
@@ -391,7 +392,8 @@ class Call:
 
     async def get(self, params: GetTaskRequest) -> dict[str, Any]:
         rid = self.task_id_of(params.id)
-        return task_json(await self.gateway.requests.status(rid, self.reader()))
+        response, original = await self.gateway.requests.looked(rid, self.reader())
+        return task_json(response, context_of(original))
 
     async def list(self, params: ListTasksRequest) -> dict[str, Any]:
         principal = self.reader()
@@ -423,7 +425,7 @@ class Call:
             raise a2a_error(InvalidParamsError, str(err)) from err
         rows = page.rows
         if params.context_id:
-            rows = [r for r in rows if r.request_id == params.context_id]
+            rows = [r for r in rows if (r.context_id or r.request_id) == params.context_id]
         tasks = [task_of_row(row) for row in rows]
         answer = ListTasksResponse(
             tasks=tasks,
@@ -449,7 +451,8 @@ class Call:
         if not asked:
             raise a2a_error(TaskNotCancelableError, f"task {rid} already ended ({response.status})")
         log.info("A2A CancelTask %s: %s in %.2fs", rid, response.status, time.monotonic() - started)
-        return task_json(response)
+        engine = self.gateway.engine
+        return task_json(response, context_of(await engine.original(engine.handle(rid))))
 
 
 _SUBMITTED = TaskState.TASK_STATE_SUBMITTED

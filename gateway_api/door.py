@@ -7,6 +7,7 @@
     rules      may this caller call this operation (R19)     steps/rules.py      403
     callback   the callback URL is not request forgery       steps/callback.py   422
     known      a registered capability, or a repeat          steps/known.py      404
+    context    the conversation it continues is the caller's steps/conversation.py 404 422
     plan       timeout, retries, idempotency, mode           steps/plan.py
     limits     the rule's and the capability's rate limits   steps/limits.py     429 (or queue)
     route      attempt 1's instance, from the local view     steps/route.py
@@ -35,6 +36,7 @@ from gateway_api.steps.accept import accept
 from gateway_api.steps.account import Ledger
 from gateway_api.steps.admit import admitted
 from gateway_api.steps.callback import vet_callback
+from gateway_api.steps.conversation import continued
 from gateway_api.steps.identify import CALLER, Identity, Metadata, identify
 from gateway_api.steps.known import Capabilities
 from gateway_api.steps.limits import Limiter
@@ -166,6 +168,8 @@ class Door:
         if request.callback:
             await vet_callback(self.live.address_guard(), str(request.callback))
         await self.capabilities.check(request, self.engine)
+        if request.context_id is not None:
+            await continued(self.engine, request, caller)
         call = plan(settings, request)
         now_ms = int(time.time() * 1000)
         await self.limiter.by_rule(request, caller, decision)

@@ -34,6 +34,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from gateway_api.temporal_adapter import started_here
 from reach.invocation import InvokeInput
+from reach.listing import MEMO_CONTEXT
 from reach.messages import ErrorInfo, InvokeResponse
 from reach.outcome import carried
 from workflows.invoke import (
@@ -82,6 +83,10 @@ class Engine:
                 rpc_timeout=self.rpc_timeout,
                 # The Temporal UI's one line per request; the workflow adds the outcome.
                 static_summary=f"{inp.target}.{inp.operation} from {inp.caller}",
+                # A request continuing a conversation says which in lists (ListTasks' contextId).
+                memo={MEMO_CONTEXT: inp.context_id}
+                if inp.context_id and inp.context_id != inp.request_id
+                else None,
                 search_attributes=TypedSearchAttributes(
                     [
                         SearchAttributePair(SA_CALLER, inp.caller),

@@ -14,6 +14,7 @@ from temporalio.client import Client, WorkflowExecution
 
 from reach.invocation import WORKFLOW_INVOKE
 from reach.listing import (
+    MEMO_CONTEXT,
     PAGE_PARTS,
     ListStatus,
     PageToken,
@@ -122,7 +123,7 @@ async def list_page(
             rpc_timeout=rpc_timeout,
         )
         await listed.fetch_next_page()
-        rows.extend(row_of(execution) for execution in listed.current_page or ())
+        rows.extend([await with_context(e) for e in listed.current_page or ()])
         temporal = listed.next_page_token
         if temporal is None:  # this part is read to its end
             if part + 1 == len(PAGE_PARTS):
@@ -135,6 +136,16 @@ async def list_page(
     next_token = "" if ended else page_token_text(following, base)
     counted = await client.count_workflows(query, rpc_timeout=rpc_timeout)
     return Page(rows, next_token, counted.count)
+
+
+async def with_context(execution: WorkflowExecution) -> RequestRow:
+    """`row_of`, with the conversation a request continues from its memo (decoded only for
+    such requests: a memo passes the payload codec)."""
+    row = row_of(execution)
+    if MEMO_CONTEXT in execution.raw_info.memo.fields:
+        value = await execution.memo_value(MEMO_CONTEXT, None)
+        row.context_id = value if isinstance(value, str) else None
+    return row
 
 
 def row_of(execution: WorkflowExecution) -> RequestRow:

@@ -156,6 +156,11 @@ class InvokeInput(BaseModel):
         "(routing.hash_on), else the routing_key; taken at acceptance.",
     )
     traceparent: str | None = None
+    context_id: str | None = Field(
+        default=None,
+        description="The conversation's first RequestID (InvokeRequest.context_id, checked "
+        "at the door: the caller's own), sent to the agent; None: no conversation.",
+    )
     plan: CallPlan
     payload_bytes: int = 0
     endpoint: Endpoint | None = Field(
@@ -287,6 +292,7 @@ def same_request(first: InvokeInput, repeat: InvokeInput) -> bool:
         and first.plan.timeout_ms == repeat.plan.timeout_ms
         and first.idempotency_key == repeat.idempotency_key
         and first.routing_key == repeat.routing_key
+        and first.context_id == repeat.context_id
     )
 
 

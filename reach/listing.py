@@ -131,6 +131,10 @@ def status_of(execution: str, reach_status: str | None) -> str:
     return "error"
 
 
+# The memo key of a request that continues a conversation: its first RequestID.
+MEMO_CONTEXT = "reach_context"
+
+
 class RequestRow(BaseModel):
     """One request in a list: what visibility knows without reading its history."""
 
@@ -143,6 +147,11 @@ class RequestRow(BaseModel):
     started_at: datetime
     closed_at: datetime | None
     duration_ms: int | None = Field(description="From start to close; null while running.")
+    context_id: str | None = Field(
+        default=None,
+        description="The conversation it continues (its first RequestID); null: none, or it "
+        "is a conversation's first.",
+    )
 
 
 class RequestList(BaseModel):

@@ -112,6 +112,7 @@ class Header(BaseModel):
     deadline_ms: int | None = None  # absolute, Unix epoch milliseconds
     idempotency_key: str | None = None
     traceparent: str | None = None
+    context_id: str | None = None  # the conversation it belongs to (InvokeRequest.context_id)
 
 
 class Metadata(BaseModel):
@@ -220,6 +221,12 @@ class InvokeRequest(BaseModel):
     )
     idempotency_key: IdempotencyKey | None = None
     routing_key: RoutingKey | None = None
+    context_id: RequestId | None = Field(
+        default=None,
+        description="The conversation this request belongs to: the RequestID of its first "
+        "request (or of any request of it), of the same target and caller; the request's own "
+        "id starts one. Sent to the agent (x-reach-context-id; an A2A agent's contextId).",
+    )
 
 
 class AttemptInfo(BaseModel):

@@ -321,6 +321,7 @@ class AttemptLoop(TaskFollowing):
                     deadline_ms=self._deadline_ms,
                     idempotency_key=inp.idempotency_key,
                     traceparent=inp.traceparent,
+                    context_id=inp.context_id,
                 ),
                 payload=inp.payload,
                 metadata=Metadata(size_bytes=inp.payload_bytes),

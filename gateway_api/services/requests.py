@@ -25,7 +25,13 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from gateway_api.engine import Engine, InvokeHandle
 from reach.errors import Forbidden, InvalidRequest, RequestClosed, Unavailable, UnknownRequest
-from reach.invocation import DeliveryOutcome, LateAnswer, answer_key, delivery_workflow_id
+from reach.invocation import (
+    DeliveryOutcome,
+    InvokeInput,
+    LateAnswer,
+    answer_key,
+    delivery_workflow_id,
+)
 from reach.listing import UNDER_WAY
 from reach.messages import AttemptInfo, DeliveryState, InvokeResponse
 from reach.registry import Registry
@@ -48,6 +54,12 @@ class Requests:
 
     async def status(self, request_id: str, principal: Principal | None = None) -> InvokeResponse:
         """A request's state, and its callback delivery's when it has a callback."""
+        return (await self.looked(request_id, principal))[0]
+
+    async def looked(
+        self, request_id: str, principal: Principal | None = None
+    ) -> tuple[InvokeResponse, InvokeInput | None]:
+        """`status`, and the request as it was accepted (None: unreadable), read for it."""
         engine = self.engine
         handle = engine.handle(request_id)
         try:
@@ -82,7 +94,7 @@ class Requests:
         original = await engine.original(handle)
         if original is not None and original.callback:
             response.delivery = await self._delivery(request_id, original.callback, response.status)
-        return response
+        return response, original
 
     async def _attempts_so_far(self, handle: InvokeHandle) -> list[AttemptInfo] | None:
         """A running request's attempts, asked of its worker; none when no worker answers soon

@@ -53,6 +53,7 @@ def invoke_input(
         routing_key=request.routing_key,
         hash_key=hash_key,
         traceparent=identity.traceparent,
+        context_id=request.context_id,
         plan=plan,
         payload_bytes=payload_bytes,
         endpoint=endpoint,

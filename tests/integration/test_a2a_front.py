@@ -596,3 +596,81 @@ async def test_list_filters_pick_input_required_and_canceled(front: Front) -> No
             rows = (await plain.get(f"{front.a.url}/reach/requests?status={status}")).json()
             assert rid in {r["request_id"] for r in rows["requests"]}, rows
             assert {r["status"] for r in rows["requests"]} == {status}, rows
+
+
+async def test_a_conversation_keeps_its_context_across_follow_ups(front: Front) -> None:
+    """A task asking for input, its answer (taskId and contextId), then a new message in the
+    same context (contextId alone): one context, Reach's and the agent's, turn after turn;
+    GetTask and ListTasks tell it; another caller cannot append to it."""
+    token = front.tokens["orchestrator"]
+    client, http = await client_of(front.a, BEHIND, token, streaming=False)
+    async with aclosing(http):
+        [asked] = await events_of(client, message({}, operation="ask"))
+        assert asked.task.status.state == TaskState.TASK_STATE_INPUT_REQUIRED
+        context = asked.task.context_id
+        assert context == asked.task.id  # the conversation's first task names its context
+        answer = message({"name": "Ada"})
+        answer.message.task_id = asked.task.id
+        answer.message.context_id = context
+        del answer.message.metadata["operation"]
+        [greeted] = await events_of(client, answer)
+        assert greeted.task.status.state == COMPLETED, greeted
+        assert result_of(greeted.task) == {"hello": "Ada"}
+        assert greeted.task.context_id == context
+        more = message({"more": 1}, operation="echo")
+        more.message.context_id = context
+        [echoed] = await events_of(client, more)
+        assert echoed.task.status.state == COMPLETED, echoed
+        assert echoed.task.context_id == context
+        tasks = [asked.task.id, greeted.task.id, echoed.task.id]
+        # The agent answered every turn in one context of its own: Reach's.
+        seen = (await front.behind.counts())["contexts"]
+        assert {seen[f"{task}:1"] for task in tasks} == {context}, seen
+        got = await client.get_task(GetTaskRequest(id=greeted.task.id))
+        assert got.context_id == context
+
+        async def listed() -> bool:
+            answer = await client.list_tasks(ListTasksRequest(context_id=context, page_size=100))
+            return {t.id for t in answer.tasks} == set(tasks) and all(
+                t.context_id == context for t in answer.tasks
+            )
+
+        await wait_until(listed, 15)
+        # A task of the same context from another gateway says the same.
+        reader, http_b = await client_of(front.b, BEHIND, token, streaming=False)
+        async with aclosing(http_b):
+            assert (await reader.get_task(GetTaskRequest(id=echoed.task.id))).context_id == context
+    # Another caller: the context is not there for it, nor is its asking task; the agent is
+    # sent nothing.
+    before = (await front.behind.counts())["counts"]["total"]
+    other, http_o = await client_of(front.a, BEHIND, front.tokens["other"], streaming=False)
+    async with aclosing(http_o):
+        intruder = message({}, operation="echo")
+        intruder.message.context_id = context
+        with pytest.raises(TaskNotFoundError, match="no request of yours"):
+            await events_of(other, intruder)
+        hijack = message({"name": "Mallory"})
+        hijack.message.task_id = asked.task.id
+        with pytest.raises(TaskNotFoundError):
+            await events_of(other, hijack)
+        made_up = message({}, operation="echo")
+        made_up.message.context_id = f"ctx-{uuid.uuid4().hex}"  # one Reach never handed out
+        with pytest.raises(TaskNotFoundError):
+            await events_of(other, made_up)
+    assert (await front.behind.counts())["counts"]["total"] == before
+
+
+async def test_an_sdk_agent_is_told_the_conversation(front: Front) -> None:
+    client, http = await client_of(front.a, FAST, front.tokens["orchestrator"], streaming=False)
+    async with aclosing(http):
+        [first] = await events_of(client, message())
+        context = first.task.context_id
+        assert context == first.task.id
+        assert result_of(first.task)["context_id"] == context  # x-reach-context-id
+        later = message()
+        later.message.context_id = context
+        [second] = await events_of(client, later)
+    assert second.task.id != context
+    assert second.task.context_id == context
+    assert result_of(second.task)["context_id"] == context
+    assert result_of(second.task)["request_id"] == second.task.id

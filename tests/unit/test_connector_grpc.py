@@ -365,7 +365,13 @@ def _message(**header: Any) -> Message:
 
 def test_metadata_names_are_the_sdks_and_only_those_present_are_sent() -> None:
     full = wire_metadata(
-        _message(attempt=3, deadline_ms=17, idempotency_key="k", traceparent="00-ab-cd-01")
+        _message(
+            attempt=3,
+            deadline_ms=17,
+            idempotency_key="k",
+            traceparent="00-ab-cd-01",
+            context_id="req-1",
+        )
     )
     assert {name for name, _ in full} == set(wire.METADATA_NAMES)
     assert dict(full)["x-reach-attempt"] == "3"

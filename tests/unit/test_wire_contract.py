@@ -44,12 +44,14 @@ PINNED = {
     "DEADLINE_MS": "x-reach-deadline-ms",
     "IDEMPOTENCY_KEY": "idempotency-key",
     "TRACEPARENT": "traceparent",
+    "CONTEXT_ID": "x-reach-context-id",
     "HTTP_REQUEST_ID": "X-Reach-Request-Id",
     "HTTP_CALLER": "X-Reach-Caller",
     "HTTP_ATTEMPT": "X-Reach-Attempt",
     "HTTP_DEADLINE_MS": "X-Reach-Deadline-Ms",
     "HTTP_IDEMPOTENCY_KEY": "Idempotency-Key",
     "HTTP_TRACEPARENT": "traceparent",
+    "HTTP_CONTEXT_ID": "X-Reach-Context-Id",
     "HTTP_PATH_PREFIX": "/reach/",
     "HTTP_DELIVERY_ATTEMPT": "X-Reach-Delivery-Attempt",
     "HTTP_SESSION": "X-Reach-Session",
@@ -103,6 +105,7 @@ def test_every_name_is_pinned() -> None:
         wire.DEADLINE_MS,
         wire.IDEMPOTENCY_KEY,
         wire.TRACEPARENT,
+        wire.CONTEXT_ID,
     )
     # HTTP spells the same names, case aside.
     assert {k: v.lower() for k, v in wire.HTTP_HEADERS.items()} == {
