@@ -91,7 +91,11 @@ class McpServer:
         # grows with waiting requests times connections (connectors/http.py measured it).
         self._slots = asyncio.Semaphore(connections)
         self._answers: set[asyncio.Task[None]] = set()  # refusals of requests sent mid-call
-        self._listener: asyncio.Task[None] | None = None  # its GET stream (`_mcp_listen`)
+        self._listener: asyncio.Task[None] | None = None  # its listen stream (`_mcp_listen`)
+
+    @staticmethod
+    def next_id() -> int:
+        return next_id()
 
     @property
     def where(self) -> str:
@@ -168,10 +172,11 @@ class McpServer:
             await self.http.post(self.url, content=dumps(answer), headers=headers, timeout=5.0)
 
     def listen(self, changed: Callable[[], None]) -> None:
-        """Hold the session's GET stream (`_mcp_listen`), unless one is held or none can be:
-        a server without a session has none."""
+        """Hold the session's GET stream, or a 2026-07-28 server's `subscriptions/listen`
+        (`_mcp_listen`), unless one is held or none can be: a session-based server without a
+        session has none."""
         negotiated = self.negotiated
-        if negotiated is None or negotiated.session is None:
+        if negotiated is None or (negotiated.session is None and not negotiated.modern):
             return
         if self._listener is None:
             self._listener = asyncio.get_running_loop().create_task(listen(self, changed))

@@ -1,10 +1,16 @@
-"""A session-based MCP server's GET stream, held by the process whose prober watches the
-connector (`Connector.watch`): the server's `notifications/tools/list_changed` sent outside any
-call arrives there, and the prober discovers the server again at once.
+"""A session-based MCP server's GET stream, or a 2026-07-28 server's `subscriptions/listen`
+stream, held by the process whose prober watches the connector (`Connector.watch`): the
+server's `notifications/tools/list_changed` sent outside any call arrives there, and the prober
+discovers the server again at once.
 
-One stream per server with a session (the 2026-07-28 generation has none), in the session
-negotiated last: it follows a renewed session, reconnects after a break with growing pauses
-(0.5 s doubling to 30 s), and stops for good when the server offers no stream (405, or any
+A 2026-07-28 server is asked for `toolsListChanged` only; a stream it ends (its result) or
+that breaks is opened again, and the server discovered again once it is back (nothing is
+replayed: a change said in the gap would be missed); a server that answers the request with
+anything but an event stream (-32601: it has no such method) is not asked again.
+
+One stream per server with a session, in the session negotiated last: it follows a renewed
+session, reconnects after a break with growing pauses (0.5 s doubling to 30 s, both kinds of
+stream), and stops for good when the server offers no stream (405, or any
 other answer than an event stream) or its client closes. What it carries is read at the pace
 of a call stream's extras (`_mcp_stream.Pace`), each event bounded by `ENVELOPE_BYTES`.
 """
@@ -38,6 +44,9 @@ async def listen(server: McpServer, changed: Callable[[], None]) -> None:
     pause = 0.5
     while True:
         negotiated = server.negotiated
+        if negotiated is not None and negotiated.modern:
+            await _subscribe(server, changed)
+            return
         if negotiated is None or negotiated.session is None:
             return
         headers = w.request_headers(negotiated.version, negotiated.session, "", None)
@@ -68,6 +77,34 @@ async def _read(server: McpServer, response: httpx.Response, changed: Callable[[
         with contextlib.suppress(ValueError, RecursionError):
             message = json.loads(data)
         if isinstance(message, dict) and message.get("method") == LIST_CHANGED:
-            log.info("%s says its tools changed (its GET stream)", server.where)
+            log.info("%s says its tools changed (outside any call)", server.where)
             changed()
         await pace.tick()
+
+
+async def _subscribe(server: McpServer, changed: Callable[[], None]) -> None:
+    """Hold a 2026-07-28 server's `subscriptions/listen` stream (see the module docstring)."""
+    pause, heard = 0.5, False
+    while True:
+        rpc_id = server.next_id()
+        params = {"notifications": {"toolsListChanged": True}, "_meta": w.envelope_meta(w.MODERN)}
+        headers = w.request_headers(w.MODERN, None, "subscriptions/listen", None)
+        content = w.body(rpc_id, "subscriptions/listen", params)
+        try:
+            async with server.http.stream(
+                "POST", server.url, content=content, headers=headers
+            ) as response:
+                kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+                if response.status_code != 200 or kind != "text/event-stream":
+                    log.info(
+                        "%s offers no subscriptions/listen (%d)", server.where, response.status_code
+                    )
+                    return
+                if heard:  # back after a gap in which a change may have been said
+                    changed()
+                heard, pause = True, 0.5
+                await _read(server, response, changed)
+        except (httpx.HTTPError, ReachError) as exc:
+            log.debug("%s: its subscriptions/listen stream broke: %r", server.where, exc)
+        await asyncio.sleep(pause)
+        pause = min(MAX_PAUSE_S, pause * 2)

@@ -1,5 +1,10 @@
 """`GET /mcp` for the MCP front: the session-based generation's server-initiated SSE stream, on
-which Reach sends `notifications/tools/list_changed` when the tools the caller may call change.
+which Reach sends `notifications/tools/list_changed` when the tools the caller may call change;
+and the same for 2026-07-28's `subscriptions/listen` (`Listeners.listen`), whose answer is such
+a stream: `notifications/subscriptions/acknowledged` first (the honored subset of what it asked:
+`toolsListChanged` only, Reach has no prompts or resources), each frame's `_meta` naming the
+subscription (the request's JSON-RPC id), and the request's result as its last event when the
+gateway stops.
 
 One stream is a held response and a wait: it costs no Temporal read and no store read of its
 own. While any stream is open, one watcher per gateway reads the catalog (`Catalog.tools`, its
@@ -41,6 +46,43 @@ MAX_STREAM_CALLERS = 10_000
 """Callers whose stream counts are kept before the idle ones are forgotten."""
 KEEPALIVE_S = 15.0
 LIST_CHANGED = {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}
+SUBSCRIPTION_META = "io.modelcontextprotocol/subscriptionId"
+
+
+class Frames:
+    """What one stream says: when it opens, when the caller's tools changed, when it ends
+    because the gateway stops."""
+
+    __slots__ = ("changed", "closing", "opening")
+
+    def __init__(self, opening: bytes, changed: bytes, closing: bytes = b"") -> None:
+        self.opening = opening
+        self.changed = changed
+        self.closing = closing
+
+
+GET_FRAMES = Frames(
+    b": listening for notifications/tools/list_changed\n\n", wire.sse_event(LIST_CHANGED)
+)
+
+
+def listen_frames(message: wire.Message) -> Frames:
+    """A `subscriptions/listen` stream's frames, or -32602 for a filter that is no object."""
+    asked = message.params.get("notifications")
+    if not isinstance(asked, dict):
+        raise wire.RpcError(wire.INVALID_PARAMS, "params.notifications is an object")
+    meta = {SUBSCRIPTION_META: message.id}
+    honored = {"toolsListChanged": True} if asked.get("toolsListChanged") is True else {}
+    ack = {
+        "jsonrpc": "2.0",
+        "method": "notifications/subscriptions/acknowledged",
+        "params": {"notifications": honored, "_meta": meta},
+    }
+    change = {**LIST_CHANGED, "params": {"_meta": meta}}
+    end = wire.result(message.id, {"_meta": meta, "resultType": "complete"})
+    # Nothing honored: the stream says nothing but its acknowledgment and keep-alives.
+    changed = wire.sse_event(change) if honored else b""
+    return Frames(wire.sse_event(ack), changed, wire.sse_event(end))
 
 
 class Listeners:
@@ -78,6 +120,27 @@ class Listeners:
             raise http.Answer(404, wire.error(None, gone), {})
         self.room(caller)
         await self.stream(caller, guard, receive, send, scope.get("state", {}).get(DRAINING))
+
+    async def listen(
+        self,
+        scope: Scope,
+        message: wire.Message,
+        headers: dict[str, str],
+        caller: str,
+        guard: Guard | None,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """`subscriptions/listen` (2026-07-28) from an identified caller: its stream, or the
+        `RpcError` or `Answer` that says why not (an Accept without text/event-stream is
+        -32600: the answer can only be a stream)."""
+        if not wire.accepts(headers, "text/event-stream"):
+            said = "subscriptions/listen is answered as an SSE stream: Accept text/event-stream"
+            raise wire.RpcError(wire.INVALID_REQUEST, said, http_status=406)
+        frames = listen_frames(message)
+        self.room(caller)
+        draining = scope.get("state", {}).get(DRAINING)
+        await self.stream(caller, guard, receive, send, draining, frames)
 
     def room(self, caller: str) -> None:
         """Room for one more of the caller's streams, else the 429 `Answer`."""
@@ -130,6 +193,7 @@ class Listeners:
         receive: Receive,
         send: Send,
         draining: asyncio.Event | None,
+        frames: Frames = GET_FRAMES,
     ) -> None:
         """Hold one stream until the client goes away or the gateway stops (`room` first)."""
         catalog = self._catalog()
@@ -150,7 +214,7 @@ class Listeners:
                     ],
                 }
             )
-            await http.chunk(send, b": listening for notifications/tools/list_changed\n\n")
+            await http.chunk(send, frames.opening)
             while True:
                 tick = asyncio.ensure_future(self._tick.wait())
                 try:
@@ -160,11 +224,15 @@ class Listeners:
                     )
                 finally:
                     tick.cancel()
-                if gone in done or stopping in done:
+                if gone in done:
+                    break
+                if stopping in done:
+                    if frames.closing:
+                        await http.chunk(send, frames.closing)
                     break
                 now = await _listed(catalog, caller, guard)
-                if now is not None and seen is not None and now != seen:
-                    await http.chunk(send, wire.sse_event(LIST_CHANGED))
+                if now is not None and seen is not None and now != seen and frames.changed:
+                    await http.chunk(send, frames.changed)
                 elif not done:
                     await http.chunk(send, b": keep-alive\n\n")
                 seen = now if now is not None else seen

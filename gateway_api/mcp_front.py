@@ -26,8 +26,9 @@ stream that breaks loses nothing: the request carries on in Temporal,
 `GET /reach/requests/{id}` reads its verdict from any gateway, and the same call repeated with
 `_meta["reach/requestId"]` set to that id attaches to it.
 
-**List changed.** `GET /mcp` (session-based generation): an SSE stream of
-`notifications/tools/list_changed` for the caller's tools (`gateway_api._mcp_listen`).
+**List changed.** `GET /mcp` (session-based generation) and `subscriptions/listen`
+(2026-07-28): an SSE stream of `notifications/tools/list_changed` for the caller's tools
+(`gateway_api._mcp_listen`).
 
 **Auth.** Reach's bearer tokens. Without a valid one (when tokens are required) every request
 is 401 with `WWW-Authenticate: Bearer resource_metadata="..."`, pointing at the RFC 9728
@@ -90,9 +91,9 @@ SSE_AFTER_S = 2.0
 _HOST = re.compile(r"[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](:[0-9]{1,5})?")
 # Logging: the log messages of MCP servers behind Reach, relayed at the level the client asks
 # for (`_mcp_logging`); completions are declared so that clients may ask, and complete nothing
-# (there are no prompts or resources). `tools.listChanged` is true at `initialize` (the GET
-# stream says so); 2026-07-28 has no such stream (its subscriptions/listen is not offered).
-CAPABILITIES: dict[str, Any] = {"tools": {"listChanged": False}, "logging": {}, "completions": {}}
+# (there are no prompts or resources). `tools.listChanged`: the GET stream says so (the
+# handshake generation), and subscriptions/listen (2026-07-28).
+CAPABILITIES: dict[str, Any] = {"tools": {"listChanged": True}, "logging": {}, "completions": {}}
 
 
 def is_mcp(scope: Scope) -> bool:
@@ -243,6 +244,11 @@ class McpFront:
             modern = message.modern
             if modern:
                 version = wire.check_modern(message, headers)
+                if message.method == "subscriptions/listen":  # its answer is a stream
+                    listeners, caller = self.listeners, identity.caller
+                    guard = self.gateway.guard
+                    await listeners.listen(scope, message, headers, caller, guard, receive, send)
+                    return
             else:
                 version = self._session(message, headers, identity)
             reply = await self._dispatch(message, headers, identity, version, modern, send)
@@ -301,7 +307,7 @@ class McpFront:
                 return reply
         out: dict[str, Any]
         if method == "initialize" and not modern:
-            said = {**CAPABILITIES, "tools": {"listChanged": True}}  # on the GET stream
+            said = CAPABILITIES
             out = {
                 "protocolVersion": version,
                 "capabilities": {**said, "tasks": tasks.CAPABILITY_2025}

@@ -19,8 +19,9 @@ extension; otherwise it just runs), `ask_model` and `ask_user` (ask the client f
 elicitation mid-call), `chatty` (sends a log message at each of debug, info, warning and error,
 the warning's data an object with a password in it, 50 ms apart), `grow` (adds the tool it
 names and sends `notifications/tools/list_changed` on the call's stream), `grow_quietly` (the
-same, said on the session's GET stream). `GET /_seen` tells what the server received: each
-JSON-RPC method with its `_meta` and session header, and the tool calls that were cancelled.
+same, said on the session's GET stream, or stateless on `subscriptions/listen` streams).
+`GET /_seen` tells what the server received: each JSON-RPC method with its `_meta` and
+session header, and the tool calls that were cancelled.
 
 `McpServerProcess` starts one and restarts, kills and asks it.
 """
@@ -151,7 +152,10 @@ def build(mode: str, calls: Path) -> Any:
             return "grown"
 
         server.add_tool(grown, name=name, description="Added at run time.")
-        await ctx.session.send_tool_list_changed()  # no related request: the session's stream
+        if mode == "stateless":  # 2026-07-28: to its subscriptions/listen streams
+            await ctx.notify_tools_changed()
+        else:
+            await ctx.session.send_tool_list_changed()  # no related request: the GET stream
         return "grown"
 
     app = server.streamable_http_app(stateless_http=mode == "stateless")

@@ -1,12 +1,15 @@
 """`GET /mcp` on the MCP front, against a real gateway on the Temporal dev server: the `mcp`
 package's client (session-based) hears `notifications/tools/list_changed` when an MCP server
 registered by URL adds tools, and again when it leaves; the 2026-07-28 generation has no GET
-stream (405); a caller holds at most 64 streams; a stream ends when the gateway stops."""
+stream (405) but `subscriptions/listen`, which the client's `listen` hears the same on; a
+caller holds at most 64 streams; a stream ends when the gateway stops (a listen stream with
+its request's result)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
@@ -30,6 +33,21 @@ from tests.mcp_servers import McpServerProcess
 pytestmark = pytest.mark.integration
 
 SSE = {"Accept": "text/event-stream"}
+SUBSCRIPTION = "io.modelcontextprotocol/subscriptionId"
+LISTEN_HEADERS = {
+    "MCP-Protocol-Version": "2026-07-28",
+    "Mcp-Method": "subscriptions/listen",
+    "Accept": "application/json, text/event-stream",
+}
+
+
+def listen_request(key: str | int, notifications: Any) -> dict[str, Any]:
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {},
+    }
+    params = {"notifications": notifications, "_meta": meta}
+    return {"jsonrpc": "2.0", "id": key, "method": "subscriptions/listen", "params": params}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +116,52 @@ async def test_a_session_client_hears_that_its_tools_changed(
         assert f"{capability}.echo" not in {t.name for t in (await client.list_tools()).tools}
 
 
+async def test_a_2026_client_hears_its_tools_changed_on_subscriptions_listen(
+    gateway: GatewayProcess,
+    http: httpx.AsyncClient,
+    server: McpServerProcess,
+    capability: str,
+) -> None:
+    url = f"{gateway.url}/mcp"
+    async with (
+        httpx2.AsyncClient(trust_env=False) as client_http,
+        Client(streamable_http_client(url, http_client=client_http)) as client,
+    ):
+        tools = client.server_capabilities.tools
+        assert tools is not None
+        assert tools.list_changed is True
+        async with client.listen(tools_list_changed=True, prompts_list_changed=True) as sub:
+            assert sub.honored.tools_list_changed is True
+            assert not sub.honored.prompts_list_changed  # Reach has no prompts
+            events = aiter(sub)
+            async with registered(http, gateway, server, capability):
+                async with asyncio.timeout(20):
+                    await anext(events)
+                names = {t.name for t in (await client.list_tools()).tools}
+                assert f"{capability}.echo" in names
+
+
+async def test_subscriptions_listen_answers_as_its_spec_says(
+    gateway: GatewayProcess, http: httpx.AsyncClient
+) -> None:
+    url = f"{gateway.url}/mcp"
+    bad = await http.post(url, json=listen_request("s", 3), headers=LISTEN_HEADERS)
+    assert bad.json()["error"]["code"] == -32602
+    plain = {**LISTEN_HEADERS, "Accept": "application/json"}
+    refused = await http.post(url, json=listen_request("s", {}), headers=plain)
+    assert refused.status_code == 406
+    asked = listen_request("sub-1", {"toolsListChanged": True, "promptsListChanged": True})
+    async with http.stream("POST", url, json=asked, headers=LISTEN_HEADERS) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        async with asyncio.timeout(10):
+            first = await anext(line async for line in stream.aiter_lines() if line[:5] == "data:")
+    ack = json.loads(first[5:])
+    assert ack["method"] == "notifications/subscriptions/acknowledged"
+    assert ack["params"]["notifications"] == {"toolsListChanged": True}  # no prompts here
+    assert ack["params"]["_meta"] == {SUBSCRIPTION: "sub-1"}
+
+
 async def test_get_answers_as_each_generation_says(
     gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
@@ -153,14 +217,28 @@ async def test_a_stream_ends_when_the_gateway_stops(temporal_server: str, tmp_pa
         async with (
             httpx.AsyncClient(trust_env=False, timeout=60) as http,
             http.stream("GET", f"{gateway.url}/mcp", headers=SSE) as stream,
+            http.stream(
+                "POST",
+                f"{gateway.url}/mcp",
+                json=listen_request(7, {"toolsListChanged": True}),
+                headers=LISTEN_HEADERS,
+            ) as listening,
         ):
             assert stream.status_code == 200
+            assert listening.status_code == 200
             lines = stream.aiter_lines()
             assert (await anext(lines)).startswith(":")
             stopping = time.monotonic()
             os.killpg(gateway.proc.popen.pid, signal.SIGTERM)
             rest = [line async for line in lines]
+            said = [line async for line in listening.aiter_lines() if line.startswith("data:")]
         assert time.monotonic() - stopping < 10, rest  # not uvicorn's wait for the stream
+        # A listen stream ends with its request's result (a graceful end, not a lost stream).
+        assert json.loads(said[-1][5:]) == {
+            "jsonrpc": "2.0",
+            "id": 7,
+            "result": {"_meta": {SUBSCRIPTION: 7}, "resultType": "complete"},
+        }
         await asyncio.to_thread(gateway.proc.popen.wait, 30)
     finally:
         gateway.proc.stop()

@@ -347,26 +347,31 @@ async def test_a_changed_tool_list_is_discovered_at_once_on_the_servers_word(
             assert r.json()["result"] == {"result": "grown"}
 
 
-async def test_a_change_said_on_the_servers_get_stream_is_heard_too(
+async def test_a_change_said_outside_any_call_is_heard_too(
     gateway: GatewayProcess,
     http: httpx.AsyncClient,
     servers: dict[str, McpServerProcess],
     capability: str,
 ) -> None:
-    """A session-based server says it outside any call, on the session's GET stream, which
-    the gateway holds since it discovered the server."""
-    async with registered(http, gateway, servers["session"], capability):
-        body = {"target": capability, "operation": "grow_quietly", "payload": {"name": "hushed"}}
-        r = await http.post(f"{gateway.url}/reach/invoke", json=body)
-        assert r.status_code == 200, r.text
+    """A server says it outside any call: a session-based one on the session's GET stream, a
+    2026-07-28 one on its `subscriptions/listen` streams; the gateway holds either since it
+    discovered the server."""
+    for mode in MODES:
+        cap = f"{capability}-{mode}"
+        async with registered(http, gateway, servers[mode], cap):
+            body = {"target": cap, "operation": "grow_quietly", "payload": {"name": "hushed"}}
+            r = await http.post(f"{gateway.url}/reach/invoke", json=body)
+            assert r.status_code == 200, r.text
 
-        async def listed() -> bool:
-            got = (await http.get(f"{gateway.url}/reach/capabilities/{capability}")).json()
-            return "hushed" in got["instances"][0]["declared"]
+            async def listed(cap: str = cap) -> bool:
+                got = (await http.get(f"{gateway.url}/reach/capabilities/{cap}")).json()
+                return "hushed" in got["instances"][0]["declared"]
 
-        await wait_until(listed, 20)  # probes are a minute apart here
-    methods = [s["method"] for s in (await servers["session"].seen())["seen"]]
-    assert methods.count("tools/list") >= 2
+            await wait_until(listed, 20)  # probes are a minute apart here
+        methods = [s["method"] for s in (await servers[mode].seen())["seen"]]
+        assert methods.count("tools/list") >= 2, mode
+        if mode == "stateless":
+            assert "subscriptions/listen" in methods
 
 
 def endpoint(server: McpServerProcess) -> Endpoint:
