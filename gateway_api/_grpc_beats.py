@@ -1,25 +1,71 @@
 """The gRPC front's heartbeat reports (`reach.v1.Reach/Heartbeat`): one report as the HTTP
 heartbeat's path and body, and a batched report (`HeartbeatRequest.batch`) as
-`POST /reach/heartbeats`, each entry checked and answered on its own."""
+`POST /reach/heartbeats`, each entry checked and answered on its own.
+
+A stream's reports are read and acked with the reader/writer calls (no async generators on
+either side), its idle bound is one timer per `heartbeat_timeout` rather than one per report
+(`IdleWatch`), and a single report is read once per distinct message: an agent sends the
+same bytes every interval while its health is the same, so the report as checked is kept by
+its bytes (`single_entry`) and the next one costs a dictionary look-up. Each report is still
+checked against the agent's token and recorded on its own.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import grpc
 from pydantic import TypeAdapter, ValidationError
 
 from agent_reach_proto import gateway_pb2 as pb
-from gateway_api.grpc_wire import json_text, refusal_of
+from gateway_api.grpc_idle import IdleWatch
+from gateway_api.grpc_wire import json_text, parse, refusal_of
 from gateway_api.services.agents import Agents
 from reach import acceptance
 from reach.acceptance import describe_validation_error
 from reach.errors import InvalidRequest, ReachError
 from reach.limits import Limits
 from reach.messages import InstanceId
-from reach.registry import Beat, BeatEntry, check_batch
+from reach.registry import Beat, BeatEntry, check_batch, kept
 from reach.security.tokens import Principal
 
 _INSTANCE_ID: TypeAdapter[str] = TypeAdapter(InstanceId)
+
+MAX_KNOWN_REPORTS = 20_000
+"""Single reports kept as checked, by their bytes (emptied when full)."""
+_known: dict[bytes, BeatEntry] = {}
+_known_limits: list[Limits] = []
+
+
+def single_entry(raw: bytes, limits: Limits) -> BeatEntry | pb.HeartbeatAck:
+    """A single report's entry (as `entry_of`), or its refusal as an ack, or `BATCHED` for a
+    report with `batch` set (not kept: `batch_ack` reads it)."""
+    if not _known_limits or _known_limits[0] is not limits:  # reconfigured: check again
+        _known.clear()
+        _known_limits[:] = [limits]
+    entry = _known.get(raw)
+    if entry is not None:
+        return entry
+    try:
+        report = parse(pb.HeartbeatRequest, raw)
+    except Exception as exc:
+        return refused_ack("", exc)
+    if report.batch:
+        return BATCHED
+    try:
+        entry = kept(entry_of(report, limits))
+    except Exception as exc:
+        return refused_ack(report.instance_id, exc)
+    if len(_known) >= MAX_KNOWN_REPORTS:
+        _known.clear()
+    _known[raw] = entry
+    return entry
+
+
+BATCHED = pb.HeartbeatAck()
+"""`single_entry`'s answer for a batched report (handled by `batch_ack`)."""
 
 
 def entry_of(report: pb.HeartbeatRequest, limits: Limits) -> BeatEntry:
@@ -94,3 +140,58 @@ def beat_ack(beat: Beat) -> pb.HeartbeatAck:
         status=beat.status,
         heartbeat_interval=beat.heartbeat_interval,
     )
+
+
+async def serve_stream(
+    context: grpc.aio.ServicerContext[bytes, pb.HeartbeatAck],
+    idle_s: Callable[[], float],
+    agent_of: Callable[[], Principal | None],
+    ack_of: Callable[[bytes, Principal | None], Awaitable[pb.HeartbeatAck]],
+) -> None:
+    """A Heartbeat stream's reports, one ack each, until the agent closes it. `agent_of` checks
+    the token again for every report (a revoked one ends the stream, UNAUTHENTICATED); a
+    stream silent for `idle_s()` ends DEADLINE_EXCEEDED."""
+    watch = IdleWatch(idle_s)
+    try:
+        while True:
+            watch.waiting()
+            try:
+                raw = await context.read()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not watch.expired or task is None or task.uncancel():
+                    raise
+                limit = idle_s()
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no heartbeat report in {limit:g} s (registry.heartbeat_timeout): "
+                    "the stream is closed; open a new one to report again",
+                )
+            watch.busy()
+            if not isinstance(raw, bytes):  # grpc.aio.EOF: the agent closed its side
+                return
+            try:
+                agent = agent_of()
+            except ReachError as exc:
+                await refusal_of(exc, "Heartbeat", None).end(context)
+            await context.write(await ack_of(raw, agent))
+    finally:
+        watch.close()
+
+
+async def single_ack(
+    raw: bytes, agents: Agents, agent: Principal | None, limits: Limits
+) -> pb.HeartbeatAck:
+    """One report (single or batched) recorded and answered."""
+    entry = single_entry(raw, limits)
+    if entry is BATCHED:
+        return await batch_ack(parse(pb.HeartbeatRequest, raw), agents, agent, limits)
+    if isinstance(entry, pb.HeartbeatAck):
+        return entry
+    try:
+        beat = (await agents.heartbeats((entry,), agent))[0]
+    except Exception as exc:
+        return refused_ack(entry.instance_id, exc)
+    if isinstance(beat, ReachError):
+        return refused_ack(entry.instance_id, beat)
+    return beat_ack(beat)

@@ -87,7 +87,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[i
 from grpc_reflection.v1alpha import reflection  # type: ignore[import-untyped]
 
 from agent_reach_proto import gateway_pb2 as pb
-from gateway_api._grpc_beats import batch_ack, beat_ack, entry_of, refused_ack
+from gateway_api._grpc_beats import serve_stream, single_ack
 from gateway_api.errors import status_code_of
 from gateway_api.gateway import Gateway
 from gateway_api.grpc_wire import (
@@ -280,13 +280,12 @@ class ReachService:
             session=ack.session,
         )
 
-    async def heartbeat(
-        self, requests: AsyncIterator[bytes], context: HeartbeatContext
-    ) -> AsyncIterator[pb.HeartbeatAck]:
+    async def heartbeat(self, requests: AsyncIterator[bytes], context: HeartbeatContext) -> None:
         """One ack per report; a refused report (a malformed one too) is acked with its error
         and the stream goes on (`unknown_instance`: join again). The token is checked again
         for every report: one revoked (or a door closed by the first token) while the stream
-        is open ends it with UNAUTHENTICATED, as the next HTTP heartbeat would get 401."""
+        is open ends it with UNAUTHENTICATED, as the next HTTP heartbeat would get 401. Read
+        and written with the reader/writer calls (`gateway_api._grpc_beats.serve_stream`)."""
         authorization = metadata_of(context).get(AUTHORIZATION_KEY)
         try:
             self.beats.take()
@@ -294,30 +293,15 @@ class ReachService:
             await refusal_of(exc, "Heartbeat", None).end(context)
         try:
             try:
-                agent = self._agent(authorization)
+                self._agent(authorization)
             except Exception as exc:
                 await refusal_of(exc, "Heartbeat", None).end(context)
-            reports = aiter(requests)
-            while True:
-                # A stream that reports nothing for a heartbeat timeout is no agent's: ended,
-                # so that idle streams cannot hold the room.
-                idle_s = self.gateway.live.settings.registry.heartbeat_timeout
-                try:
-                    async with asyncio.timeout(idle_s):
-                        raw = await anext(reports)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    await context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"no heartbeat report in {idle_s:g} s (registry.heartbeat_timeout): "
-                        "the stream is closed; open a new one to report again",
-                    )
-                try:
-                    agent = self._agent(authorization)
-                except ReachError as exc:
-                    await refusal_of(exc, "Heartbeat", None).end(context)
-                yield await self._beat(raw, agent)
+            await serve_stream(
+                context,
+                lambda: self.gateway.live.settings.registry.heartbeat_timeout,
+                lambda: self._agent(authorization),
+                self._beat,
+            )
         finally:
             self.beats.release()
 
@@ -329,19 +313,7 @@ class ReachService:
         return guard.auth.agent(authorization)
 
     async def _beat(self, raw: bytes, agent: Principal | None = None) -> pb.HeartbeatAck:
-        try:
-            report = parse(pb.HeartbeatRequest, raw)
-        except Exception as exc:
-            return refused_ack("", exc)
-        limits, agents = self.gateway.limits, self.gateway.agents
-        if report.batch:
-            return await batch_ack(report, agents, agent, limits)
-        try:
-            entry = entry_of(report, limits)
-            beat = await agents.heartbeat(entry.instance_id, entry.report, agent, entry.session)
-        except Exception as exc:
-            return refused_ack(report.instance_id, exc)
-        return beat_ack(beat)
+        return await single_ack(raw, self.gateway.agents, agent, self.gateway.limits)
 
 
 class _GrpcFront:

@@ -20,6 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from reach.config import RegistrySettings, TransportSettings
 from reach.errors import (
@@ -37,6 +38,7 @@ from reach.registry._beats import (
     beat_of,
     check_batch,
     health_fields,
+    kept,
     refusals,
 )
 from reach.registry._records import (
@@ -322,6 +324,7 @@ class Registry:
         """Many heartbeats at once, each answered on its own (`heartbeat`'s refusals, entry by
         entry): one store read when a session or `principal` is to be checked, and one store
         write for the whole batch. A store failure fails the batch (`Unavailable`)."""
+        going: Sequence[int] | None = None  # the entries not refused (None: every one)
         outcomes: list[BeatOutcome | None] = [None] * len(entries)
         if principal is not None or any(entry.session is not None for entry in entries):
             stored = await self.store.get_records([entry.instance_id for entry in entries])
@@ -333,10 +336,11 @@ class Registry:
                             "heartbeat of instance=%s from a replaced session refused",
                             entries[n].instance_id,
                         )
+            going = [n for n, outcome in enumerate(outcomes) if outcome is None]
         now = time.time()
-        going = [n for n, outcome in enumerate(outcomes) if outcome is None]
+        writing = entries if going is None else [entries[n] for n in going]
         previous = await self.store.update_records(
-            [(entries[n].instance_id, health_fields(entries[n].report, now)) for n in going],
+            [(entry.instance_id, health_fields(entry, now)) for entry in writing],
             ttl_s=self.settings.heartbeat_timeout,
             group_ttl_s=self._retention_s,
         )
@@ -344,9 +348,10 @@ class Registry:
         # Each instance whose status changed, announced once for the batch however many of its
         # entries changed it (a batch flipping one instance 1000 times made 1000 announcements,
         # each a store round trip in turn and a refresh on every gateway listening).
-        changed: dict[tuple[str, str], tuple[str, BeatEntry]] = {}
-        for n, before in zip(going, previous, strict=True):
-            entry = entries[n]
+        changed: dict[tuple[str, str], tuple[str, BeatEntry]] | None = None
+        for n, entry, before in zip(
+            range(len(entries)) if going is None else going, writing, previous, strict=True
+        ):
             outcome, was = beat_of(entry, before)
             outcomes[n] = outcome
             if isinstance(outcome, ReachError):
@@ -357,6 +362,8 @@ class Registry:
                 continue
             if was != outcome.status:
                 key = (outcome.capability, entry.instance_id)
+                if changed is None:
+                    changed = {}
                 changed[key] = (changed[key][0] if key in changed else str(was), entry)
             if sampled:
                 # Routine: the sampled heartbeat log (telemetry.heartbeat_log_sample).
@@ -366,7 +373,7 @@ class Registry:
                     outcome.status,
                     outcome.inflight,
                 )
-        for (capability, instance_id), (was, entry) in changed.items():
+        for (capability, instance_id), (was, entry) in (changed or {}).items():
             log.info(
                 "health instance=%s capability=%s %s -> %s checks=%s",
                 instance_id,
@@ -376,7 +383,7 @@ class Registry:
                 entry.report.checks,
             )
             await self._announce(capability, instance_id)
-        return [outcome for outcome in outcomes if outcome is not None]  # every one is set
+        return cast(list[BeatOutcome], outcomes)  # every one is set
 
     async def leave(self, instance_id: str) -> bool:
         previous = await self.store.delete_record(instance_id)
@@ -484,4 +491,5 @@ __all__ = [
     "UnknownInstance",
     "check_batch",
     "declared_policy",
+    "kept",
 ]

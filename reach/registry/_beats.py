@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reach.errors import (
     Forbidden,
@@ -34,6 +34,7 @@ class BeatEntry:
     instance_id: str
     report: HealthReport
     session: str | None = None
+    head: str | None = field(default=None, compare=False, repr=False)  # `kept`
 
 
 def check_batch(size: int) -> None:
@@ -80,15 +81,25 @@ def refusals(
     return out
 
 
-def health_fields(report: HealthReport, now: float) -> dict[str, str]:
-    """The record's health part a heartbeat writes."""
-    health = {
-        "status": report.status,
-        "checks": report.checks,
-        "inflight": report.inflight,
-        "last_seen": now,
-    }
-    return {HEALTH: json.dumps(health)}
+def health_head(report: HealthReport) -> str:
+    """The health part a heartbeat writes, up to its time (`health_fields`)."""
+    values = {"status": report.status, "checks": report.checks, "inflight": report.inflight}
+    return json.dumps(values)[:-1] + ', "last_seen": '
+
+
+def health_fields(entry: BeatEntry, now: float) -> dict[str, str]:
+    """The record's health part a heartbeat writes: what json.dumps makes of its status,
+    checks, inflight and last_seen, in that order."""
+    head = entry.head if entry.head is not None else health_head(entry.report)
+    return {HEALTH: f"{head}{now!r}}}"}
+
+
+def kept(entry: BeatEntry) -> BeatEntry:
+    """The entry with its health part made once, for a front that keeps entries to apply
+    again (the same report every interval: its checks are encoded once, not per beat)."""
+    if entry.head is not None:
+        return entry
+    return BeatEntry(entry.instance_id, entry.report, entry.session, health_head(entry.report))
 
 
 def beat_of(entry: BeatEntry, previous: Record | None) -> tuple[BeatOutcome, str | None]:

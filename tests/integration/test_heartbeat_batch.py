@@ -316,3 +316,54 @@ async def test_a_grpc_join_declares_descriptions_and_input_schemas(
     tool = tools[f"{capability}.lookup"]
     assert tool["description"] == "Look a text up in the index."
     assert tool["inputSchema"] == schema
+
+
+@pytest.mark.parametrize("which", ["plain", "secured"])
+async def test_the_same_report_sent_again_is_answered_by_what_the_registry_holds_then(
+    gateways: Gateways, http: httpx.AsyncClient, capability: str, which: str
+) -> None:
+    """A gateway keeps a single report as checked, by its bytes (an agent sends the same ones
+    every interval): each repeat is still recorded on its own and checked against the
+    registry and the token of its stream, so the same bytes are answered ok, then
+    unknown_instance once the instance left, instance_replaced once another process joined
+    it, and forbidden on another principal's stream every time."""
+    gateway = gateways.plain if which == "plain" else gateways.secured
+    token = gateways.tokens["owner"] if which == "secured" else None
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    async with grpc.aio.insecure_channel(grpc_of(gateway)) as channel:
+        reach = Reach(channel)
+        joined = (await join_three(reach, capability, token))[0]
+        same = pb.HeartbeatRequest(
+            instance_id=joined.instance_id, session=joined.session, checks_json='{"disk":1}'
+        )
+        stream = reach.heartbeat(metadata=auth(token))
+
+        async def answer(on: Any = stream) -> tuple[str, str]:
+            await on.write(same)
+            ack: pb.HeartbeatAck = await on.read()
+            return ack.error_type, ack.status
+
+        assert await answer() == ("", "ok")
+        assert await answer() == ("", "ok")
+        if which == "secured":
+            other = reach.heartbeat(metadata=auth(gateways.tokens["intruder"]))
+            assert (await answer(other))[0] == "forbidden"
+            assert (await answer(other))[0] == "forbidden"
+            await other.done_writing()
+        left = await http.delete(
+            f"{gateway.url}/reach/agents/{joined.instance_id}", headers=headers
+        )
+        assert left.status_code == 204, left.text
+        assert (await answer())[0] == "unknown_instance"
+        again = await reach.join(
+            pb.JoinRequest(
+                capability=capability,
+                instance_id=joined.instance_id,
+                service_address="127.0.0.1:9",
+            ),
+            metadata=auth(token),
+        )
+        assert again.session != joined.session
+        assert (await answer())[0] == "instance_replaced"
+        await stream.done_writing()
+        assert await stream.code() == grpc.StatusCode.OK

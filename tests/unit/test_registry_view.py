@@ -200,3 +200,35 @@ def test_the_memory_stores_expire_lets_the_loop_go_and_keeps_what_is_refreshed()
         assert [r is not None for r in left] == [i % 2 == 0 for i in range(n)]
 
     asyncio.run(run())
+
+
+def test_a_kept_entrys_health_part_is_what_json_makes_of_it() -> None:
+    """A heartbeat writes its health part from a head made once (`kept`) or per beat: the
+    same text either way, json.dumps of status, checks, inflight and last_seen."""
+    import json
+
+    from reach.registry import BeatEntry, kept
+
+    async def run() -> None:
+        store = MemoryStore()
+        registry = Registry(store, RegistrySettings(heartbeat_timeout=60))
+        await registry.join(JoinRequest(capability="cap", instance_id="i", service_address="a:1"))
+        for report in (
+            HealthReport(),
+            HealthReport(status="degraded", checks={"disk": [1, {"é": None}]}, inflight=7),
+        ):
+            entry = BeatEntry("i", report)
+            assert kept(entry) == entry  # the head is no part of what an entry says
+            for made in (entry, kept(entry)):
+                await registry.heartbeats([made])
+                stored = (await store.get_records(["i"]))[0]
+                assert stored is not None
+                text = stored.fields["health"]
+                values = json.loads(text)
+                assert text == json.dumps(values)
+                assert list(values) == ["status", "checks", "inflight", "last_seen"]
+                assert values["status"] == report.status
+                assert values["checks"] == report.checks
+                assert values["inflight"] == report.inflight
+
+    asyncio.run(run())
