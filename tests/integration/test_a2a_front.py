@@ -674,3 +674,26 @@ async def test_an_sdk_agent_is_told_the_conversation(front: Front) -> None:
     assert second.task.context_id == context
     assert result_of(second.task)["context_id"] == context
     assert result_of(second.task)["request_id"] == second.task.id
+
+
+async def test_invoke_continues_a_conversation_only_of_its_target(front: Front) -> None:
+    """`context_id` in POST /reach/invoke: the door's check, whichever front asks."""
+    token = front.tokens["orchestrator"]
+    client, http = await client_of(front.a, FAST, token, streaming=False)
+    async with aclosing(http):
+        [first] = await events_of(client, message())
+        context = first.task.context_id
+        body = {"target": FAST, "operation": "query", "payload": {"text": "x"}}
+        url = f"{front.a.url}/reach/invoke"
+        joined = await http.post(url, json={**body, "context_id": context})
+        assert joined.status_code == 200, joined.text
+        assert joined.json()["result"]["context_id"] == context
+        elsewhere = {**body, "target": SLOW, "context_id": context}
+        wrong = await http.post(url, json=elsewhere)
+        assert wrong.status_code == 422, wrong.text
+        assert f"a conversation with {FAST!r}" in wrong.json()["error"]["message"]
+    headers = bearer(front.tokens["other"])
+    async with httpx.AsyncClient(trust_env=False, timeout=30, headers=headers) as other:
+        refused = await other.post(url, json={**body, "context_id": context})
+    assert refused.status_code == 404, refused.text
+    assert refused.json()["error"]["type"] == "unknown_request"

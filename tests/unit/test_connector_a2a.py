@@ -99,6 +99,23 @@ def test_send_message_carries_the_payload_the_header_and_a_follow_up_s_ids() -> 
     assert params["configuration"] == {"returnImmediately": True}
 
 
+def test_a_conversation_is_the_agents_context_unless_a_follow_up_names_its_task() -> None:
+    msg = message("echo", {"x": 1})
+    msg.header.context_id = "req-first"
+    sent = send_request(msg)["message"]
+    assert sent["contextId"] == "req-first"
+    assert "taskId" not in sent
+    assert sent["metadata"]["reach"]["context_id"] == "req-first"
+    answer = message("ask", {"name": "Ada", "_a2a": {"task_id": "t1", "context_id": "c1"}})
+    answer.header.context_id = "req-first"
+    sent = send_request(answer)["message"]
+    assert (sent["taskId"], sent["contextId"]) == ("t1", "c1")  # the agent's own task
+    only_task = message("ask", {"_a2a": {"task_id": "t1"}})
+    only_task.header.context_id = "req-first"
+    assert "contextId" not in send_request(only_task)["message"]  # the task's is the agent's
+    assert "contextId" not in send_request(message("echo", {}))["message"]
+
+
 def test_json_rpc_errors_keep_the_agent_s_words_and_only_internal_is_retried() -> None:
     internal = rpc_error({"code": -32603, "message": "db down"}, "agent a1 refused SendMessage")
     assert internal.retryable
