@@ -8,8 +8,9 @@ a member per call scored by its lease's end (Redis's clock): the process renews 
 its live calls every third of `lease_s`, so the calls of a process that was killed expire
 within `lease_s` instead of leaking. On a Redis Cluster `<prefix>` is the store's hash tag
 (`{<prefix>}`), so every capability's set lives in the registry's slot. Writes are
-fire-and-forget, batched into one pipeline; other processes' counts are re-read in the
-background when older than `refresh_s`, so routing never waits for the store.
+fire-and-forget, gathered for `write_delay_s` into one pipeline (a call that began and ended
+within it is never written: nothing to add, nothing to remove); other processes' counts are
+re-read in the background when older than `refresh_s`, so routing never waits for the store.
 """
 
 from __future__ import annotations
@@ -18,22 +19,24 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import os
 import secrets
 import socket
 import time
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 
+from reach.routing.latency import Latency
 from reach.store import Store
 
 log = logging.getLogger("reach.routing.inflight")
 
 RESERVATION_S = 2.0
-LATENCY_TAU_S = 10.0
+# How long the in-flight writer gathers begins and ends before one pipeline takes them all:
+# a tenth of the default refresh (other processes read the counts at most that often anyway).
+WRITE_DELAY_S = 0.01
 # A failed call (unreachable, 5xx, timeout) is observed as at least this many times the
 # capability's typical latency: an instance failing fast must not look like the fastest.
 FAILURE_PENALTY = 5.0
@@ -96,56 +99,6 @@ class Loads(Mapping[str, int]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
-
-
-class Latency:
-    """Each instance's recent call latency (peak EWMA, Finagle's): a slower call raises it at
-    once, faster ones lower it over `tau_s`; unread, it drifts back to the capability's
-    typical latency, so an instance avoided for being slow is tried again now and then."""
-
-    __slots__ = ("_by_instance", "_typical", "tau_s")
-
-    def __init__(self, tau_s: float = LATENCY_TAU_S) -> None:
-        self.tau_s = tau_s
-        self._by_instance: dict[str, tuple[float, float]] = {}  # id -> (ms, when)
-        self._typical: tuple[float, float] | None = None
-
-    def typical(self) -> float:
-        return self._typical[0] if self._typical else 1.0
-
-    def observe(self, instance_id: str, ms: float, now: float) -> None:
-        ms = max(ms, 0.001)
-        if self._typical is None:
-            self._typical = (ms, now)
-        else:
-            value, when = self._typical
-            w = math.exp(-max(0.0, now - when) / self.tau_s)
-            self._typical = (value * w + ms * (1 - w), now)
-        current = self.of(instance_id, now)
-        if instance_id not in self._by_instance or ms > current:
-            self._by_instance[instance_id] = (ms, now)
-            return
-        w = math.exp(-max(0.0, now - self._by_instance[instance_id][1]) / self.tau_s)
-        self._by_instance[instance_id] = (current * w + ms * (1 - w), now)
-
-    def of(self, instance_id: str, now: float) -> float:
-        """The instance's latency now (ms); the typical one when it has none."""
-        typical = self.typical()
-        seen = self._by_instance.get(instance_id)
-        if seen is None:
-            return typical
-        value, when = seen
-        return typical + (value - typical) * math.exp(-max(0.0, now - when) / self.tau_s)
-
-    def __len__(self) -> int:
-        return len(self._by_instance)
-
-    def forget(self, keep: Container[str]) -> None:
-        for instance_id in [i for i in self._by_instance if i not in keep]:
-            del self._by_instance[instance_id]
-
-    def drop(self, instance_id: str) -> None:
-        self._by_instance.pop(instance_id, None)
 
 
 class InflightTracker:
@@ -294,16 +247,19 @@ class SharedInflightTracker(InflightTracker):
         *,
         lease_s: float = 10.0,
         refresh_s: float = 0.1,
+        write_delay_s: float = WRITE_DELAY_S,
     ) -> None:
         super().__init__()
         self._r = client
         self._prefix = prefix
         self.lease_s = lease_s
         self.refresh_s = refresh_s
+        self.write_delay_s = write_delay_s
         self._lease = client.register_script(_LEASE)
         self._read = client.register_script(_READ)
         self._live: dict[str, dict[str, Call]] = {}  # capability -> member -> call
-        self._ops: list[tuple[str, str, str]] = []  # ("add" | "rem", capability, member)
+        # ("begin" | "add" (a renewal) | "rem", capability, member), in the order they happened
+        self._ops: list[tuple[str, str, str]] = []
         self._wake = asyncio.Event()
         self._others: dict[str, tuple[float, dict[str, int], int]] = {}
         self._refreshing: dict[str, asyncio.Task[None]] = {}
@@ -324,7 +280,9 @@ class SharedInflightTracker(InflightTracker):
         for task in [*self._tasks, *self._refreshing.values()]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._refreshing.values(), return_exceptions=True)
-        # Leave nothing behind for the others to count until the leases end.
+        # The removals still gathered go first (their calls' members were written before);
+        # then leave nothing behind for the others to count until the leases end.
+        await self._write()
         if any(self._live.values()):
             with contextlib.suppress(RedisError, OSError):
                 async with self._r.pipeline(transaction=False) as pipe:
@@ -335,7 +293,7 @@ class SharedInflightTracker(InflightTracker):
 
     def _shared_begin(self, call: Call) -> None:
         self._live.setdefault(call.capability, {})[call.member] = call
-        self._ops.append(("add", call.capability, call.member))
+        self._ops.append(("begin", call.capability, call.member))
         self._wake.set()
 
     def _shared_end(self, call: Call) -> None:
@@ -417,14 +375,16 @@ class SharedInflightTracker(InflightTracker):
     async def _writer(self) -> None:
         while True:
             await self._wake.wait()
+            # Off the calls' path: what begins and ends meanwhile goes in the same pipeline.
+            await asyncio.sleep(self.write_delay_s)
             self._wake.clear()
             async with self._write_lock:
                 await self._write()
 
     async def _write(self) -> None:
-        if not self._ops:
+        ops, self._ops = _unwritten(self._ops), []
+        if not ops:
             return
-        ops, self._ops = self._ops, []
         try:
             try:
                 await self._send(ops)
@@ -445,7 +405,7 @@ class SharedInflightTracker(InflightTracker):
         lease_ms = int(self.lease_s * 1000)
         async with self._r.pipeline(transaction=False) as pipe:
             for op, capability, member in ops:
-                if op == "add":
+                if op != "rem":
                     pipe.execute_command(
                         "EVALSHA", self._lease.sha, 1, self._key(capability), lease_ms, member
                     )
@@ -468,6 +428,16 @@ class SharedInflightTracker(InflightTracker):
         if now - self._warned >= 10.0:
             self._warned = now
             log.warning("%s", message)
+
+
+def _unwritten(ops: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """`ops` without the calls that began and ended among them: never written, so there is
+    nothing to add and nothing to remove (a renewal of one of them neither)."""
+    begun = {member for op, _, member in ops if op == "begin"}
+    if not begun:
+        return ops
+    over = {member for op, _, member in ops if op == "rem" and member in begun}
+    return [entry for entry in ops if entry[2] not in over] if over else ops
 
 
 def create_inflight(

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import contextvars
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qs, unquote
@@ -32,6 +32,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 RedisClient = aioredis.Redis | RedisCluster
 """What the store, the policy state and the in-flight counts talk to."""
@@ -171,8 +172,14 @@ def connect(url: str, *, timeout_s: float, max_connections: int) -> RedisClient:
         # heartbeats into 503s. redis-py 8.1 defaults: a `from_url` client never retries
         # (the first command after a Redis restart fails on its dead pooled connection),
         # `Redis()` retries TimeoutError too, ten times with backoff.
+        # `_Connection` for redis:// (the URL's own class wins for unix:// and rediss://).
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s, retry=_retry(), **common
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,
+            retry=_retry(),
+            connection_class=_Connection,
+            **common,
         )
         return aioredis.Redis.from_pool(pool)
     if target.topology == "sentinel":
@@ -215,6 +222,44 @@ async def close_client(client: RedisClient) -> None:
     pool = getattr(client, "connection_pool", None)
     if isinstance(pool, SentinelConnectionPool):
         await pool.sentinel_manager.aclose()
+
+
+class _Connection(aioredis.Connection):
+    """redis-py's TCP connection, writing a command under its socket timeout without a task
+    of its own: redis-py bounds each write with `asyncio.wait_for`, which on Python 3.11 runs
+    it as a new task (a task, a future and a timer handle for every command and pipeline, most
+    of the Redis client's CPU in the gateway's background writes). Here the write is queued
+    on the transport at once and only a drain that has to wait (a full socket buffer: a stuck
+    Redis) waits under `asyncio.timeout`; failures end as redis-py's do (the connection
+    dropped; TimeoutError, ConnectionError), so the store's failure policy holds."""
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        writer = self._writer
+        if not self.socket_timeout or writer is None or not self.is_connected:
+            await super().send_packed_command(command, check_health)  # connects first
+            return
+        if check_health:
+            await self.check_health()  # type: ignore[no-untyped-call]
+        if isinstance(command, str):
+            command = command.encode()
+        try:
+            if isinstance(command, bytes):
+                writer.write(command)
+            else:
+                writer.writelines(command)
+            async with asyncio.timeout(self.socket_timeout):
+                await writer.drain()
+        except TimeoutError:
+            await self.disconnect(nowait=True)
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        except OSError as exc:
+            await self.disconnect(nowait=True)
+            raise ConnectionError(f"Error while writing to socket: {exc}") from exc
+        except BaseException:
+            await self.disconnect(nowait=True)  # a write cut off midway: never reuse it
+            raise
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
