@@ -36,7 +36,7 @@ RECOVERY_BOUND_S = 6.0
 async def takeover(
     temporal_server: str, module_redis_prefix: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[tuple[Stack, GatewayProcess, Worker]]:
-    """What outlives a SIGKILLed gateway, shared by the late-answer tests (each kills a doomed
+    """What outlives a SIGKILLed gateway, shared by the takeover tests (each kills a doomed
     gateway of its own): the gateway agents join and answer through (no worker), and a
     `worker.py` that takes the dead gateway's requests over."""
     stack = new_stack(
@@ -57,20 +57,13 @@ async def takeover(
 
 
 async def test_sigkilled_gateway_worker_mid_request_is_finished_elsewhere(
-    temporal_server: str, redis_prefix: str, tmp_path: Path, http: httpx.AsyncClient
+    takeover: tuple[Stack, GatewayProcess, Worker], tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
-    stack = new_stack(
-        temporal_server,
-        tmp_path,
-        registry="redis",
-        key_prefix=redis_prefix,
-        heartbeat_timeout=5.0,
-    )
+    # survivor_api: where the agent joins and heartbeats; survivor: python worker.py, picks
+    # the request up after the crash.
+    stack, survivor_api, survivor = takeover
     doomed = GatewayProcess(stack, "doomed")  # API + invoke worker: eager start runs the call here
-    # Where the agent joins and heartbeats:
-    survivor_api = GatewayProcess(stack, "api", worker=False)
-    survivor = Worker(stack)  # python worker.py: picks the request up after the crash
-    await asyncio.gather(doomed.ready(), survivor_api.ready(), survivor.ready())
+    await doomed.ready()
     ledger = tmp_path / "ledger.txt"
     agent = await Agent(
         survivor_api, "slow-01", "slow-cap", "--delay-ms", "2000", "--ledger", str(ledger)
