@@ -62,7 +62,7 @@ async def list_requests(
         async for execution in client.list_workflows(
             where + part, limit=limit, page_size=min(limit, 1000), rpc_timeout=rpc_timeout
         ):
-            row = row_of(execution)
+            row = await with_context(execution)
             held = rows.get(row.request_id)
             if held is None or row.started_at > held.started_at:
                 rows[row.request_id] = row
