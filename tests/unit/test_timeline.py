@@ -100,6 +100,11 @@ EXPECTED = {
     "a2a-task": [*SUCCESS[:3], "attempt_accepted", "result"],
     # The same, its agent pushing: a notification ended the wait before the fallback timer.
     "a2a-push": [*SUCCESS[:3], "attempt_accepted", "result"],
+    # Pushed without pause: the looks keep their gap, the poll its own pace (a2a-push-pace).
+    "a2a-push-paced": [*SUCCESS[:3], "attempt_accepted", "result"],
+    # Followed by its stream (SubscribeToTask); and a stream cut mid-task, then polled.
+    "a2a-stream": [*SUCCESS[:3], "attempt_accepted", "result"],
+    "a2a-stream-cut": [*SUCCESS[:3], "attempt_accepted", "result"],
     # Ended in error or timeout: a Failed workflow carrying the envelope (ReachFailedOutcome).
     "failed-error": [*SUCCESS[:3], "attempt_failed", "result", "callback"],
     "failed-timeout": [*SUCCESS[:3], "attempt_failed", "timeout"],
