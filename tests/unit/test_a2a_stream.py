@@ -4,6 +4,7 @@ events split anywhere across chunks, what ends a subscription, what is refused."
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -83,3 +84,20 @@ async def test_an_event_past_the_limit_is_refused_unheld() -> None:
     with pytest.raises(AgentError, match="more than 1000 bytes"):
         async for _ in sse_data(streamed(body, 100), 1000):
             pass
+
+
+async def test_an_event_of_many_lines_past_the_limit_is_refused_unheld() -> None:
+    # Each data: line under the limit, no event's end: the lines together are the event.
+    body = (b"data: " + b"x" * 500 + b"\n") * 50
+    with pytest.raises(AgentError, match="more than 1000 bytes"):
+        async for _ in sse_data(streamed(body, 4096), 1000):
+            pass
+
+
+async def test_a_line_in_small_chunks_is_read_in_linear_time() -> None:
+    # 2 MB sent 32 bytes at a time: 0.3 s here, 20 s when each chunk rescanned the line.
+    line = b'data: {"pad": "' + b"x" * (2 << 20) + b'"}\n\n'
+    started = time.perf_counter()
+    got = [answer async for answer in sse_data(streamed(line, 32), 4 << 20)]
+    assert len(got[0]["pad"]) == 2 << 20
+    assert time.perf_counter() - started < 10
