@@ -10,9 +10,10 @@ anything but an event stream (-32601: it has no such method) is not asked again.
 
 One stream per server with a session, in the session negotiated last: it follows a renewed
 session, reconnects after a break with growing pauses (0.5 s doubling to 30 s, both kinds of
-stream), and stops for good when the server offers no stream (405, or any
-other answer than an event stream) or its client closes. What it carries is read at the pace
-of a call stream's extras (`_mcp_stream.Pace`), each event bounded by `ENVELOPE_BYTES`.
+stream; back to 0.5 s only after a stream held `STEADY_S`), and stops for good when the
+server offers no stream (405, or any other answer than an event stream) or its client closes.
+What it carries is read at the pace of a call stream's extras (`_mcp_stream.Pace`), each event
+bounded by `ENVELOPE_BYTES`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("connectors.mcp")
 
 MAX_PAUSE_S = 30.0
+# A stream held at least this long was a working one: the pause after it ends is the shortest
+# again. One ended sooner (a server or proxy that answers 200 and closes at once, or sends an
+# event past ENVELOPE_BYTES) keeps the pause growing: reset on every 200, it was a listen (and
+# for 2026-07-28 a rediscovery) every 0.5 s for as long as the server did so.
+STEADY_S = 5.0
 LIST_CHANGED = "notifications/tools/list_changed"
 
 
@@ -43,6 +49,7 @@ async def listen(server: McpServer, changed: Callable[[], None]) -> None:
     """Hold the server's GET stream until it offers none or the task is cancelled."""
     pause = 0.5
     while True:
+        held: float | None = None  # when a 200 event stream was opened
         negotiated = server.negotiated
         if negotiated is not None and negotiated.modern:
             await _subscribe(server, changed)
@@ -62,12 +69,20 @@ async def listen(server: McpServer, changed: Callable[[], None]) -> None:
                         log.info("%s offers no GET stream (%d)", server.where, response.status_code)
                         return
                 else:
-                    pause = 0.5
+                    held = asyncio.get_running_loop().time()
                     await _read(server, response, changed)
         except (httpx.HTTPError, ReachError) as exc:
             log.debug("%s: its GET stream broke: %r", server.where, exc)
-        await asyncio.sleep(pause)
-        pause = min(MAX_PAUSE_S, pause * 2)
+        pause = await _pause(pause, held)
+
+
+async def _pause(pause: float, held: float | None) -> float:
+    """Wait before opening the stream again: the shortest pause after a stream held
+    `STEADY_S` (`held`: when it opened), else `pause`; the next pause (doubled) returned."""
+    if held is not None and asyncio.get_running_loop().time() - held >= STEADY_S:
+        pause = 0.5
+    await asyncio.sleep(pause)
+    return min(MAX_PAUSE_S, pause * 2)
 
 
 async def _read(server: McpServer, response: httpx.Response, changed: Callable[[], None]) -> None:
@@ -86,6 +101,7 @@ async def _subscribe(server: McpServer, changed: Callable[[], None]) -> None:
     """Hold a 2026-07-28 server's `subscriptions/listen` stream (see the module docstring)."""
     pause, heard = 0.5, False
     while True:
+        held: float | None = None  # when its event stream was opened
         rpc_id = server.next_id()
         params = {"notifications": {"toolsListChanged": True}, "_meta": w.envelope_meta(w.MODERN)}
         headers = w.request_headers(w.MODERN, None, "subscriptions/listen", None)
@@ -102,9 +118,8 @@ async def _subscribe(server: McpServer, changed: Callable[[], None]) -> None:
                     return
                 if heard:  # back after a gap in which a change may have been said
                     changed()
-                heard, pause = True, 0.5
+                heard, held = True, asyncio.get_running_loop().time()
                 await _read(server, response, changed)
         except (httpx.HTTPError, ReachError) as exc:
             log.debug("%s: its subscriptions/listen stream broke: %r", server.where, exc)
-        await asyncio.sleep(pause)
-        pause = min(MAX_PAUSE_S, pause * 2)
+        pause = await _pause(pause, held)
