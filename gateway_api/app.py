@@ -19,6 +19,7 @@ from temporalio.client import Client
 import reach
 from gateway_api import a2a_front, browsers, grpc_front
 from gateway_api.a2a_front import A2AFastPath, is_a2a_call
+from gateway_api.beats_fast import HeartbeatFastPath, heartbeat_of
 from gateway_api.errors import BodyLimit, CatchBugs, install_error_handlers
 from gateway_api.fast import InvokeFastPath, is_invoke
 from gateway_api.gateway import Gateway
@@ -56,6 +57,7 @@ class ReachApp(FastAPI):
     fast: InvokeFastPath | None = None
     mcp: McpFront | None = None  # POST /mcp and its metadata document, likewise
     a2a: A2AFastPath | None = None  # POST /a2a/{capability}: the A2A front's calls, likewise
+    beats: HeartbeatFastPath | None = None  # PUT /reach/agents/{id}/heartbeat, likewise
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         said = self._from_a_page(scope)
@@ -69,6 +71,12 @@ class ReachApp(FastAPI):
             await self.mcp(scope, receive, send)
         elif self.a2a is not None and is_a2a_call(scope) and not self._framework_telemetry():
             await self.a2a(scope, receive, send)
+        elif (
+            self.beats is not None
+            and heartbeat_of(scope) is not None
+            and not self._framework_telemetry()
+        ):
+            await self.beats(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
 
@@ -203,6 +211,7 @@ def create_app(
     app.add_middleware(BodyLimit, limit=limit)
     app.add_middleware(CatchBugs)
     app.fast = InvokeFastPath(app.state, limit)
+    app.beats = HeartbeatFastPath(app.state, limit)
     app.mcp = McpFront(app.state, limit)  # the MCP front (gateway_api/mcp_front.py)
     app.include_router(invoke.router)
     app.include_router(requests.router)  # GET /reach/requests, .../{id}/timeline

@@ -367,3 +367,47 @@ async def test_the_same_report_sent_again_is_answered_by_what_the_registry_holds
         assert (await answer())[0] == "instance_replaced"
         await stream.done_writing()
         assert await stream.code() == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("which", ["plain", "secured"])
+async def test_a_single_http_heartbeat_answers_as_its_route_did(
+    gateways: Gateways, http: httpx.AsyncClient, capability: str, which: str
+) -> None:
+    """PUT /reach/agents/{id}/heartbeat is answered ahead of the framework (as POST
+    /reach/invoke is): the same answer and envelopes, the token checked before the body, the
+    same bytes checked against the registry each time, an id that is not one left to the
+    route's own 422."""
+    gateway = gateways.plain if which == "plain" else gateways.secured
+    token = gateways.tokens["owner"] if which == "secured" else None
+    owner = {"Authorization": f"Bearer {token}"} if token else {}
+    async with grpc.aio.insecure_channel(grpc_of(gateway)) as channel:
+        joined = (await join_three(Reach(channel), capability, token))[0]
+    url = f"{gateway.url}/reach/agents/{joined.instance_id}/heartbeat"
+    with_session = owner | {"X-Reach-Session": joined.session}
+    for _ in range(2):  # the second: the same bytes again
+        r = await http.put(url, content=b'{"status":"degraded"}', headers=with_session)
+        assert r.status_code == 200, r.text
+        assert r.json() == {
+            "instance_id": joined.instance_id,
+            "status": "degraded",
+            "heartbeat_interval": joined.heartbeat_interval,
+        }
+    await wait_until(
+        lambda: _is(statuses(http, gateway, capability, token), {joined.instance_id: "degraded"}),
+        10,
+    )
+    r = await http.put(url, headers=owner | {"X-Reach-Session": "another"})
+    assert (r.status_code, r.json()["error"]["type"]) == (409, "instance_replaced")
+    r = await http.put(url, content=b"{nope", headers=owner)
+    assert (r.status_code, r.json()["error"]["type"]) == (422, "invalid_request")
+    r = await http.put(f"{gateway.url}/reach/agents/nobody-{capability}/heartbeat", headers=owner)
+    assert (r.status_code, r.json()["error"]["type"]) == (404, "unknown_instance")
+    r = await http.put(f"{gateway.url}/reach/agents/not%20an%20id/heartbeat", headers=owner)
+    assert (r.status_code, r.json()["error"]["type"]) == (422, "invalid_request")
+    if which == "secured":
+        r = await http.put(url, content=b"{nope")  # no token: refused before the body is read
+        assert (r.status_code, r.json()["error"]["type"]) == (401, "unauthorized")
+        intruder = {"Authorization": f"Bearer {gateways.tokens['intruder']}"}
+        for _ in range(2):
+            r = await http.put(url, content=b'{"status":"degraded"}', headers=intruder)
+            assert (r.status_code, r.json()["error"]["type"]) == (403, "forbidden")
