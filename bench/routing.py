@@ -1364,16 +1364,19 @@ class RawHttp:
     """One keep-alive HTTP/1.1 connection written by hand: a few µs a request, so the gateway's
     cost shows rather than the client's (httpx costs ~150 µs a request)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str
+    ) -> None:
+        self.reader, self.writer, self.host = reader, writer, host
 
     @classmethod
     async def open(cls, host: str, port: int) -> RawHttp:
-        return cls(*await asyncio.open_connection(host, port))
+        # The gateway's own name as Host (a gateway refuses one that is not: browsers.py).
+        return cls(*await asyncio.open_connection(host, port), f"{host}:{port}")
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         self.writer.write(
-            f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
