@@ -242,3 +242,39 @@ async def test_a_stream_ends_when_the_gateway_stops(temporal_server: str, tmp_pa
         await asyncio.to_thread(gateway.proc.popen.wait, 30)
     finally:
         gateway.proc.stop()
+
+
+async def test_streams_opened_all_at_once_are_bounded_too(
+    temporal_server: str, tmp_path: Path, redis_prefix: str
+) -> None:
+    """The bound is taken before the caller's first list is read (which waits on a Redis
+    registry when the catalog's cache is stale), so streams asked for at the same moment cannot
+    all pass it."""
+    stack = new_stack(temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix)
+    async with GatewayProcess(stack) as gateway:
+        await _opened_at_once(f"{gateway.url}/mcp")
+
+
+async def _opened_at_once(url: str) -> None:
+    many = 4 * MAX_STREAMS_PER_CALLER
+    limits = httpx.Limits(max_connections=many + 4)
+    async with (
+        httpx.AsyncClient(trust_env=False, timeout=30, limits=limits) as http,
+        contextlib.AsyncExitStack() as streams,
+    ):
+
+        async def stream(i: int) -> int:
+            if i % 2:
+                body = json.dumps(listen_request(i, {"toolsListChanged": True}))
+                opened = http.stream("POST", url, content=body, headers=LISTEN_HEADERS)
+            else:
+                opened = http.stream("GET", url, headers=SSE)
+            response = await streams.enter_async_context(opened)
+            return response.status_code
+
+        for _ in range(3):  # each after the catalog's cache went stale
+            await asyncio.sleep(2.1)
+            codes = await asyncio.gather(*(stream(i) for i in range(many)))
+            assert codes.count(200) <= MAX_STREAMS_PER_CALLER, codes.count(200)
+            assert set(codes) <= {200, 429}
+            await streams.aclose()
