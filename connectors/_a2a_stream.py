@@ -6,7 +6,8 @@ A subscription is only a way to learn *when* to look: what the task ended as is 
 put together, and a `GetTask` reads the whole task as polling does). So the stream's events are
 read for their state alone, each checked as an A2A `StreamResponse` about the task followed:
 
-    a task or status update, submitted / working       still going: read on
+    a task or status update, submitted / working       still going: read on (asking now and
+                                                       then besides: `held`)
     a task or status update, final or interrupted      the end: stop, and look (`GetTask`)
     a message                                          the end of the stream: look
     the stream ends, breaks, stays quiet past          stop, and look; still going means the
@@ -18,21 +19,28 @@ break (the look that follows says what the followed task is).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import httpx
 from a2a.types import StreamResponse, TaskState
 
 from connectors._a2a_wire import A2A_VERSION, PENDING, parse
-from reach.errors import AgentError
-from reach.messages import dumps
+from reach.errors import AgentError, ReachError
+from reach.messages import Reply, dumps
 
 # An SDK agent's SSE stream sends a ping comment every 15 s: a stream quiet for longer is lost.
 STREAM_QUIET_S = 60.0
 # The longest SSE line read (an event past it is refused, not held).
 MAX_LINE_BYTES = 4 * 1024 * 1024
+# While a stream is held, the task is asked about (GetTask) after this long, then twice as
+# long each time up to SIDE_LOOK_MAX_S: a stream that keeps saying working (or pings, or says
+# nothing) after the task ended must not keep its end unseen until the request's deadline.
+SIDE_LOOK_FIRST_S = 5.0
+SIDE_LOOK_MAX_S = 60.0
 
 
 async def sse_data(response: httpx.Response, limit: int) -> AsyncIterator[Any]:
@@ -127,3 +135,34 @@ async def read_until_end(
     finally:
         await response.aclose()
     return "its stream ended before the task did"
+
+
+async def held(
+    stream: Coroutine[Any, Any, str],
+    look: Callable[[], Awaitable[Reply]],
+    first_s: float = SIDE_LOOK_FIRST_S,
+) -> Reply | str:
+    """Hold the stream (`stream`: why it stopped, "" when it said the task did) and, while it
+    goes on, `look` now and then: the first look that finds the task ended (a Reply that is
+    not accepted) is the answer, else the stream's why. A look that gets no answer is let go
+    (the stream is still the way to the end); its other errors are the task's and end it."""
+    reading = asyncio.ensure_future(stream)
+    wait = first_s
+    try:
+        while True:
+            done, _ = await asyncio.wait({reading}, timeout=wait)
+            if done:
+                return reading.result()
+            try:
+                reply = await look()
+            except ReachError as exc:
+                if exc.type not in ("transport_error", "timeout"):
+                    raise
+            else:
+                if reply.status != "accepted":
+                    return reply
+            wait = min(wait * 2, SIDE_LOOK_MAX_S)
+    finally:
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await reading

@@ -40,7 +40,7 @@ import httpx
 
 from agent_reach_proto import wire
 from connectors._a2a_card import MAX_CARD_BYTES, card_url, discovery_of
-from connectors._a2a_stream import ended, read_until_end, sse_data
+from connectors._a2a_stream import ended, held, read_until_end, sse_data
 from connectors._a2a_wire import (
     A2A_VERSION,
     CONTINUE_KEY,
@@ -81,6 +81,7 @@ __all__ = [
     "A2AConnector",
     "discovery_of",
     "ended",
+    "held",
     "reply_of_get",
     "reply_of_send",
     "reply_of_task",
@@ -438,15 +439,22 @@ class A2AConnector(PooledConnector):
         """Follow the task `handle` names by its stream (`SubscribeToTask`) for up to
         `window_s`, then look once (`follow`): when the stream says the task stopped going,
         or ended, broke or went quiet first (then the look may find it still going, and the
-        workflow polls). The window passing first: the task as last seen, still going."""
+        workflow polls); asked besides now and then while the stream goes on (`held`: a stream
+        that kept saying working after the task completed left the request to time out). The
+        window passing first: the task as last seen, still going."""
         url = str(handle.get("url") or "") or await self._rpc_url(endpoint)
         task_id = str(handle.get("task_id") or "")
         try:
             async with asyncio.timeout(max(window_s, 0.001)):
-                why = await self._stream(endpoint, url, task_id, timeout_s)
+                why = await held(
+                    self._stream(endpoint, url, task_id, timeout_s),
+                    lambda: self.follow(endpoint, handle, timeout_s),
+                )
         except TimeoutError:
             kept = {k: v for k, v in handle.items() if k != "subscribe"}
             return Reply(status="accepted", follow=kept)
+        if isinstance(why, Reply):  # asked while the stream said nothing of the end
+            return why
         if why:
             log.info("A2A task %s of %s: %s; asking", task_id, endpoint.instance_id, why)
         return await self.follow(endpoint, handle, timeout_s)

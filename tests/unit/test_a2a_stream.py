@@ -1,8 +1,10 @@
 """The A2A connector's reading of a task's stream (SubscribeToTask's server-sent events):
-events split anywhere across chunks, what ends a subscription, what is refused."""
+events split anywhere across chunks, what ends a subscription, what is refused, and the looks
+asked besides while a stream says nothing of the end."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -11,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from connectors.a2a import ended, sse_data
-from reach.errors import AgentError
+from connectors.a2a import ended, held, sse_data
+from reach.errors import AgentError, ReachError, TransportError
+from reach.messages import Reply
 
 TASK = "task-1"
 
@@ -101,3 +104,47 @@ async def test_a_line_in_small_chunks_is_read_in_linear_time() -> None:
     got = [answer async for answer in sse_data(streamed(line, 32), 4 << 20)]
     assert len(got[0]["pad"]) == 2 << 20
     assert time.perf_counter() - started < 10
+
+
+async def never_ends() -> str:
+    await asyncio.Event().wait()
+    return ""
+
+
+def looks_at(*answers: Reply | ReachError) -> tuple[list[int], Any]:
+    asked: list[int] = []
+
+    async def look() -> Reply:
+        asked.append(1)
+        answer = answers[min(len(asked), len(answers)) - 1]
+        if isinstance(answer, ReachError):
+            raise answer
+        return answer
+
+    return asked, look
+
+
+async def test_a_stream_that_never_tells_the_end_is_asked_about_besides() -> None:
+    # An agent whose stream says working (or nothing) after its task completed left the request
+    # to wait out its deadline, then time out with CancelTask sent to a completed task.
+    asked, look = looks_at(
+        Reply(status="accepted", follow={"task_id": TASK}),
+        TransportError("the agent did not answer"),  # let go: the stream goes on
+        Reply(status="ok", result={"done": True}),
+    )
+    got = await asyncio.wait_for(held(never_ends(), look, first_s=0.01), 30)
+    assert isinstance(got, Reply)
+    assert got.status == "ok"
+    assert len(asked) == 3
+
+
+async def test_the_stream_s_own_end_stands_and_a_look_s_agent_error_ends_it() -> None:
+    async def says_ended() -> str:
+        return ""
+
+    asked, look = looks_at(Reply(status="ok"))
+    assert await held(says_ended(), look, first_s=10) == ""
+    assert asked == []
+    _, refused = looks_at(AgentError("task not found"))
+    with pytest.raises(AgentError, match="task not found"):
+        await asyncio.wait_for(held(never_ends(), refused, first_s=0.01), 30)
