@@ -108,6 +108,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     inv.add_argument("--request-id", metavar="ID", help="a RequestID (generated when absent)")
     inv.add_argument("--idempotency-key", metavar="KEY")
     inv.add_argument("--routing-key", metavar="KEY", help="for consistent_hash routing")
+    inv.add_argument(
+        "--context-id",
+        metavar="ID",
+        help="go on with a conversation: the RequestID of one of its requests",
+    )
 
     agents = sub.add_parser(
         "agents",
@@ -206,7 +211,7 @@ def cmd_invoke(api: Api, args: argparse.Namespace) -> int:
         "operation": args.operation,
         "payload": payload,
     }
-    for key in ("timeout_ms", "callback", "idempotency_key", "routing_key"):
+    for key in ("timeout_ms", "callback", "idempotency_key", "routing_key", "context_id"):
         value = getattr(args, key)
         if value is not None:
             body[key] = value
@@ -259,6 +264,9 @@ def cmd_invoke(api: Api, args: argparse.Namespace) -> int:
     print(line, file=sys.stderr)
     # 504 with status running: the deadline passed without a verdict; the request goes on.
     hint = f" — no verdict yet; look later: reach trace {rid}" if outcome == "running" else ""
+    if outcome == "timeout":
+        # Without --timeout-ms the deadline is the operation's or policy.default_timeout_ms (5 s).
+        hint = " — to wait longer: --timeout-ms MS"
     print(f"error: {error_text(data)} (HTTP {status}){hint}", file=sys.stderr)
     return EXIT_FAILED
 

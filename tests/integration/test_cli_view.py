@@ -225,6 +225,39 @@ def test_invoke_bad_payload_is_a_usage_error(gateway: GatewayProcess) -> None:
     assert "cannot read /nonexistent" in done.stderr
 
 
+def test_invoke_context_id_goes_on_with_a_conversation(
+    gateway: GatewayProcess, agents: tuple[str, list[Agent]]
+) -> None:
+    capability, _ = agents
+    call = ("invoke", capability, "query", "--payload", '{"text": "x"}', "--gateway", gateway.url)
+    first = reach(*call, "--request-id", f"cli-ctx-{uuid.uuid4().hex[:8]}")
+    assert first.returncode == 0, first.stderr
+    context = first.stdout.split()[1]
+    follow_up = reach(*call, "--context-id", context)
+    assert follow_up.returncode == 0, follow_up.stderr
+    # The flag reaches the door: a conversation Reach never handed out is refused.
+    unknown = reach(*call, "--context-id", "cli-no-such-conversation")
+    assert unknown.returncode == 1
+    assert "unknown_request" in unknown.stderr
+    assert "cli-no-such-conversation" in unknown.stderr
+
+
+async def test_invoke_timeout_says_how_to_wait_longer(gateway: GatewayProcess) -> None:
+    capability = f"cli-slow-{uuid.uuid4().hex[:8]}"
+    slow = await start_agents(gateway, capability, 1, "--delay-ms", "3000")
+    try:
+        done = reach(
+            "invoke", capability, "query", "--payload", '{"text": "x"}', "--timeout-ms", "300",
+            "--gateway", gateway.url,
+        )  # fmt: skip
+    finally:
+        for agent in slow:
+            agent.proc.stop()
+    assert done.returncode == 1
+    assert done.stderr.startswith("timeout ")
+    assert "--timeout-ms MS" in done.stderr
+
+
 async def test_invoke_with_a_callback_is_accepted(
     gateway: GatewayProcess, agents: tuple[str, list[Agent]]
 ) -> None:
