@@ -31,6 +31,7 @@ from connectors import _mcp_wire as w
 from connectors._address import check_http_address, refuse
 from connectors._guard import GuardedTransport
 from connectors._mcp_client import McpServer, Sent
+from connectors._mcp_client import Negotiated as Negotiated  # what tests set on a server
 from connectors._pools import ConnectionStats, Pools
 from connectors._tls import public_context
 from connectors.base import PooledConnector

@@ -1,4 +1,4 @@
-"""The connector's listen streams (`connectors._mcp_listen`) against a server on loopback that
+"""The connector's listen streams (`McpServer.listen`) against a server on loopback that
 answers every one with 200 and an event stream it ends at once (or with one event past
 `ENVELOPE_BYTES`): the pauses between them must keep growing. They were reset to 0.5 s on each
 200, so such a server got two listens a second, and for 2026-07-28 a rediscovery with each."""
@@ -11,9 +11,8 @@ import contextlib
 import httpx
 import pytest
 
-from connectors import _mcp_wire as w
-from connectors._mcp_client import McpServer, Negotiated
-from connectors._mcp_listen import listen
+from connectors.mcp import McpServer, Negotiated
+from connectors.mcp import wire_rules as w
 
 WINDOW_S = 3.2  # pauses of 0.5 and 1 s: three listens in it; reset each time: seven
 
@@ -62,10 +61,8 @@ async def test_a_stream_that_ends_at_once_is_opened_again_after_growing_pauses(
     async with tcp, httpx.AsyncClient() as http:
         server = McpServer(f"http://127.0.0.1:{port}/mcp", http, 4)
         server.negotiated = negotiated
-        task = asyncio.create_task(listen(server, lambda: changed.append(None)))
+        server.listen(lambda: changed.append(None))
         await asyncio.sleep(WINDOW_S)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await server.aclose()
     assert 2 <= served.requests <= 4, served.requests
     assert len(changed) <= 3, len(changed)
