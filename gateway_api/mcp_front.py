@@ -322,7 +322,9 @@ class McpFront:
             out = {}
         elif method == "logging/setLevel":  # the session's (`_mcp_logging`)
             session = None if modern else headers.get(wire.SESSION_HEADER)
-            await logs.set_level(self.gateway.views.policy.state, session, message.params)
+            await logs.set_level(
+                self.gateway.views.policy.state, session, message.params, identity.caller
+            )
             out = {}
         elif method == "completion/complete":  # nothing to complete: no prompts, no resources
             out = {"completion": {"values": [], "hasMore": False}}
