@@ -66,13 +66,17 @@ def _may_follow_a_send(inp: CallInput) -> bool:
     """Whether an earlier run of this very call may have sent it: a local activity is run again,
     silently, when the workflow task that ran it was lost (its process stopped, or its
     completion was refused), unless the workflow says this is its first task. A regular
-    activity runs once per scheduling."""
-    if inp.check_first and inp.first_run:
-        return False
+    activity runs once per scheduling, unless Temporal retried it (`attempt` > 1: the one
+    before timed out without reporting, and may have sent it)."""
     try:
-        return activity.info().is_local
+        info = activity.info()
     except RuntimeError:  # called outside an activity (tests)
         return False
+    if info.attempt > 1:
+        return True
+    if inp.check_first and inp.first_run:
+        return False
+    return info.is_local
 
 
 async def claim_send(state: PolicyState, inp: CallInput) -> None:

@@ -76,12 +76,17 @@ log = logging.getLogger("reach.activities")
 HEARTBEAT_EVERY_S = 2.0
 
 
-def to_application_error(err: ReachError, *, not_sent: bool = False) -> ApplicationError:
+def to_application_error(
+    err: ReachError, *, not_sent: bool = False, claimed: bool = False
+) -> ApplicationError:
     """`not_sent`: refused before the call was sent (`NotSent`), so the workflow never
-    re-delivers it (it would be refused again)."""
+    re-delivers it (it would be refused again). `claimed`: this run made the attempt's send-once
+    claim itself, so no earlier run of it sent it (the workflow need not suspect a lost one)."""
     details: dict[str, Any] = {"retryable": err.retryable}
     if not_sent:
         details["not_sent"] = True
+    if claimed:
+        details["claimed"] = True
     if err.retry_after_s is not None:
         details["retry_after_s"] = err.retry_after_s
     if err.outcome_unknown:
@@ -230,6 +235,7 @@ class ReachActivities:
         called: float | None = None  # when the connector call began (metrics)
         outcome = "cancelled"
         recorder: Recorder | None = None
+        claimed = False  # this run claimed the attempt's send: no earlier run sent it
         try:
             if inp.check_first:
                 # A regular activity runs once per scheduling, so only a local one can be a
@@ -247,6 +253,7 @@ class ReachActivities:
                 )
             if not connector.deduplicates and not idempotent(self.policy.settings, inp):
                 await claim_send(self.policy.state, inp)
+                claimed = True
             if self.metrics is not None and header.attempt > 1:
                 self.metrics.retry(endpoint.capability)
             called = time.perf_counter()
@@ -274,7 +281,7 @@ class ReachActivities:
             if inp.judge_timeouts or not isinstance(err, DeadlineExceeded):
                 failed = counts_as_failure(err)
                 await self._record(inp.endpoint, ok=not failed)
-            raise to_application_error(err) from err
+            raise to_application_error(err, claimed=claimed) from err
         except Exception as exc:
             outcome = "internal"
             raise _internal(f"call to {inp.endpoint.instance_id}", exc) from exc

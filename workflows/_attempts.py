@@ -12,19 +12,16 @@ recorded before replays as it ran.
 from __future__ import annotations
 
 import builtins
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 
 with workflow.unsafe.imports_passed_through():
     from reach.errors import AgentFault
     from reach.invocation import (
         ACTIVITY_CALL,
-        ACTIVITY_PINNED,
         ACTIVITY_RESOLVE,
         STALE_ROUTE,
         CallInput,
@@ -47,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from reach.policy import (
         KNOWN_CAPABILITY,
+        LOST_RUN,
         NOT_SENT,
         QUEUE_DEADLINE,
         REDELIVER,
@@ -64,11 +62,21 @@ with workflow.unsafe.imports_passed_through():
         refine_plan,
         timed_out,
     )
-    from workflows._failures import KEY_IT, SAFE_AGAIN, Failed, StaleRoute, cancelled, error_of
+    from workflows._failures import (
+        KEY_IT,
+        ONE_ATTEMPT,
+        SAFE_AGAIN,
+        STORE_STEP,
+        Failed,
+        StaleRoute,
+        cancelled,
+        error_of,
+        name_lost_attempt,
+        names_lost_later,
+    )
     from workflows._following import TaskFollowing
     from workflows._following import capability_queue as capability_queue  # invoke.py's
 
-ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
 # Requests accepted before a broken call was re-delivered to its instance retried elsewhere;
 # those accepted before a store outage at routing was waited out gave up as they did then.
 PATCH_REDELIVER = "redeliver-same-attempt"
@@ -77,22 +85,22 @@ PATCH_STORE_OUTAGE_WAIT = "store-outage-wait"
 # queued ones accepted before their last look came before the wait's end could wake at its end.
 PATCH_KNOWN_CAPABILITY = "known-capability-wait"
 PATCH_QUEUE_DEADLINE = "queue-wake-before-deadline"
-# Those accepted before a lost task's attempt was named ended without reading its pin.
-PATCH_NAME_LOST_ATTEMPT = "name-lost-attempt"
 # Those accepted before a call refused unsent was told apart re-delivered it (refused again).
 PATCH_NOT_SENT = "not-sent-not-redelivered"
+# Those accepted before an attempt a lost run may have sent was remembered reported what the
+# run after it met (a plain no_instance, a timeout after a store wait) as never sent.
+PATCH_LOST_RUN = "lost-run-remembered"
 PATCHES: dict[Rule, str] = {
     REDELIVER: PATCH_REDELIVER,
     STORE_WAIT: PATCH_STORE_OUTAGE_WAIT,
     KNOWN_CAPABILITY: PATCH_KNOWN_CAPABILITY,
     QUEUE_DEADLINE: PATCH_QUEUE_DEADLINE,
     NOT_SENT: PATCH_NOT_SENT,
+    LOST_RUN: PATCH_LOST_RUN,
 }
 # A workflow's history when its first task runs: started, task scheduled, task started. More
 # means an earlier task ran (and may have sent the call) and was lost with its worker.
 FIRST_TASK_EVENTS = 3
-# Store steps (claims, tokens) are quick; this bounds one that is not.
-STORE_STEP = timedelta(seconds=10)
 
 # How the log names each step that waits (operators and tests read "retrying in").
 DOING = {Retry: "retrying", Redeliver: "re-delivering", WaitForStore: "waiting for the store"}
@@ -208,9 +216,13 @@ class AttemptLoop(TaskFollowing):
             except Failed as failed:
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)
-                sent = self._in_flight or self._lost_before()
+                lost = self._lost_before()  # and no claim of this run's says it sent nothing
                 failure = Failure(
-                    failed.error, failed.instance_id, sent=sent, not_sent=failed.not_sent
+                    failed.error,
+                    failed.instance_id,
+                    sent=self._in_flight or lost,
+                    not_sent=failed.not_sent,
+                    lost_run=lost and not failed.claimed,
                 )
                 self._in_flight = False  # that call is over (a cancel from here finds none)
             step, self._tries = after_failure(
@@ -227,8 +239,9 @@ class AttemptLoop(TaskFollowing):
                 workflow.logger.info("giving up after attempt %d: %s", tries.number, step.reason)
                 assert step.report is not None
                 report = step.report
-                if report.error.outcome_unknown and report.instance_id is None and failure.sent:
-                    report = await self._name_lost_attempt(inp, report)
+                unnamed = report.error.outcome_unknown and report.instance_id is None
+                if unnamed and names_lost_later(failure.sent, self._tries):
+                    report = await name_lost_attempt(inp, report)
                 return self._reported(inp, report)
             if isinstance(step, RouteAgain):
                 pin = None
@@ -243,26 +256,6 @@ class AttemptLoop(TaskFollowing):
             if self._attempts:  # a route that went stale left no attempt to note
                 self._attempts[-1].backoff_ms = int(step.delay_s * 1000)
             await self._sleep(step.delay_s)
-
-    async def _name_lost_attempt(self, inp: InvokeInput, report: Failure) -> Failure:
-        """A lost task's attempt may have run: name the instance it went to, from the door's
-        choice or the attempt's pin in the store (resolve records it before the call)."""
-        if inp.endpoint is not None:
-            return replace(report, instance_id=inp.endpoint.instance_id)
-        if not workflow.patched(PATCH_NAME_LOST_ATTEMPT):
-            return report
-        try:
-            pinned: str = await workflow.execute_local_activity(
-                ACTIVITY_PINNED,
-                inp.request_id,
-                result_type=str,
-                schedule_to_close_timeout=STORE_STEP,
-                retry_policy=ONE_ATTEMPT,
-            )
-        except (ActivityError, ApplicationError, TimeoutError):
-            workflow.logger.warning("the instance attempt 1 went to could not be read")
-            return report
-        return replace(report, instance_id=pinned or None)
 
     def _reported(self, inp: InvokeInput, report: Failure) -> InvokeResponse:
         if report.error.type == "timeout":

@@ -8,9 +8,12 @@ request's own cancel (a workflow cancel: A2A CancelTask, MCP tasks/cancel, an op
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
@@ -22,17 +25,35 @@ from temporalio.exceptions import (
 
 with workflow.unsafe.imports_passed_through():
     from reach.errors import ERROR_TYPES, AgentFault
+    from reach.invocation import ACTIVITY_PINNED, InvokeInput
     from reach.messages import ErrorInfo
+    from reach.policy import Attempts, Failure
+
+ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
+# Store steps (claims, tokens, a pin read) are quick; this bounds one that is not.
+STORE_STEP = timedelta(seconds=10)
+# Requests accepted before a lost task's attempt was named ended without reading its pin; those
+# accepted before it was named when a later failure ended the request (after a store wait or a
+# retry: the lost run is remembered, `reach.policy.retry.LOST_RUN`) left it unnamed then.
+PATCH_NAME_LOST_ATTEMPT = "name-lost-attempt"
+PATCH_NAME_LOST_LATER = "name-lost-attempt-later"
 
 
 class Failed(Exception):
     def __init__(
-        self, error: ErrorInfo, instance_id: str | None, *, not_sent: bool = False
+        self,
+        error: ErrorInfo,
+        instance_id: str | None,
+        *,
+        not_sent: bool = False,
+        claimed: bool = False,
     ) -> None:
         super().__init__(error.message)
         self.error = error
         self.instance_id = instance_id
         self.not_sent = not_sent  # the call activity refused it before sending (NotSent)
+        # This run claimed the attempt's send-once claim itself: no earlier run sent it.
+        self.claimed = claimed
 
 
 class StaleRoute(Exception):
@@ -61,7 +82,7 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
         raise asyncio.CancelledError(workflow.cancellation_reason()) from exc
     # Regular activities fail with ActivityError(cause=...); local ones with the cause itself.
     cause = exc.cause if isinstance(exc, ActivityError) else exc
-    not_sent = False
+    not_sent = claimed = False
     if isinstance(cause, TimeoutError):
         if cause.type == TimeoutType.HEARTBEAT:
             info = ErrorInfo(
@@ -78,6 +99,7 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
             details = {}
         if details.get("not_sent"):
             not_sent = True
+        claimed = bool(details.get("claimed"))
         # The activities raise only Reach's own types; anything else is a bug in Reach.
         known = cause.type in ERROR_TYPES
         info = ErrorInfo(
@@ -90,7 +112,37 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
         )
     else:
         info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
-    return Failed(info, instance_id, not_sent=not_sent)
+    return Failed(info, instance_id, not_sent=not_sent, claimed=claimed)
+
+
+def names_lost_later(sent: bool, tries: Attempts) -> bool:
+    """Whether a report that names no instance should name attempt 1's: this failure was, or
+    may have been, sent, or an earlier, lost run of attempt 1 is remembered (asked only then)."""
+    if sent:
+        return True
+    lost = tries.unknown is not None and tries.unknown.lost_run
+    return lost and workflow.patched(PATCH_NAME_LOST_LATER)
+
+
+async def name_lost_attempt(inp: InvokeInput, report: Failure) -> Failure:
+    """A lost task's attempt may have run: name the instance it went to, from the door's
+    choice or the attempt's pin in the store (resolve records it before the call)."""
+    if inp.endpoint is not None:
+        return replace(report, instance_id=inp.endpoint.instance_id)
+    if not workflow.patched(PATCH_NAME_LOST_ATTEMPT):
+        return report
+    try:
+        pinned: str = await workflow.execute_local_activity(
+            ACTIVITY_PINNED,
+            inp.request_id,
+            result_type=str,
+            schedule_to_close_timeout=STORE_STEP,
+            retry_policy=ONE_ATTEMPT,
+        )
+    except (ActivityError, ApplicationError, TimeoutError):
+        workflow.logger.warning("the instance attempt 1 went to could not be read")
+        return report
+    return replace(report, instance_id=pinned or None)
 
 
 def cancelled(

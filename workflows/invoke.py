@@ -56,14 +56,9 @@ with workflow.unsafe.imports_passed_through():
     from reach.messages import AttemptInfo, ErrorInfo, InvokeResponse, RequestStatus
     from reach.outcome import FAILED_OUTCOME, PATCH_FAILED_OUTCOME, fails, failure_message
     from reach.policy import GiveUp, after_no_token
-    from workflows._attempts import (
-        ONE_ATTEMPT,
-        STORE_STEP,
-        AttemptLoop,
-        follows,
-    )
+    from workflows._attempts import AttemptLoop, follows
     from workflows._attempts import capability_queue as capability_queue  # worker.py's
-    from workflows._failures import Failed, cancel_requested
+    from workflows._failures import ONE_ATTEMPT, STORE_STEP, Failed, cancel_requested
     from workflows.callback import DeliverCallbackWorkflow, deliver
 
 SA_CALLER = SearchAttributeKey.for_keyword("ReachCaller")

@@ -16,6 +16,7 @@ from reach.config import PolicySettings
 from reach.invocation import CallPlan, CapabilityMode
 from reach.policy.retry import (
     KNOWN_CAPABILITY,
+    LOST_RUN,
     NOT_SENT,
     QUEUE_DEADLINE,
     REDELIVER,
@@ -40,6 +41,7 @@ from reach.policy.retry import (
 
 __all__ = [
     "KNOWN_CAPABILITY",
+    "LOST_RUN",
     "NOT_SENT",
     "QUEUE_DEADLINE",
     "REDELIVER",

@@ -15,6 +15,9 @@ out the answer (a durable timer, a route again, a report); it decides nothing it
     a store restarted empty, its agents not yet joined again): wait for it the same way;
   - the deadline: report it (`timed_out`: a call that was, or may have been, sent may have
     run, whatever the operation, and the report says so);
+  - an attempt an earlier run may have sent (its workflow task was lost with its worker) is
+    remembered as one whose outcome is unknown, whatever this run met (no instance, the store
+    away, a refused connection): every later report says it may have run;
   - anything else: `next_step`, the plan's retries on other instances (`Retry`), or report
     (`GiveUp`, with the failure the caller is told of);
 - `after_store_failure`, after a quick store step (claim, token, release) failed: the same
@@ -50,7 +53,9 @@ QUEUE_POLL_MAX_S = 60.0
 QUEUE_POLL_MIN_S = 0.01
 
 # Rules added after requests were accepted that a request in flight may predate.
-Rule = Literal["redeliver", "store_wait", "known_capability", "queue_deadline", "not_sent"]
+Rule = Literal[
+    "redeliver", "store_wait", "known_capability", "queue_deadline", "not_sent", "lost_run"
+]
 REDELIVER: Rule = "redeliver"
 STORE_WAIT: Rule = "store_wait"
 # A capability the registry forgot after acceptance is waited for, not reported unknown.
@@ -61,6 +66,10 @@ QUEUE_DEADLINE: Rule = "queue_deadline"
 # would be the same (the send-once claim another run holds); a store that could not check it is
 # waited for as at routing.
 NOT_SENT: Rule = "not_sent"
+# An attempt an earlier, lost run may have sent is remembered as an unknown outcome even when
+# this run sent nothing (the reliability suite found a lost run's call that had run reported as
+# a plain no_instance, unavailable-then-timeout, or a refused connect after a retry).
+LOST_RUN: Rule = "lost_run"
 
 NOT_IDEMPOTENT = "the operation is not idempotent and the request has no idempotency_key"
 
@@ -81,6 +90,9 @@ class Failure:
     # the store that could not check it, a follow-up of another caller's): this attempt sent
     # nothing, whatever `outcome_unknown` says of an earlier run's.
     not_sent: bool = False
+    # An earlier run of this attempt (a workflow task lost with its worker) may have sent it,
+    # and nothing this run learnt says it did not (the send-once claim it made itself does).
+    lost_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -217,6 +229,8 @@ def after_failure(
         # Another run sent this attempt and was lost: re-delivering it would only be refused
         # again. Its unknown outcome is the report.
         return GiveUp("refused before sending: an earlier run sent it", report=failure), tries
+    if may_have_run(failure) and tries.unknown is None and follows(LOST_RUN):
+        tries = replace(tries, unknown=lost_attempt(failure))
     if failure.not_sent and failure.error.type == "unavailable" and follows(NOT_SENT):
         delay_s = store_backoff_s(tries.store_waits)
         if now_ms + delay_s * 1000 < deadline_ms:  # nothing was sent: wait for the store
@@ -277,6 +291,37 @@ def after_failure(
     return step, replace(tries, number=tries.number + 1, avoid=avoid)
 
 
+def may_have_run(failure: Failure) -> bool:
+    """Whether a failure comes after an earlier, lost run of its attempt that may have sent it,
+    and this run did not hear from the agent (whose answer would be the outcome) nor learn of
+    that run's unknown outcome otherwise (`outcome_unknown` is kept as the failure says)."""
+    error = failure.error
+    return (
+        failure.lost_run
+        and not error.outcome_unknown
+        and error.type not in ("agent_error", "timeout")
+    )
+
+
+def lost_attempt(failure: Failure) -> Failure:
+    """What is remembered of an attempt an earlier, lost run may have sent."""
+    error = failure.error.model_copy(
+        update={
+            "outcome_unknown": True,
+            "message": f"{failure.error.message}; an earlier run of this attempt, lost with its "
+            "Reach process, may have sent it",
+        }
+    )
+    return replace(failure, error=error)
+
+
+def _earlier(unknown: Failure) -> str:
+    to = f" to {unknown.instance_id}" if unknown.instance_id else ""
+    if unknown.lost_run:
+        return f"an earlier run of the attempt{to}, lost with its Reach process, may have sent it"
+    return f"an earlier attempt{to} was sent and its answer never came"
+
+
 def reported(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) -> Failure:
     """What a request that gives up reports. If an attempt was sent and never answered, it may
     have run, whatever the operation, and the report says so (`outcome_unknown`, with the
@@ -292,20 +337,24 @@ def reported(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) 
         error = failure.error.model_copy(
             update={
                 "outcome_unknown": True,
-                "message": f"{failure.error.message}; an earlier attempt to "
-                f"{unknown.instance_id} was sent and its answer never came, so it may have run",
+                "message": f"{failure.error.message}; {_earlier(unknown)}, so it may have run",
             }
         )
         return replace(failure, error=error, instance_id=failure.instance_id or unknown.instance_id)
+    said = (
+        "it may have run"
+        if unknown.lost_run
+        else "it was sent and its answer never came, so it may have run"
+    )
     error = unknown.error.model_copy(
         update={
             "retryable": False,
             "outcome_unknown": True,
-            "message": f"{unknown.error.message}; it was sent and its answer never came, "
-            "so it may have run: repeat it with an idempotency_key to be safe",
+            "message": f"{unknown.error.message}; {said}: repeat it with an idempotency_key "
+            "to be safe",
         }
     )
-    return Failure(error, unknown.instance_id)
+    return Failure(error, unknown.instance_id, lost_run=unknown.lost_run)
 
 
 def timed_out(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) -> Failure:

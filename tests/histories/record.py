@@ -63,12 +63,21 @@ def first_time(what: str) -> bool:
 
 @activity.defn(name="reach.resolve")
 async def resolve(inp: ResolveInput) -> Endpoint:
+    if inp.operation == "lostrun":  # the store stays away: this run never routes it
+        raise ApplicationError(
+            "store away", {"retryable": True}, type="unavailable", non_retryable=True
+        )
     if inp.operation == "outage" and first_time(f"resolve-{inp.request_id}"):
         raise ApplicationError(
             "store away", {"retryable": True}, type="unavailable", non_retryable=True
         )
     n = len(inp.exclude)
     return Endpoint(instance_id=f"i{n}", capability=inp.capability, protocol="http", address="x")
+
+
+@activity.defn(name="reach.pinned")
+async def pinned(request_id: str) -> str:
+    return "i0"
 
 
 @activity.defn(name="reach.claim_key")
@@ -210,6 +219,10 @@ CASES = {
     # A call refused unsent (another run's send-once claim): reported, not re-delivered
     # (PATCH_NOT_SENT).
     "not-sent": ("claimed", {}),
+    # Attempt 1 after a lost run (its first task's history longer than a first task's: here a
+    # signal came with the start): the store away until the deadline; the lost run is
+    # remembered (PATCH_LOST_RUN) and named from the pin at the end (PATCH_NAME_LOST_LATER).
+    "lost-run": ("lostrun", {"timeout_ms": 2500}),
     # Attempt 1 routed at the door: one call; the instance left first; a retry elsewhere.
     "door-routed": ("query", DOOR),
     "door-stale": ("stale", DOOR),
@@ -246,6 +259,9 @@ PUSH_AT: dict[str, list[tuple[str, int, int]]] = {
     "a2a-push": [("EVENT_TYPE_TIMER_STARTED", 1, 1)],
     "a2a-push-paced": [("EVENT_TYPE_TIMER_STARTED", 1, 2), ("EVENT_TYPE_TIMER_STARTED", 3, 1)],
 }
+# Cases started with a signal (a push notification: it changes nothing before a task is
+# followed), so that their first task finds more than a first task's events.
+START_SIGNAL = {"lost-run": SIGNAL_A2A_PUSH}
 # Each cancel case: the event it waits for before it cancels.
 CANCEL_AT = {
     "cancel-queued-call": "EVENT_TYPE_ACTIVITY_TASK_SCHEDULED",
@@ -301,13 +317,18 @@ async def main(names: list[str]) -> None:
                 release_key,
                 take_token,
                 release_route,
+                pinned,
             ],
         ):
             for name in names:
                 operation, extra = CASES[name.removesuffix("-before")]
                 inp = _input(name, operation, **extra)
                 handle = await client.start_workflow(
-                    InvokeWorkflow.run, inp, id=inp.request_id, task_queue=QUEUE
+                    InvokeWorkflow.run,
+                    inp,
+                    id=inp.request_id,
+                    task_queue=QUEUE,
+                    start_signal=START_SIGNAL.get(name),
                 )
                 if name.removesuffix("-before") in CANCEL_AT:
                     await cancel_at(handle, CANCEL_AT[name.removesuffix("-before")])

@@ -34,6 +34,8 @@ def test_there_are_histories_to_replay() -> None:
     # (PATCH_A2A_PUSH_PACE); a task followed by its stream, and one whose stream was cut
     # (PATCH_A2A_STREAM).
     assert {"a2a-push-paced", "a2a-stream", "a2a-stream-cut"} <= names
+    # An attempt a lost run may have sent, remembered and named at the end (PATCH_LOST_RUN).
+    assert "lost-run" in names
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)

@@ -15,6 +15,7 @@ from reach.invocation import CallPlan
 from reach.messages import ErrorInfo
 from reach.policy import (
     KNOWN_CAPABILITY,
+    LOST_RUN,
     NOT_SENT,
     QUEUE_DEADLINE,
     REDELIVER,
@@ -186,6 +187,96 @@ def test_a_keyless_write_that_may_have_run_reports_that_attempt_not_the_last_one
     assert (keyed.report.error.retryable, keyed.report.error.outcome_unknown) == (True, True)
 
 
+# -- an attempt an earlier, lost run may have sent (its workflow task lost with its worker) ------
+
+
+def lost(kind: ErrorType, instance_id: str | None = None) -> Failure:
+    """What the run after a lost one met, the lost run's possible send noticed (sent=True)."""
+    return Failure(error(kind), instance_id, sent=True, lost_run=True)
+
+
+def test_a_lost_run_s_read_waited_for_the_store_then_timed_out_says_it_may_have_run() -> None:
+    """The reliability suite: routed and sent, its gateway lost; the run after it found the
+    store away until the deadline (`None:unavailable, None:timeout`): it ran once."""
+    step, tries = decide(plan(), Attempts(), lost("unavailable"))
+    assert isinstance(step, WaitForStore)
+    assert tries.unknown is not None
+    assert tries.unknown.lost_run
+    step, _ = decide(plan(), tries, Failure(error("timeout", retryable=False)))
+    assert isinstance(step, GiveUp)
+    assert step.report is not None
+    assert (step.report.error.type, step.report.error.outcome_unknown) == ("timeout", True)
+    assert step.report.error.retryable is False
+
+
+def test_a_lost_run_s_read_retried_elsewhere_then_timed_out_names_where_it_went() -> None:
+    """Its re-run went back to its instance and could not connect (the agent SIGKILLed, no
+    outcome_unknown from the connector): retried elsewhere (a read), then the deadline."""
+    step, tries = decide(plan(), Attempts(), lost("transport_error", "i1"))
+    assert isinstance(step, Retry)  # a plain retry: no re-delivery timers added
+    step, tries = decide(plan(), tries, Failure(error("no_instance")))
+    assert isinstance(step, Retry)
+    step, _ = decide(plan(), tries, Failure(error("timeout", retryable=False)))
+    assert isinstance(step, GiveUp)
+    assert step.report is not None
+    assert step.report.error.outcome_unknown is True
+    assert step.report.instance_id == "i1"
+
+
+@pytest.mark.parametrize("kind", ["no_instance", "transport_error", "unavailable"])
+def test_a_lost_run_s_keyless_write_that_ends_unsent_here_says_it_may_have_run(
+    kind: ErrorType,
+) -> None:
+    """No instance at the re-run's resolve, a refused connect on going back (a gRPC agent
+    SIGKILLed mid-call), the store away: each was reported as never sent, and each had run."""
+    write = plan(idempotent=False, max_retries=0)
+    instance_id = "i1" if kind == "transport_error" else None
+    step, _ = decide(write, Attempts(), lost(kind, instance_id), deadline_ms=0)
+    assert isinstance(step, GiveUp)
+    assert step.report is not None
+    report = step.report
+    assert (report.error.type, report.error.outcome_unknown) == (kind, True)
+    assert report.error.retryable is False
+    assert report.instance_id == instance_id
+    assert report.lost_run  # the workflow names attempt 1's instance when none is known
+    assert "may have run" in report.error.message
+    # Keyed: its last failure, as retryable as it was, and saying so.
+    keyed, _ = decide(write, Attempts(), lost(kind, instance_id), deadline_ms=0, keyed=True)
+    assert isinstance(keyed, GiveUp)
+    assert keyed.report is not None
+    assert keyed.report.error.outcome_unknown is True
+
+
+def test_a_lost_run_is_not_suspected_once_the_agent_answered_or_the_claim_proves_it() -> None:
+    write = plan(idempotent=False, max_retries=0)
+    # The re-run reached the agent, which answered: its answer is the outcome.
+    step, tries = decide(write, Attempts(), lost("agent_error", "i1"))
+    assert isinstance(step, GiveUp)
+    assert step.report is not None
+    assert tries.unknown is None
+    assert not step.report.error.outcome_unknown
+    # No lost run (the workflow clears it when this run made the send-once claim itself).
+    plain = Failure(error("no_instance"), sent=True)
+    step, tries = decide(write, Attempts(), plain)
+    assert isinstance(step, GiveUp)
+    assert step.report == plain
+    assert tries.unknown is None
+    # Requests accepted before the rule report what the run met, as they did.
+    step, tries = after_failure(
+        write,
+        Attempts(),
+        lost("no_instance"),
+        keyed=False,
+        now_ms=0,
+        deadline_ms=SECOND,
+        follows=lambda rule: rule != LOST_RUN,
+    )
+    assert isinstance(step, GiveUp)
+    assert step.report is not None
+    assert tries.unknown is None
+    assert not step.report.error.outcome_unknown
+
+
 def test_a_store_step_waits_on_the_store_backoff_until_its_time_is_up() -> None:
     away = Failure(error("unavailable"))
     assert after_store_failure(0, away, now_ms=0, until_ms=SECOND) == WaitForStore(0.5)
@@ -313,6 +404,8 @@ failures = st.builds(
     instance_id=st.sampled_from([None, "i1", "i2"]),
     stale_route=st.booleans(),
     sent=st.booleans(),
+    not_sent=st.booleans(),
+    lost_run=st.booleans(),
 )
 states = st.builds(
     Attempts,
@@ -323,7 +416,9 @@ states = st.builds(
     rerouted=st.booleans(),
     unknown=st.one_of(st.none(), st.builds(Failure, error=errors, instance_id=st.just("i0"))),
 )
-rules = st.frozensets(st.sampled_from([REDELIVER, STORE_WAIT, KNOWN_CAPABILITY, QUEUE_DEADLINE]))
+rules = st.frozensets(
+    st.sampled_from([REDELIVER, STORE_WAIT, KNOWN_CAPABILITY, QUEUE_DEADLINE, NOT_SENT, LOST_RUN])
+)
 draws = st.floats(0.0, 0.999999)
 
 
@@ -464,6 +559,11 @@ def test_rules_and_draws_are_asked_for_only_where_they_apply(
         assert failure.instance_id is None
         assert failure.error.type == "unknown_capability"
     assert QUEUE_DEADLINE not in asked
+    if LOST_RUN in asked:  # only for a lost run's failure, the first one remembered
+        assert not early
+        assert failure.lost_run
+        assert not failure.error.outcome_unknown
+        assert tries.unknown is None
     # The jitter draw is taken once the plan decides (retry or not), and only with jitter.
     forgotten = KNOWN_CAPABILITY in asked and KNOWN_CAPABILITY in followed
     planned = not early and not forgotten and not isinstance(step, Redeliver | WaitForStore)

@@ -117,6 +117,15 @@ EXPECTED = {
     # An attempt refused unsent (another run holds its send-once claim): reported at once with
     # that run's unknown outcome, never re-delivered (patch not-sent-not-redelivered).
     "not-sent": [*SUCCESS[:3], "attempt_failed", "result"],
+    # Attempt 1 after a lost run of it: the store away until the deadline; the result says the
+    # lost run may have sent it, naming its pin (patches lost-run-remembered and
+    # name-lost-attempt-later).
+    "lost-run": [
+        "accepted",
+        *["routing_failed", "store_wait"] * 2,
+        "routing_failed",
+        "result",
+    ],
 }
 # Each recording's final status (the rest: success).
 STATUS = {
@@ -129,6 +138,7 @@ STATUS = {
     "cancel-a2a-task-before": "error",
     "cancel-queued-call-before": "error",
     "not-sent": "error",
+    "lost-run": "error",
 }
 
 
