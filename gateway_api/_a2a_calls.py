@@ -235,6 +235,9 @@ class Call:
                     )
                     return
                 every = min(every * 1.5, POLL_MAX_S)
+                if (refused := self._revoked(rpc_id, rid)) is not None:
+                    yield refused
+                    return
                 events, seen = await self._progress(rid, seen, context)
                 for event in events:
                     yield sse(rpc_id, event)
@@ -247,6 +250,9 @@ class Call:
                 return
             except RPCError as exc:  # Temporal unavailable: the task goes on, GetTask reads it
                 yield sse(rpc_id, None, rpc_error_of(reach_error_of_rpc(exc), rid))
+                return
+            if (refused := self._revoked(rpc_id, rid)) is not None:
+                yield refused
                 return
             events, seen = await self._progress(rid, seen, context)
             for event in events:
@@ -264,6 +270,17 @@ class Call:
             draining.cancel()
             if owned and not final.done():
                 final.cancel()
+
+    def _revoked(self, rpc_id: str | int | None, rid: str) -> str | None:
+        """The error event that ends a stream whose token is no longer valid (revoked or
+        expired since the stream opened; the task goes on), else None. The token was checked
+        once, at the stream's start: a caller revoked mid-task went on reading the task's
+        updates and its result."""
+        try:
+            self.reader()
+        except ReachError as exc:
+            return sse(rpc_id, None, rpc_error_of(exc, rid))
+        return None
 
     async def _progress(
         self, rid: str, seen: int, context: str
