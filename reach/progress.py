@@ -14,7 +14,9 @@ Log messages (`log_of`) go in the same record, bounded alike: the last `MAX_LOGS
 all, each numbered within its attempt (`seq`) so that a reader can tell which it has seen. A
 message whose level is none of `LOG_LEVELS` is dropped; its `data` is redacted as the audit
 redacts (values under the audit's secret keys are `***`), a text longer than `MAX_LOG_CHARS`
-is cut, and a message still over `MAX_LOG_BYTES` keeps only its data's length and digest.
+is cut, and a message still over `MAX_LOG_BYTES` keeps only its data's length and digest (data
+over it as JSON is digested whole, unredacted and unwalked: a flood of large messages costs one
+encoding each, not a walk of every item).
 """
 
 from __future__ import annotations
@@ -92,7 +94,13 @@ def log_of(
     if isinstance(data, str):
         data = data[:MAX_LOG_CHARS]
     else:
-        data = redact(data, keys=keys, max_string=MAX_LOG_CHARS)
+        whole = _compact(data)
+        if whole is not None and len(whole) > MAX_LOG_BYTES:
+            # Its digest only, never walked: redacting 1 MB of small items was 100-200 ms of
+            # the call's event loop a message, for a record that keeps none of them.
+            data = digest(whole)
+        else:
+            data = redact(data, keys=keys, max_string=MAX_LOG_CHARS)
     note: dict[str, Any] = {
         "at_ms": round(at_ms),
         "attempt": attempt,
@@ -106,6 +114,14 @@ def log_of(
     if len(json.dumps(note, separators=(",", ":"), default=str)) > MAX_LOG_BYTES:
         note["data"] = digest(json.dumps(data, separators=(",", ":"), default=str))
     return note
+
+
+def _compact(value: Any) -> str | None:
+    """`value` as compact JSON (None: too deep for the encoder; the redactor bounds it)."""
+    try:
+        return json.dumps(value, separators=(",", ":"), default=str)
+    except (RecursionError, ValueError):
+        return None
 
 
 def level_at_least(level: Any, floor: str) -> bool:
