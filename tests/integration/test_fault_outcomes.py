@@ -85,7 +85,8 @@ async def test_a_keyless_write_whose_gateway_was_killed_mid_call_may_have_run_an
 ) -> None:
     """The write runs on the agent; its gateway is SIGKILLed mid-call; the workflow task times
     out and the other gateway (same task queue) takes the request over after its deadline. It
-    was sent: the caller must not be told a plain, safe-looking timeout."""
+    was sent: the caller must not be told a plain, safe-looking timeout. Nor, when the agent
+    died too and the takeover (before the deadline) sent nothing, a plain failure."""
     stack = new_stack(
         temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix, heartbeat_timeout=30.0
     )
@@ -94,9 +95,10 @@ async def test_a_keyless_write_whose_gateway_was_killed_mid_call_may_have_run_an
     await asyncio.gather(doomed.ready(), other.ready())
     ledger = tmp_path / "ledger.txt"
     flags = ("--delay-ms", "60000", "--ledger", str(ledger))
-    warm, cold = await asyncio.gather(
+    warm, cold, grpc = await asyncio.gather(
         Agent(other, "warm-01", "writes-warm", *flags).ready(),
         Agent(other, "cold-01", "writes-cold", *flags).ready(),
+        Agent(other, "grpc-01", "writes-grpc", "--protocol", "grpc", *flags).ready(),
     )
     # One capability the door has routed before (it routes attempt 1 itself), one it has not
     # (the workflow resolves attempt 1 and pins it in the store).
@@ -117,15 +119,36 @@ async def test_a_keyless_write_whose_gateway_was_killed_mid_call_may_have_run_an
             )
             assert r.status_code == 202, r.text
             sent[request_id] = agent.instance_id
+        # One whose deadline outlives the takeover, its agent SIGKILLed with the gateway: the
+        # run that takes it over goes back to it, cannot connect, and sends nothing itself; the
+        # lost run had sent it (the reliability suite saw a plain transport_error here).
+        lost = rid()
+        r = await invoke(
+            http,
+            doomed,
+            "writes-grpc",
+            "create",
+            request_id=lost,
+            timeout_ms=40_000,
+            callback=receiver.url,
+        )
+        assert r.status_code == 202, r.text
 
         def running() -> bool:
-            return all(executions(ledger, request_id) for request_id in sent)
+            return all(executions(ledger, request_id) for request_id in [*sent, lost])
 
         await wait_until(running, 15, every_s=0.02)
         doomed.proc.kill()
-        await receiver.wait(2, timeout_s=60)
+        grpc.proc.kill()
+        await receiver.wait(3, timeout_s=60)
         envelopes = {e["request_id"]: e for _, e in receiver.received}
-    assert set(envelopes) == set(sent), other.proc.output()[-3000:]
+    assert set(envelopes) == {*sent, lost}, other.proc.output()[-3000:]
+    envelope = envelopes[lost]
+    assert envelope["status"] == "error", envelope
+    assert envelope["error"]["outcome_unknown"] is True, envelope
+    assert envelope["error"]["retryable"] is False, envelope
+    assert envelope["instance_id"] == grpc.instance_id, envelope
+    assert executions(ledger, lost) == [grpc.instance_id]
     for request_id, instance_id in sent.items():
         envelope = envelopes[request_id]
         assert envelope["status"] == "timeout", envelope
