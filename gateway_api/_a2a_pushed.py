@@ -52,6 +52,10 @@ class _Pacer:
         """True: signal it now. False: folded into a pending signal (started if none is)."""
         at = time.monotonic()
         last = self._last.get(rid)
+        if rid in self._pending:
+            # Its trailing signal is due (it may not have woken yet, the gap just past): this
+            # push is that signal's, not one more (signals came in pairs ms apart).
+            return False
         if last is None or at - last >= PUSH_GAP_S:
             if len(self._last) >= _PACED_MAX:
                 self._last = {k: v for k, v in self._last.items() if at - v < PUSH_GAP_S}

@@ -31,6 +31,7 @@ EXTRA = {"REACH_SECURITY__WEBHOOK_KEY": KEY}
 # time between two looks.
 PUSH_FIRST_WAIT_S = 10.0
 MIN_LOOK_GAP_S = 1.0
+PUSH_GAP_S = 1.0  # gateway_api._a2a_pushed's: the least time between one gateway's signals
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +267,16 @@ async def test_a_flood_of_pushes_does_not_make_a_look_each(
     assert set(codes) <= {200, 202}, set(codes)
     events = await history_of(temporal_server, request_id)
     assert signals(events) <= 20, signals(events)
+    # One gateway signals a request at most once a second: a push that came just as its
+    # trailing signal was due was signalled as well (two signals ms apart, ~1.5 a second).
+    signalled = [
+        e.event_time.ToDatetime()
+        for e in events
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+        and e.workflow_execution_signaled_event_attributes.signal_name == SIGNAL_A2A_PUSH
+    ]
+    signal_gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(signalled)]
+    assert min(signal_gaps, default=1.0) >= PUSH_GAP_S / 2, signal_gaps
     assert looks(events) <= signals(events) + 2, (looks(events), signals(events))
     timers = [
         e.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta().total_seconds()
