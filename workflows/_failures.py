@@ -156,7 +156,8 @@ def cancelled(
     if in_flight:
         message += f"; agent {instance_id} had it and may have run it in part or whole"
     elif earlier_unknown:
-        message += f"; an earlier attempt to {instance_id} may have run it"
+        to = f" to {instance_id}" if instance_id else ""  # a lost run's, before its pin is read
+        message += f"; an earlier attempt{to} may have run it"
     if said is not None:
         message += f" ({said})"
     unknown = in_flight or earlier_unknown
