@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 from pydantic_settings import (
@@ -134,6 +135,20 @@ class ReachSettings(BaseSettings):
                 f"temporal.grpc_limit_bytes={t.grpc_limit_bytes} leave at most {ceiling} "
                 "bytes for a message"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _public_url_is_a_url(self) -> ReachSettings:
+        # Handed to A2A agents as their push notifications' address: one without its scheme
+        # (REACH_PUBLIC_URL=gateway:7600) was taken, and every agent's pushes went nowhere.
+        url = self.public_url
+        if url:  # '' is unset, as gateway_url reads it
+            parsed = urlsplit(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ValueError(
+                    f"public_url={url[:200]!r}: how agents reach this gateway, "
+                    "http(s)://host[:port][/path] (REACH_PUBLIC_URL)"
+                )
         return self
 
     @model_validator(mode="after")

@@ -192,3 +192,19 @@ def test_a_relative_tokens_file_in_the_config_is_relative_to_the_config(
     monkeypatch.delenv("REACH_AUTH__TOKENS_FILE")
     config.write_text("reach: {}\n")
     assert load_settings(config).auth.tokens_file == ".reach/tokens.json"
+
+
+@pytest.mark.parametrize("url", ["gateway:7600", "127.0.0.1:7600", "ftp://gateway", "http://"])
+def test_a_public_url_that_is_not_one_is_a_start_up_error(
+    monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    """public_url is handed to A2A agents for their push notifications: 'gateway:7600' was
+    taken, and every push went nowhere (the tasks waited on the slow fallback poll)."""
+    monkeypatch.setenv("REACH_PUBLIC_URL", url)
+    with pytest.raises(ConfigError, match="http\\(s\\)://host"):
+        load_settings(ROOT / "reach.yaml")
+
+
+def test_a_public_url_is_the_gateway_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REACH_PUBLIC_URL", "https://reach.example:8443/base/")
+    assert load_settings(ROOT / "reach.yaml").gateway_url == "https://reach.example:8443/base"
