@@ -229,6 +229,46 @@ async def test_a_local_re_run_that_cannot_check_the_claim_says_the_outcome_is_un
     assert runs(server, tag) == 1
 
 
+async def test_a_regular_activity_retried_by_temporal_may_follow_a_send(
+    server: McpServerProcess, gateway: Gateway
+) -> None:
+    """Temporal retries a regular activity (attempt > 1) only when the one before timed out
+    without reporting: it may have sent the call, so a claim the store cannot check is an
+    unknown outcome there too, not a plain `unavailable`."""
+    inp = tool_call(server, tag := rid())
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0", prefix="x", timeout_s=0.5)
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, is_local=False, attempt=2)
+    try:
+        with pytest.raises(ApplicationError) as down:
+            await env.run(gateway(create_policy_state(store)).call, inp)
+    finally:
+        await store.aclose()
+    assert down.value.type == "unavailable"
+    assert down.value.details[0]["outcome_unknown"] is True
+    assert runs(server, tag) == 0
+
+
+async def test_a_call_that_made_its_own_send_claim_says_so_when_it_fails(
+    gateway: Gateway,
+) -> None:
+    """This run claimed the attempt's send itself, so no earlier run sent it: its failure says
+    `claimed`, and the workflow suspects no lost run behind it (reach.policy.retry)."""
+    dead = f"http://127.0.0.1:{free_port()}/mcp"
+    inp = CallInput(
+        endpoint=Endpoint(instance_id="gone", capability="tools", protocol="mcp", address=dead),
+        message=message("count", {"tag": rid()}, attempt=1, idempotency_key=None),
+        timeout_ms=5_000,
+    )
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, is_local=True)
+    with pytest.raises(ApplicationError) as refused:
+        await env.run(gateway(MemoryPolicyState()).call, inp)
+    assert refused.value.type == "transport_error"
+    assert refused.value.details[0].get("claimed") is True
+    assert not refused.value.details[0].get("outcome_unknown")
+
+
 @pytest.mark.slow  # ~30 s: Temporal's wait before the other gateway takes the request over
 async def test_a_gateway_sigkilled_mid_call_never_runs_a_tool_twice(
     temporal_server: str, tmp_path: Path, redis_prefix: str, http: httpx.AsyncClient
