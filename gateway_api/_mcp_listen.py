@@ -13,7 +13,9 @@ gateway made (`Registry.on_change`) and every `CATALOG_TTL_S` otherwise (another
 changes); when the catalog differs from the last one seen, every stream compares the caller's
 own list (`Catalog.listed_for`: rules applied) with the one it last had and says so when it
 differs. Each stream also checks on its own every `KEEPALIVE_S` (a reloaded rule changes a
-caller's list without changing the catalog), when it sends a keep-alive comment.
+caller's list without changing the catalog), when it sends a keep-alive comment. Its caller's
+token is checked again every `RECHECK_S` (an in-memory check): a token revoked or expired since
+the stream opened ends it (a listen stream with its request's error, -32000 and the reason).
 
 Bounds: a caller holds at most `MAX_STREAMS_PER_CALLER` open streams on one gateway (past them
 429, Retry-After); a stream ends when its client goes away, and at once when the gateway starts
@@ -34,6 +36,7 @@ from gateway_api import _mcp_http as http
 from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_tools import CATALOG_TTL_S, Catalog, Tool
 from gateway_api.http_limits import DRAINING
+from gateway_api.steps.identify import identify
 from reach.errors import ReachError
 from reach.registry import Registry
 from reach.security.guard import Guard
@@ -45,6 +48,8 @@ MAX_STREAMS_PER_CALLER = 64
 MAX_STREAM_CALLERS = 10_000
 """Callers whose stream counts are kept before the idle ones are forgotten."""
 KEEPALIVE_S = 15.0
+RECHECK_S = 2.0
+"""How often an open stream checks its caller's token again."""
 LIST_CHANGED = {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}
 SUBSCRIPTION_META = "io.modelcontextprotocol/subscriptionId"
 
@@ -53,12 +58,25 @@ class Frames:
     """What one stream says: when it opens, when the caller's tools changed, when it ends
     because the gateway stops."""
 
-    __slots__ = ("changed", "closing", "opening")
+    __slots__ = ("changed", "closing", "key", "opening")
 
-    def __init__(self, opening: bytes, changed: bytes, closing: bytes = b"") -> None:
+    def __init__(
+        self, opening: bytes, changed: bytes, closing: bytes = b"", key: wire.RequestKey = None
+    ) -> None:
         self.opening = opening
         self.changed = changed
         self.closing = closing
+        self.key = key  # a listen stream's request id, which its error event answers
+
+    def refused(self, exc: ReachError) -> bytes:
+        """The last event of a stream whose caller's token no longer holds: a listen
+        stream's request answered with the error; a GET stream just ends."""
+        if self.key is None:
+            return b""
+        data = {"type": exc.type, "status": exc.http_status}
+        return wire.sse_event(
+            wire.error(self.key, wire.RpcError(wire.REACH_REFUSED, exc.message, data))
+        )
 
 
 GET_FRAMES = Frames(
@@ -82,7 +100,7 @@ def listen_frames(message: wire.Message) -> Frames:
     end = wire.result(message.id, {"_meta": meta, "resultType": "complete"})
     # Nothing honored: the stream says nothing but its acknowledgment and keep-alives.
     changed = wire.sse_event(change) if honored else b""
-    return Frames(wire.sse_event(ack), changed, wire.sse_event(end))
+    return Frames(wire.sse_event(ack), changed, wire.sse_event(end), message.id)
 
 
 class Listeners:
@@ -119,7 +137,9 @@ class Listeners:
             gone = wire.RpcError(wire.SESSION_NOT_FOUND, "no such session: initialize again")
             raise http.Answer(404, wire.error(None, gone), {})
         self.room(caller)
-        await self.stream(caller, guard, receive, send, scope.get("state", {}).get(DRAINING))
+        draining = scope.get("state", {}).get(DRAINING)
+        check = token_check(guard, headers)
+        await self.stream(caller, guard, receive, send, draining, check=check)
 
     async def listen(
         self,
@@ -140,7 +160,8 @@ class Listeners:
         frames = listen_frames(message)
         self.room(caller)
         draining = scope.get("state", {}).get(DRAINING)
-        await self.stream(caller, guard, receive, send, draining, frames)
+        check = token_check(guard, headers)
+        await self.stream(caller, guard, receive, send, draining, frames, check)
 
     def room(self, caller: str) -> None:
         """Room for one more of the caller's streams, else the 429 `Answer`."""
@@ -194,8 +215,11 @@ class Listeners:
         send: Send,
         draining: asyncio.Event | None,
         frames: Frames = GET_FRAMES,
+        check: Callable[[], object] | None = None,
     ) -> None:
-        """Hold one stream until the client goes away or the gateway stops (`room` first)."""
+        """Hold one stream until the client goes away, the gateway stops or `check` (the
+        caller's identification again: it raises `ReachError` once the token is revoked or
+        expired) refuses (`room` first)."""
         catalog = self._catalog()
         # Counted before the first await: streams asked for at once all passed `room` while
         # the first list was read (a Redis registry's), 67 of 192 held where 64 may be.
@@ -217,12 +241,15 @@ class Listeners:
                 }
             )
             await http.chunk(send, frames.opening)
+            loop = asyncio.get_running_loop()
+            said_at = loop.time()
+            every = KEEPALIVE_S if check is None else min(RECHECK_S, KEEPALIVE_S)
             while True:
                 tick = asyncio.ensure_future(self._tick.wait())
                 try:
                     waits: set[asyncio.Future[Any]] = {tick, gone, stopping}
                     done, _ = await asyncio.wait(
-                        waits, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
+                        waits, timeout=every, return_when=asyncio.FIRST_COMPLETED
                     )
                 finally:
                     tick.cancel()
@@ -232,6 +259,16 @@ class Listeners:
                     if frames.closing:
                         await http.chunk(send, frames.closing)
                     break
+                if check is not None:
+                    try:
+                        check()
+                    except ReachError as exc:  # revoked or expired since the stream opened
+                        if last := frames.refused(exc):
+                            await http.chunk(send, last)
+                        break
+                if not done and loop.time() - said_at < KEEPALIVE_S:
+                    continue  # only the token's check was due
+                said_at = loop.time()
                 now = await _listed(catalog, caller, guard)
                 if now is not None and seen is not None and now != seen and frames.changed:
                     await http.chunk(send, frames.changed)
@@ -248,6 +285,14 @@ class Listeners:
             self.open[caller] -= 1
             if not self.open[caller]:
                 self._poke.set()  # the watcher ends at once when it was the last
+
+
+def token_check(guard: Guard | None, headers: dict[str, str]) -> Callable[[], object] | None:
+    """An open stream's check that its caller's token still holds (None: tokens not required)."""
+    if guard is None or not guard.auth.required:
+        return None
+    auth = guard.auth
+    return lambda: identify(headers, auth)
 
 
 async def _listed(catalog: Catalog, caller: str, guard: Guard | None) -> list[Any] | None:
