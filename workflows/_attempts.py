@@ -212,7 +212,9 @@ class AttemptLoop(TaskFollowing):
             except StaleRoute as stale:
                 workflow.logger.info("attempt 1 is routed again: %s", stale)
                 error = ErrorInfo(type="no_instance", message=str(stale), retryable=True)
-                failure = Failure(error, stale_route=True)
+                # Found gone by a re-run of a lost task (not its first run): that run may have
+                # sent it there.
+                failure = Failure(error, stale_route=True, lost_run=self._lost_before())
             except Failed as failed:
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)

@@ -217,6 +217,10 @@ def after_failure(
 ) -> tuple[Step, Attempts]:
     """After attempt `tries.number` failed with `failure`: the next step, and where the
     attempts then stand. `keyed`: the request has an idempotency key."""
+    if may_have_run(failure) and tries.unknown is None and follows(LOST_RUN):
+        # Before anything else: a lost run's send is remembered whatever this run does next
+        # (a re-run whose instance left is routed elsewhere: the lost run may have sent it there).
+        tries = replace(tries, unknown=lost_attempt(failure))
     if failure.stale_route and not tries.rerouted:
         # Nothing was sent: no timer, and it is still the same attempt. Only the door's choice
         # can be stale, so this happens once; anything after it is an ordinary failure.
@@ -229,8 +233,6 @@ def after_failure(
         # Another run sent this attempt and was lost: re-delivering it would only be refused
         # again. Its unknown outcome is the report.
         return GiveUp("refused before sending: an earlier run sent it", report=failure), tries
-    if may_have_run(failure) and tries.unknown is None and follows(LOST_RUN):
-        tries = replace(tries, unknown=lost_attempt(failure))
     if failure.not_sent and failure.error.type == "unavailable" and follows(NOT_SENT):
         delay_s = store_backoff_s(tries.store_waits)
         if now_ms + delay_s * 1000 < deadline_ms:  # nothing was sent: wait for the store

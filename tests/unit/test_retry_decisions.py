@@ -247,6 +247,20 @@ def test_a_lost_run_s_keyless_write_that_ends_unsent_here_says_it_may_have_run(
     assert keyed.report.error.outcome_unknown is True
 
 
+def test_a_lost_run_whose_instance_left_is_remembered_as_it_goes_elsewhere() -> None:
+    """A keyed write's re-run finds the door's instance gone (StaleRoute, not its first run):
+    routed again, another instance refuses it; the first may have run it."""
+    gone = Failure(error("no_instance"), stale_route=True, lost_run=True)
+    step, tries = decide(plan(idempotent=False), Attempts(), gone, keyed=True)
+    assert isinstance(step, RouteAgain)
+    assert tries.unknown is not None
+    refused = Failure(error("agent_error", retryable=False), "i2", sent=True)
+    step, _ = decide(plan(idempotent=False), tries, refused, keyed=True)
+    assert isinstance(step, GiveUp)
+    assert step.report is not None
+    assert (step.report.error.type, step.report.error.outcome_unknown) == ("agent_error", True)
+
+
 def test_a_lost_run_is_not_suspected_once_the_agent_answered_or_the_claim_proves_it() -> None:
     write = plan(idempotent=False, max_retries=0)
     # The re-run reached the agent, which answered: its answer is the outcome.
@@ -404,7 +418,6 @@ failures = st.builds(
     instance_id=st.sampled_from([None, "i1", "i2"]),
     stale_route=st.booleans(),
     sent=st.booleans(),
-    not_sent=st.booleans(),
     lost_run=st.booleans(),
 )
 states = st.builds(
@@ -560,7 +573,7 @@ def test_rules_and_draws_are_asked_for_only_where_they_apply(
         assert failure.error.type == "unknown_capability"
     assert QUEUE_DEADLINE not in asked
     if LOST_RUN in asked:  # only for a lost run's failure, the first one remembered
-        assert not early
+        assert failure.error.type != "timeout"
         assert failure.lost_run
         assert not failure.error.outcome_unknown
         assert tries.unknown is None
