@@ -14,13 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway_api._mcp_listen import KEEPALIVE_S
 from tests.conftest import new_stack
 from tests.helpers import GatewayProcess
 from tests.integration.test_auth import bearer, issue_cli
 from tests.integration.test_mcp_front_listen import LISTEN_HEADERS, listen_request
 
 pytestmark = pytest.mark.integration
+
+KEEPALIVE_S = 15.0  # the streams' keep-alive comment (docs/mcp-front.md)
 
 
 async def held_until_it_ends(
