@@ -32,6 +32,8 @@ from connectors._a2a_wire import A2A_VERSION, PENDING, parse
 from reach.errors import AgentError, ReachError
 from reach.messages import Reply, dumps
 
+CANCEL_AGAIN_FOR_S = 2.5
+"""How long CancelTask is asked again while refused because a stream of the task is held."""
 # An SDK agent's SSE stream sends a ping comment every 15 s: a stream quiet for longer is lost.
 STREAM_QUIET_S = 60.0
 # The longest SSE line read (an event past it is refused, not held).
@@ -135,6 +137,67 @@ async def read_until_end(
     finally:
         await response.aclose()
     return "its stream ended before the task did"
+
+
+class HeldStreams:
+    """The task streams this process holds, so that `close` can let go of a task's before
+    CancelTask (an a2a-sdk agent refuses to cancel a task while a stream of it is held)."""
+
+    def __init__(self) -> None:
+        self._stops: dict[str, set[asyncio.Event]] = {}
+
+    async def read(self, task_id: str, reading: Coroutine[Any, Any, str]) -> str:
+        """`reading`'s why, or why not once `close` let go of it first."""
+        stop = asyncio.Event()
+        self._stops.setdefault(task_id, set()).add(stop)
+        read = asyncio.ensure_future(reading)
+        closing = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({read, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await read
+            held = self._stops.get(task_id, set())
+            held.discard(stop)
+            if not held:
+                self._stops.pop(task_id, None)
+        if read.cancelled():
+            return "its stream was let go to cancel the task"
+        return read.result()
+
+    async def cancel(
+        self,
+        task_id: str,
+        ask: Callable[[float], Awaitable[None]],
+        look: Callable[[float], Awaitable[Reply]],
+        timeout_s: float,
+    ) -> None:
+        """CancelTask (`ask`, given the seconds left). This process's streams of the task are
+        let go first. An a2a-sdk agent answers "not cancelable" when a stream it still holds
+        saw the task go on as it cancelled it, though the task ends canceled: refused so,
+        `look` (GetTask) decides: canceled is done, still going is asked again a while (a
+        stream on another worker lets go too), anything else is the refusal."""
+        for stop in self._stops.get(task_id, ()):
+            stop.set()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        again_until = start + min(timeout_s / 2, CANCEL_AGAIN_FOR_S)
+        while True:
+            try:
+                await ask(timeout_s - (loop.time() - start))
+                return
+            except AgentError as exc:
+                if getattr(exc, "code", None) != -32002:
+                    raise
+                now = await look(max(0.001, timeout_s - (loop.time() - start)))
+                if now.status == "canceled":
+                    return
+                if now.status != "accepted" or loop.time() > again_until:
+                    raise
+            await asyncio.sleep(0.25)
 
 
 async def held(

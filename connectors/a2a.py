@@ -17,14 +17,14 @@ config pointing at the gateway's `POST /reach/a2a/push/{request_id}` with that r
 (`reach.security.a2a_push`), and the handle says `push`: the workflow then looks when a
 notification arrives, polling only as a slower fallback (`workflows._following`). Else, when
 the card says the agent streams, the handle says `stream`: the workflow holds the task's
-stream (`subscribe`, `SubscribeToTask`, `connectors._a2a_stream`) and looks when it says the
-task stopped going, polling only when the stream breaks first. An agent that refuses the
-push config (`PushNotificationNotSupportedError`) is sent the message again without it.
+stream (`subscribe`, `SubscribeToTask`, `connectors._a2a_stream`; let go before CancelTask) and
+looks when it says the task stopped going, polling only when the stream breaks first. An agent
+refusing the push config (`PushNotificationNotSupportedError`) is sent the message again without.
 
-Connections: one guarded httpx client (its own keep-alive pool) per instance, opened on first
-use, closed when idle past `transport.idle_timeout_s` or when the instance leaves the registry;
-the address guard vets every new connection (the card's and the JSON-RPC URL's alike). The
-connections are anyio's, which set TCP_NODELAY.
+Connections: one guarded httpx client (its own keep-alive pool, anyio's: TCP_NODELAY) per
+instance, opened on first use, closed when idle past `transport.idle_timeout_s` or when the
+instance leaves the registry; the address guard vets every new connection (the card's and the
+JSON-RPC URL's alike).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import httpx
 
 from agent_reach_proto import wire
 from connectors._a2a_card import MAX_CARD_BYTES, card_url, discovery_of
-from connectors._a2a_stream import ended, held, read_until_end, sse_data
+from connectors._a2a_stream import HeldStreams, ended, held, read_until_end, sse_data
 from connectors._a2a_wire import (
     A2A_VERSION,
     CONTINUE_KEY,
@@ -79,6 +79,7 @@ from reach.security.netguard import DEFAULT_PORTS, AddressGuard, host_port
 # The mapping's pure parts, public for whoever checks them (its tests), beside the connector.
 __all__ = [
     "A2AConnector",
+    "HeldStreams",
     "discovery_of",
     "ended",
     "held",
@@ -154,6 +155,7 @@ class A2AConnector(PooledConnector):
             await client.aclose()
 
         self._pools: Pools[httpx.AsyncClient] = self._new_pools(make_client, close)
+        self._held = HeldStreams()
         self._cards: httpx.AsyncClient | None = None
         # address -> JSON-RPC URL, for instances whose details do not say (joined, not found
         # by URL): read from the card once.
@@ -470,17 +472,25 @@ class A2AConnector(PooledConnector):
         try:
             with map_httpx_exceptions(endpoint.address):
                 where = f"agent {endpoint.instance_id}"
-                return await read_until_end(pool.value, url, task_id, where, timeout_s)
+                reading = read_until_end(pool.value, url, task_id, where, timeout_s)
+                return await self._held.read(task_id, reading)
         except ReachError as exc:  # broke, went quiet, or told something that is no event
             return f"its stream failed ({exc.message[:200]})"
         finally:
             self._pools.release(pool)
 
     async def cancel(self, endpoint: Endpoint, handle: dict[str, Any], timeout_s: float) -> None:
-        """Ask the agent to cancel the task `handle` names (a task already ended is fine)."""
+        """Ask the agent to cancel the task `handle` names."""
         url = str(handle.get("url") or "") or await self._rpc_url(endpoint)
-        params = {"id": str(handle.get("task_id") or "")}
-        await self._call(endpoint, url, "CancelTask", params, timeout_s)
+        task_id = str(handle.get("task_id") or "")
+
+        async def ask(left_s: float) -> None:
+            await self._call(endpoint, url, "CancelTask", {"id": task_id}, left_s)
+
+        async def look(left_s: float) -> Reply:
+            return await self.follow(endpoint, handle, left_s)
+
+        await self._held.cancel(task_id, ask, look, timeout_s)
 
     async def aclose(self) -> None:
         await super().aclose()

@@ -272,6 +272,7 @@ async def test_requests_list_filters_and_the_cli(
         "started_at",
         "closed_at",
         "duration_ms",
+        "context_id",  # the conversation it belongs to (None: it started none)
     }
     assert (row["capability"], row["operation"], row["caller"]) == (
         capability,

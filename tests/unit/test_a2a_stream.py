@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from connectors.a2a import ended, held, sse_data
+from connectors.a2a import HeldStreams, ended, held, sse_data
 from reach.errors import AgentError, ReachError, TransportError
 from reach.messages import Reply
 
@@ -148,3 +148,62 @@ async def test_the_stream_s_own_end_stands_and_a_look_s_agent_error_ends_it() ->
     _, refused = looks_at(AgentError("task not found"))
     with pytest.raises(AgentError, match="task not found"):
         await asyncio.wait_for(held(never_ends(), refused, first_s=0.01), 30)
+
+
+def not_cancelable() -> AgentError:
+    err = AgentError("agent a refused CancelTask: task_not_cancelable", retryable=False)
+    err.code = -32002  # type: ignore[attr-defined]
+    return err
+
+
+@pytest.mark.parametrize(
+    ("states", "asks", "ends"),
+    [
+        (["canceled"], 1, None),  # refused, yet the task ended canceled: done
+        (["accepted", "canceled"], 2, None),  # still going: asked again, then canceled
+        (["ok"], 1, AgentError),  # it ended on its own first: the refusal stands
+    ],
+)
+async def test_a_cancel_refused_as_not_cancelable_looks_at_the_task(
+    states: list[str], asks: int, ends: type[Exception] | None
+) -> None:
+    held_streams = HeldStreams()
+    asked: list[float] = []
+    seen = iter(states)
+
+    async def ask(left_s: float) -> None:
+        asked.append(left_s)
+        raise not_cancelable()
+
+    async def look(left_s: float) -> Reply:
+        return Reply(status=next(seen))  # type: ignore[arg-type]
+
+    if ends is None:
+        await held_streams.cancel(TASK, ask, look, 5.0)
+    else:
+        with pytest.raises(ends):
+            await held_streams.cancel(TASK, ask, look, 5.0)
+    assert len(asked) == asks
+
+
+async def test_a_cancel_lets_go_of_the_task_s_stream_held_here() -> None:
+    held_streams = HeldStreams()
+    forever = asyncio.Event()
+
+    async def reading() -> str:
+        await forever.wait()
+        return ""
+
+    reader = asyncio.ensure_future(held_streams.read(TASK, reading()))
+    await asyncio.sleep(0)
+
+    async def ask(left_s: float) -> None:
+        return None
+
+    async def look(left_s: float) -> Reply:
+        raise AssertionError("not asked: the cancel was taken")
+
+    await held_streams.cancel(TASK, ask, look, 5.0)
+    async with asyncio.timeout(5):
+        why = await reader
+    assert "let go" in why
