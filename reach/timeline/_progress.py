@@ -57,9 +57,24 @@ def _merged(
         detail: dict[str, Any] = {k: note[k] for k in keys if k in note}
         if i == 0 and dropped:
             detail["earlier_not_kept"] = dropped
-        event = TimelineEvent(at_ms=at, kind=kind, summary=summary(note), detail=detail)
+        # Not before its attempt's `sent`: an inline call's is written when the call ends (the
+        # local activity's marker), after the notes the agent sent while it ran.
+        floor = _after_sent(events, note.get("attempt", 1))
+        if floor:
+            at = max(at, events[floor - 1].at_ms)
+        said = summary(note) + (f" ({dropped} earlier not kept)" if i == 0 and dropped else "")
+        event = TimelineEvent(at_ms=at, kind=kind, summary=said, detail=detail)
         place = len(events)
-        while place > 0 and events[place - 1].at_ms > at:
+        while place > floor and events[place - 1].at_ms > at:
             place -= 1
         events.insert(place, event)
     return timeline.model_copy(update={"events": events})
+
+
+def _after_sent(events: list[TimelineEvent], attempt: Any) -> int:
+    """The index just past `attempt`'s `sent` event (0: none)."""
+    for i in range(len(events) - 1, -1, -1):
+        event = events[i]
+        if event.kind == "sent" and event.detail.get("attempt", 1) == attempt:
+            return i + 1
+    return 0

@@ -69,11 +69,33 @@ def test_notes_are_placed_by_time_among_the_events() -> None:
     assert [e.kind for e in merged.events] == ["accepted", "sent", "progress", "progress", "result"]
     first, second = merged.events[2], merged.events[3]
     assert (first.at_ms, second.at_ms) == (100, 400)
-    assert first.summary == "attempt 1 progress 1: half"
+    assert first.summary == "attempt 1 progress 1: half (3 earlier not kept)"
     assert second.summary == "attempt 1 progress 2 of 4"
     assert first.detail["earlier_not_kept"] == 3
     assert "earlier_not_kept" not in second.detail
     assert with_progress(story, 0, []) is story
+
+
+def test_a_note_is_never_placed_before_its_attempt_was_sent() -> None:
+    """An inline call's `sent` is written when the call ends (its local activity's marker):
+    the notes the agent sent while it ran come after it, at its time, not before it."""
+    accepted = datetime.fromtimestamp(1000.0, UTC)
+    story = Timeline(
+        request_id="r",
+        status="success",
+        accepted_at=accepted,
+        events=[
+            TimelineEvent(at_ms=0, kind="accepted", summary="accepted"),
+            TimelineEvent(at_ms=1600, kind="instance_chosen", summary="chosen"),
+            TimelineEvent(at_ms=1633, kind="sent", summary="sent", detail={"attempt": 1}),
+            TimelineEvent(at_ms=1700, kind="result", summary="result"),
+        ],
+    )
+    notes = [{"at_ms": 1_001_085, "attempt": 1, "progress": 1.0}]
+    merged = with_progress(story, 1, notes)
+    kinds = [e.kind for e in merged.events]
+    assert kinds == ["accepted", "instance_chosen", "sent", "progress", "result"]
+    assert merged.events[3].at_ms == 1633
 
 
 def test_a_log_message_is_kept_redacted_and_bounded() -> None:
