@@ -37,38 +37,61 @@ PUSH_GAP_S = 1.0
 """A gateway signals one request at most once in this long: a flood of notifications with the
 request's token (the agent holds it, and it never changes) was a signal and a GetTask look
 each, ~8 history events a push, and each look grew the fallback poll's wait toward 5 min."""
+PUSH_GAP_MAX_S = 10.0
+PUSH_STEADY_AFTER = 10
+"""Past this many signals of one request without a quiet PUSH_QUIET_S, its gap doubles up to
+PUSH_GAP_MAX_S: each signal and its look are history events (~4-8), so an agent pushing every
+second for hours (or anyone holding the token) filled the workflow's history (51,200 events on
+the dev server) in ~1.5 h; paced so, it takes a day or more, and the end of a task is still
+noticed within PUSH_GAP_MAX_S of its last push."""
+PUSH_QUIET_S = 60.0
 _PACED_MAX = 10_000
 
 
-class _Pacer:
+class PushPacer:
     """Which requests were signalled in the last PUSH_GAP_S, and the one trailing signal each
     of them has pending for the pushes that came since (so the last push is never lost)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._last: dict[str, float] = {}
+        self._burst: dict[str, int] = {}  # signals since the request's last quiet
         self._pending: dict[str, asyncio.Task[None]] = {}
+
+    def gap(self, rid: str) -> float:
+        over = self._burst.get(rid, 0) - PUSH_STEADY_AFTER
+        return PUSH_GAP_S if over < 0 else min(PUSH_GAP_S * 2.0 ** (over + 1), PUSH_GAP_MAX_S)
+
+    def _signalled(self, rid: str, at: float) -> None:
+        last = self._last.get(rid)
+        quiet = last is None or at - last >= PUSH_QUIET_S
+        self._burst[rid] = 1 if quiet else self._burst.get(rid, 0) + 1
+        self._last[rid] = at
 
     def now(self, rid: str, signal: Callable[[], Awaitable[None]]) -> bool:
         """True: signal it now. False: folded into a pending signal (started if none is)."""
-        at = time.monotonic()
+        at = self._clock()
         last = self._last.get(rid)
         if rid in self._pending:
             # Its trailing signal is due (it may not have woken yet, the gap just past): this
             # push is that signal's, not one more (signals came in pairs ms apart).
             return False
-        if last is None or at - last >= PUSH_GAP_S:
+        gap = self.gap(rid)
+        if last is None or at - last >= gap:
             if len(self._last) >= _PACED_MAX:
-                self._last = {k: v for k, v in self._last.items() if at - v < PUSH_GAP_S}
-            self._last[rid] = at
+                age = PUSH_QUIET_S if len(self._last) < 2 * _PACED_MAX else PUSH_GAP_S
+                self._last = {k: v for k, v in self._last.items() if at - v < age}
+                self._burst = {k: n for k, n in self._burst.items() if k in self._last}
+            self._signalled(rid, at)
             return True
-        if rid not in self._pending and len(self._pending) < _PACED_MAX:
-            self._pending[rid] = asyncio.create_task(self._later(rid, last + PUSH_GAP_S, signal))
+        if len(self._pending) < _PACED_MAX:
+            self._pending[rid] = asyncio.create_task(self._later(rid, last + gap, signal))
         return False
 
     async def _later(self, rid: str, when: float, signal: Callable[[], Awaitable[None]]) -> None:
         try:
-            await asyncio.sleep(max(0.0, when - time.monotonic()))
-            self._last[rid] = time.monotonic()
+            await asyncio.sleep(max(0.0, when - self._clock()))
+            self._signalled(rid, self._clock())
             await signal()
         except RPCError as exc:  # ended meanwhile, or the server away: the poll covers it
             log.info("A2A push for %s (coalesced): not signalled (%s)", rid, exc.message)
@@ -109,9 +132,9 @@ async def pushed(request: Request) -> Response:
         return error_response(
             rid, PayloadTooLarge(f"a push notification of at most {MAX_PUSH_BYTES} bytes")
         )
-    pacer: _Pacer | None = getattr(request.app.state, "a2a_push_pacer", None)
+    pacer: PushPacer | None = getattr(request.app.state, "a2a_push_pacer", None)
     if pacer is None:
-        pacer = request.app.state.a2a_push_pacer = _Pacer()
+        pacer = request.app.state.a2a_push_pacer = PushPacer()
     if not pacer.now(rid, lambda: _signal(gateway, rid)):
         # Another push for it was signalled less than PUSH_GAP_S ago: this one is folded into
         # the signal sent at the gap's end (the look then reads whatever the agent said last).

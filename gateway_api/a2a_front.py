@@ -65,6 +65,7 @@ from gateway_api import _a2a_cards as cards
 from gateway_api import _a2a_push as push
 from gateway_api._a2a_calls import POLL_MAX_S, Call
 from gateway_api._a2a_cards import allowed_for, capability_card, gateway_card, operations_of
+from gateway_api._a2a_pushed import PushPacer as PushPacer  # the push route's pacing (tests)
 from gateway_api._a2a_pushed import pushed
 from gateway_api._a2a_required import missing
 from gateway_api._a2a_tasks import (
