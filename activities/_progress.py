@@ -6,6 +6,10 @@ call; the notes
 are bounded (`reach.progress.MAX_NOTES`) and written at most every `WRITE_EVERY_S`, one write
 at a time, off the call's path (a store that is slow or down delays or drops the record, never
 the call), and once more when the call ends. A call that reports nothing writes nothing.
+
+The recorder also holds the call's questions (`reach.asks.Questions`): what the agent asks
+mid-call, relayed to the caller through the MCP front's stream when it can answer, given up
+when the call ends.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from reach import progress
+from reach import asks, progress
 from reach.config import SECRET_KEY_NAMES
 from reach.errors import ReachError
 from reach.invocation import CallInput
@@ -43,6 +47,11 @@ class Recorder:
         self.written = 0  # changes counted in the last write
         self.last_write = 0.0  # loop time
         self.writing: asyncio.Task[None] | None = None
+        # What the agent asks mid-call, relayed to the caller when it can answer (`reach.asks`).
+        until_s = min(header.deadline_ms or until_ms, now_ms + inp.timeout_ms) / 1000
+        self.questions = asks.Questions(
+            state, header.request_id, header.caller, header.attempt, until_s
+        )
 
     def note(self, params: dict[str, Any]) -> None:
         if self.record.add(params):
@@ -69,7 +78,9 @@ class Recorder:
             self.writing = None
 
     async def close(self) -> None:
-        """The last notes written (the store's trouble is logged, not raised)."""
+        """The last notes written (the store's trouble is logged, not raised); a question
+        still waiting for its answer is given up."""
+        self.questions.close()
         if self.writing is not None:
             with contextlib.suppress(Exception):
                 await self.writing
@@ -82,15 +93,18 @@ _NOTHING = contextlib.nullcontext()
 
 
 def recording(recorder: Recorder | None) -> contextlib.AbstractContextManager[None]:
-    """The connector's `reach.progress.report` goes to `recorder` within this block (None:
-    nowhere, at no cost: most calls)."""
+    """The connector's `reach.progress.report` goes to `recorder` within this block, and its
+    questions to the recorder's (`reach.asks.QUESTIONS`) (None: nowhere, at no cost: most
+    calls)."""
     return _NOTHING if recorder is None else _recording(recorder)
 
 
 @contextlib.contextmanager
 def _recording(recorder: Recorder) -> Iterator[None]:
     token = progress.SINK.set(recorder)
+    asking = asks.QUESTIONS.set(recorder.questions)
     try:
         yield
     finally:
+        asks.QUESTIONS.reset(asking)
         progress.SINK.reset(token)

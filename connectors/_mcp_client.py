@@ -28,6 +28,7 @@ import httpx
 
 from connectors import _mcp_wire as w
 from connectors._mcp_listen import listen
+from reach import asks
 from reach.errors import AgentError, TransportError
 from reach.messages import dumps
 
@@ -113,10 +114,13 @@ class McpServer:
         on_notification: Callable[[dict[str, Any]], None] | None = None,
         on_send: Callable[[], None] | None = None,
         budget: w.Budget | None = None,
+        ask_limit: int | None = None,
     ) -> tuple[dict[str, Any], httpx.Headers]:
         """One POST; the result of request `rpc_id` (a notification: {}), and the headers.
         `budget`: what its response may read in all (else each message is bounded by `limit`
-        and the stream by the caller's deadline)."""
+        and the stream by the caller's deadline). `ask_limit`: the bytes of a question the
+        server asks mid-call that may be relayed to the caller, and of its answer (None:
+        none is: discovery, tasks)."""
         version = negotiated.version if negotiated is not None else None
         session = negotiated.session if negotiated is not None else None
         if method == "initialize":
@@ -145,23 +149,57 @@ class McpServer:
                     self.where,
                     on_notification,
                     budget,
-                    on_request=lambda asked: self._answer_later(negotiated, asked),
+                    on_request=lambda asked: self._answer_later(negotiated, asked, ask_limit),
                 )
                 return result, response.headers
             finally:
                 await response.aclose()
 
-    def _answer_later(self, negotiated: Negotiated | None, asked: dict[str, Any]) -> None:
-        """Answer a request the server sent on a response stream (`_mcp_wire.refusal_of`), off
-        the stream's reader and outside the call slots (the call waiting on it holds one); at
-        most `MAX_ANSWERS` at once per server, past them a request is left unanswered."""
+    def _answer_later(
+        self, negotiated: Negotiated | None, asked: dict[str, Any], ask_limit: int | None
+    ) -> None:
+        """Answer a request the server sent on a response stream, off the stream's reader and
+        outside the call slots (the call waiting on it holds one): sampling or elicitation
+        asked where the call's questions may be relayed to its caller (`reach.asks`) is
+        relayed, anything else refused (`_mcp_wire.refusal_of`); at most `MAX_ANSWERS` at once
+        per server, past them a request is left unanswered."""
         answer = w.refusal_of(asked)
         if answer is None or len(self._answers) >= MAX_ANSWERS:
             return
-        log.info("%s asked Reach for %s mid-call; refused", self.where, str(asked["method"])[:80])
-        task = asyncio.get_running_loop().create_task(self._send_answer(negotiated, answer))
+        method = str(asked["method"])[:80]
+        questions = asks.QUESTIONS.get() if ask_limit is not None else None
+        if questions is not None and method in asks.RELAYED and ask_limit is not None:
+            job = self._relay(negotiated, asked, questions, ask_limit)
+        else:
+            log.info("%s asked Reach for %s mid-call; refused", self.where, method)
+            job = self._send_answer(negotiated, answer)
+        task = asyncio.get_running_loop().create_task(job)
         self._answers.add(task)
         task.add_done_callback(self._answers.discard)
+
+    async def _relay(
+        self,
+        negotiated: Negotiated | None,
+        asked: dict[str, Any],
+        questions: asks.Questions,
+        limit: int,
+    ) -> None:
+        """The caller's answer to the server's question (or why there is none), in its session."""
+        method = str(asked["method"])
+        params = asked.get("params")
+        tail = await questions.ask(method, params if isinstance(params, dict) else {}, limit)
+        answer: dict[str, Any] = {"jsonrpc": "2.0", "id": asked["id"]}
+        if isinstance(tail.get("error"), dict):
+            answer["error"] = tail["error"]
+            log.info(
+                "%s asked for %s mid-call; not answered: %s",
+                self.where,
+                method[:80],
+                str(tail["error"].get("message"))[:200],
+            )
+        else:
+            answer["result"] = tail.get("result")
+        await self._send_answer(negotiated, answer)
 
     async def _send_answer(self, negotiated: Negotiated | None, answer: dict[str, Any]) -> None:
         version = negotiated.version if negotiated is not None else None
@@ -220,7 +258,7 @@ class McpServer:
     async def _initialize(self, offer: str) -> Negotiated:
         params = {
             "protocolVersion": offer,
-            "capabilities": {},
+            "capabilities": w.SESSION_CAPABILITIES,
             "clientInfo": w.CLIENT_INFO,
         }
         result, headers = await self._post(
@@ -284,10 +322,12 @@ class McpServer:
         sent: list[Sent] | None = None,
         tasks: bool = False,
         budget: w.Budget | None = None,
+        ask_limit: int | None = None,
     ) -> dict[str, Any]:
         """The result of `method`, resent once (in a new session, or after negotiating again)
         when the server said it did not run it. `sent` collects what went on the wire; `tasks`
-        declares the tasks extension (2026-07-28); `budget` bounds every byte read."""
+        declares the tasks extension (2026-07-28); `budget` bounds every byte read;
+        `ask_limit`: questions asked mid-call may be relayed (`_post`)."""
         negotiated = await self.ready()
         for again in (False, True):
             rpc_id = next_id()
@@ -309,6 +349,7 @@ class McpServer:
                     on_notification=on_notification,
                     on_send=on_send,
                     budget=budget,
+                    ask_limit=ask_limit,
                 )
                 return result
             except w.SessionGone as exc:

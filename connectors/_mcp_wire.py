@@ -55,6 +55,10 @@ META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
 CLIENT_INFO = {"name": "agent-reach", "version": "1"}
+# What Reach declares at `initialize`: a server may ask it for sampling and (form-mode)
+# elicitation mid-call, which it relays to the call's caller when that caller came through
+# the MCP front and can answer (`reach.asks`), and refuses at once otherwise.
+SESSION_CAPABILITIES: dict[str, Any] = {"sampling": {}, "elicitation": {}}
 TASKS = "io.modelcontextprotocol/tasks"
 MAX_TASK_ID_CHARS = 256
 

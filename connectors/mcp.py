@@ -216,6 +216,7 @@ class McpConnector(PooledConnector):
                         on_notification=lambda heard: self._heard(endpoint.address, heard),
                         sent=sent,
                         tasks=True,
+                        ask_limit=limit,
                     )
         except DeadlineExceeded:
             if sent:

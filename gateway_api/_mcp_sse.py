@@ -11,6 +11,8 @@ progress increases: a retried attempt's notes, which start again, are not sent).
 notification, progress 0, names the RequestID. Log messages are sent in the order they came,
 each once, those below the client's level not at all; what the record kept is what is sent
 (the last `reach.progress.MAX_LOGS` of each write, their data redacted as the audit redacts).
+A call whose client can answer its agents' questions (sampling, elicitation) has them sent on
+the stream as requests of the front's own, at the same pace (`gateway_api._mcp_ask`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from starlette.types import Send
 
 from gateway_api import _mcp_http as http
 from gateway_api import _mcp_wire as wire
+from gateway_api._mcp_ask import Offer
 from reach import progress
 from reach.errors import ReachError
 from reach.messages import InvokeResponse
@@ -125,9 +128,10 @@ async def stream(
     outcome: Outcome,
     state: PolicyState,
     level: str | None = None,
+    asks: Offer | None = None,
 ) -> None:
     """The rest of a long call as an SSE stream (see the module docstring); `level`: the log
-    messages relayed (`_mcp_logging`)."""
+    messages relayed (`_mcp_logging`); `asks`: the agents' questions relayed (`_mcp_ask`)."""
     try:
         await send(
             {
@@ -150,9 +154,10 @@ async def stream(
         loop = asyncio.get_running_loop()
         said = loop.time()
         while not task.done():
-            every = RELAY_EVERY_S if relay is not None else KEEPALIVE_S
+            every = RELAY_EVERY_S if relay is not None or asks is not None else KEEPALIVE_S
             await asyncio.wait({task}, timeout=every)
-            if relay is not None and await relay.forward(send):
+            forwarded = relay is not None and await relay.forward(send)
+            if (asks is not None and await asks.forward(send)) or forwarded:
                 said = loop.time()
             elif not task.done() and loop.time() - said >= KEEPALIVE_S - 0.01:
                 await http.chunk(send, b": keep-alive\n\n")

@@ -12,10 +12,13 @@ must agree with the body (else `HEADER_MISMATCH`, 400). Anything else is the han
 protocol (`HANDSHAKE`: 2025-11-25, 2025-06-18, and the older 2025-03-26 and 2024-11-05), where
 `initialize` negotiates the version and answers with an `Mcp-Session-Id`.
 
-**Sessions are stateless tokens.** `r1.<version>.<caller digest>.<random>`: any gateway
-accepts any of them without a shared table (nothing is kept per session), and a session id
-presented by another caller than the one that initialized it is "not found" (404: initialize
-again). The bearer token on every request stays the only authentication.
+**Sessions are stateless tokens.** `r1.<version>.<caller digest>.<random>`, and `.<caps>`
+after it when the client declared what it can answer mid-call (`reach.asks.declared`: `s`
+sampling, `e` form and `u` URL elicitation): any gateway accepts any of them without a shared
+table (nothing is kept per session), and a session id presented by another caller than the
+one that initialized it is "not found" (404: initialize again). The bearer token on every
+request stays the only authentication (a caller naming capabilities its client lacks only
+has its own calls asked what it cannot answer).
 """
 
 from __future__ import annotations
@@ -100,11 +103,16 @@ class RpcError(Exception):
 
 class Message:
     """One JSON-RPC message from a client: a request (it has an `id`), a notification, or a
-    response to a request of ours (which Reach never sends, so it is only acknowledged)."""
+    response to a request of ours (a question relayed mid-call: `gateway_api._mcp_ask`)."""
 
-    __slots__ = ("id", "is_request", "method", "params")
+    @property
+    def is_response(self) -> bool:
+        return "method" not in self.body and ("result" in self.body or "error" in self.body)
+
+    __slots__ = ("body", "id", "is_request", "method", "params")
 
     def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
         self.is_request = "id" in body and "method" in body
         self.id: RequestKey = body.get("id")
         self.method: str | None = body.get("method")
@@ -190,18 +198,33 @@ def _digest(caller: str) -> str:
     return hashlib.sha256(caller.encode()).hexdigest()[:16]
 
 
-def new_session(version: str, caller: str) -> str:
-    return f"r1.{version}.{_digest(caller)}.{secrets.token_hex(8)}"
+_CAPS = frozenset("seu")
+
+
+def new_session(version: str, caller: str, caps: str = "") -> str:
+    """A session id; `caps`: what the client can answer mid-call (`reach.asks.declared`)."""
+    return f"r1.{version}.{_digest(caller)}.{secrets.token_hex(8)}" + (f".{caps}" if caps else "")
 
 
 def session_version(session: str, caller: str) -> str | None:
     """The version a session negotiated, or None: not one of Reach's, or another caller's."""
     parts = session.split(".")
-    if len(parts) != 4 or parts[0] != "r1" or parts[1] not in HANDSHAKE:
+    if len(parts) not in (4, 5) or parts[0] != "r1" or parts[1] not in HANDSHAKE:
+        return None
+    if len(parts) == 5 and not (parts[4] and set(parts[4]) <= _CAPS and len(parts[4]) <= 3):
         return None
     if not secrets.compare_digest(parts[2], _digest(caller)):
         return None
     return parts[1]
+
+
+def session_caps(session: str | None, caller: str) -> str:
+    """What the session's client declared it can answer mid-call ("" for none, or for a
+    session that is not this caller's)."""
+    if session is None or session_version(session, caller) is None:
+        return ""
+    parts = session.split(".")
+    return parts[4] if len(parts) == 5 else ""
 
 
 # -- answers -------------------------------------------------------------------------------------

@@ -54,24 +54,26 @@ from typing import Any
 
 from starlette.datastructures import State
 from starlette.types import Receive, Scope, Send
-from temporalio.service import RPCError
 
 import reach
+from gateway_api import _mcp_ask as ask
 from gateway_api import _mcp_http as http
 from gateway_api import _mcp_logging as logs
 from gateway_api import _mcp_sse as sse
 from gateway_api import _mcp_tasks as tasks
 from gateway_api import _mcp_wire as wire
+from gateway_api._mcp_call import Call, consumed, named, outcome
 from gateway_api._mcp_http import host_allowed, origin_allowed
 from gateway_api._mcp_listen import MAX_STREAMS_PER_CALLER as MAX_STREAMS_PER_CALLER
 from gateway_api._mcp_listen import Listeners
 from gateway_api._mcp_sse import Relay as Relay  # what a streamed call relays (tests read it)
-from gateway_api._mcp_tools import Catalog, call_result, rpc_error_of
-from gateway_api.errors import CatchBugs, reach_error_of_rpc
+from gateway_api._mcp_tools import Catalog, rpc_error_of
+from gateway_api.errors import CatchBugs
 from gateway_api.front import Bytes
 from gateway_api.gateway import Gateway
 from gateway_api.routes.invoke import metadata_of
 from gateway_api.steps.identify import Identity, identify
+from reach import asks as reach_asks
 from reach.errors import ReachError
 from reach.messages import InvokeResponse, dumps
 from reach.telemetry import tracing
@@ -98,27 +100,6 @@ CAPABILITIES: dict[str, Any] = {"tools": {"listChanged": True}, "logging": {}, "
 
 def is_mcp(scope: Scope) -> bool:
     return bool(scope["type"] == "http" and scope["path"] in PATHS)
-
-
-class _Call:
-    """The MCP front's side of the door: it keeps the RequestID once the door has one, and
-    hears when the request is durable (`started`). A call as a task lets the request go
-    `let_go` seconds after that: the door answers it `accepted` and holds nothing of it (no
-    waiter, no room among the bytes in flight); tasks/get reads its result from its workflow."""
-
-    __slots__ = ("durable", "let_go", "request_id")
-
-    def __init__(self, let_go: float | None = None) -> None:
-        self.request_id: str | None = None
-        self.let_go = let_go
-        self.durable = asyncio.Event()
-
-    async def named(self, request_id: str, caller: str) -> None:
-        self.request_id = request_id
-
-    async def started(self, request_id: str) -> float | None:
-        self.durable.set()
-        return self.let_go
 
 
 class McpFront:
@@ -238,7 +219,9 @@ class McpFront:
         modern = False
         try:
             message = wire.parse(raw)
-            if not message.is_request:  # a notification or a response: nothing to answer
+            if not message.is_request:  # a notification, or an answer to a relayed question
+                if message.is_response:
+                    await ask.answer(self.gateway.views.policy.state, message, identity.caller)
                 await http.respond(send, 202, b"", {})
                 return
             modern = message.modern
@@ -308,6 +291,7 @@ class McpFront:
         out: dict[str, Any]
         if method == "initialize" and not modern:
             said = CAPABILITIES
+            caps = reach_asks.declared(message.params.get("capabilities"))  # relayed mid-call
             out = {
                 "protocolVersion": version,
                 "capabilities": {**said, "tasks": tasks.CAPABILITY_2025}
@@ -315,7 +299,7 @@ class McpFront:
                 else said,
                 "serverInfo": SERVER_INFO,
                 "instructions": INSTRUCTIONS,
-                "_headers": {"mcp-session-id": wire.new_session(version, identity.caller)},
+                "_headers": {"mcp-session-id": wire.new_session(version, identity.caller, caps)},
             }
             return out
         if method == "ping":
@@ -410,39 +394,54 @@ class McpFront:
         # A task: as soon as the request is durable (asked), or if it still runs
         # TASK_AFTER_S later; the door then answers `accepted` and holds nothing of it.
         let_go = 0.0 if asked else tasks.TASK_AFTER_S if as_task else None
-        front = _Call(let_go)
+        state = self.gateway.views.policy.state
+        # A session whose client answers questions relays its agents' (`_mcp_ask`): streamed.
+        caps = "" if modern else wire.session_caps(headers.get(wire.SESSION_HEADER), caller)
+        offer = ask.Offer(state, caps) if caps and streams and let_go is None else None
+        front = Call(let_go, offer)
         invoke = self.gateway.door.invoke(metadata, Bytes(raw), front)
         if let_go is not None:
             return await self._task(invoke, front, modern, asked)
         if not streams:  # awaited here: no timer, no task
-            return await _outcome(invoke, front, modern)
-        task = asyncio.ensure_future(invoke)
+            return await outcome(invoke, front, modern)
+        try:
+            task = asyncio.ensure_future(invoke)
+            session = headers.get(wire.SESSION_HEADER)
+            return await self._streamed(task, message, front, send, level, session)
+        finally:
+            if offer is not None:
+                await offer.close()
+
+    async def _streamed(
+        self,
+        task: asyncio.Future[InvokeResponse],
+        message: wire.Message,
+        front: Call,
+        send: Send,
+        level: str | None,
+        session: str | None,
+    ) -> dict[str, Any] | None:
+        """A call whose client takes a stream: answered as one when it runs long, or at once
+        when the client wants its progress, log messages or questions."""
+        modern = message.modern
         state = self.gateway.views.policy.state
         if not modern:  # read beside the call, which has started
-            level = await logs.session_level(state, headers.get(wire.SESSION_HEADER))
-        if streams:
-            # The agents' progress or log messages wanted: stream at once.
-            if sse.progress_token(message) is not None or level is not None:
-                await self._durable(task, front)
-                done: set[Any] = {task} if task.done() else set()
-            else:
-                done, _ = await asyncio.wait({task}, timeout=SSE_AFTER_S)
-            if not done and front.request_id is not None:
-                self._keep(task)
-                rid = front.request_id
-                await sse.stream(
-                    send,
-                    message,
-                    task,
-                    rid,
-                    lambda ended: _outcome(ended, _named(rid), modern),
-                    state,
-                    level,
-                )
-                return None
-        return await _outcome(task, front, modern)
+            level = await logs.session_level(state, session)
+        offer = front.offer if front.offer is not None and front.offer.open else None
+        if sse.progress_token(message) is not None or level is not None or offer is not None:
+            await self._durable(task, front)
+            done: set[Any] = {task} if task.done() else set()
+        else:
+            done, _ = await asyncio.wait({task}, timeout=SSE_AFTER_S)
+        if not done and front.request_id is not None:
+            self._keep(task)
+            rid = front.request_id
+            said = lambda ended: outcome(ended, named(rid), modern)  # noqa: E731
+            await sse.stream(send, message, task, rid, said, state, level, offer)
+            return None
+        return await outcome(task, front, modern)
 
-    async def _durable(self, task: asyncio.Future[InvokeResponse], front: _Call) -> None:
+    async def _durable(self, task: asyncio.Future[InvokeResponse], front: Call) -> None:
         """Until the call is durable, or ended (refused, or answered) before it said so."""
         durable = asyncio.ensure_future(front.durable.wait())
         try:
@@ -452,7 +451,7 @@ class McpFront:
             durable.cancel()
 
     async def _task(
-        self, invoke: Awaitable[InvokeResponse], front: _Call, modern: bool, asked: bool
+        self, invoke: Awaitable[InvokeResponse], front: Call, modern: bool, asked: bool
     ) -> dict[str, Any]:
         """A call as a task: its result if the door had it before letting it go, its
         refusal, or the task (its id the RequestID)."""
@@ -461,33 +460,10 @@ class McpFront:
         if ended.exception() is None and ended.result().status == "accepted":
             rid = ended.result().request_id
             return tasks.created_2025(rid) if asked else tasks.created(rid)
-        return await _outcome(ended, front, modern)
+        return await outcome(ended, front, modern)
 
     def _keep(self, task: asyncio.Future[InvokeResponse]) -> None:
         """Hold a call nobody awaits any more until it ends (its outcome is the task's)."""
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
-        task.add_done_callback(_consumed)
-
-
-def _consumed(task: asyncio.Future[InvokeResponse]) -> None:
-    """Its outcome read, so that a refusal nobody awaits is not logged as never retrieved."""
-    if not task.cancelled():
-        task.exception()
-
-
-def _named(request_id: str) -> _Call:
-    call = _Call()
-    call.request_id = request_id
-    return call
-
-
-async def _outcome(task: Awaitable[InvokeResponse], front: _Call, modern: bool) -> dict[str, Any]:
-    try:
-        response = await task
-    except ReachError as exc:
-        raise rpc_error_of(exc, front.request_id) from None
-    except RPCError as exc:
-        log.error("Temporal call failed on MCP tools/call: %s", exc)
-        raise rpc_error_of(reach_error_of_rpc(exc), front.request_id) from None
-    return call_result(response, modern)
+        task.add_done_callback(consumed)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from mcp.server.elicitation import AcceptedElicitation
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import SamplingMessage, TextContent, ToolAnnotations, ToolListChangedNotification
@@ -120,7 +121,7 @@ def build(mode: str, calls: Path) -> Any:
     @server.tool(description="Ask the user (elicitation/create).")
     async def ask_user(question: str, ctx: Context) -> str:
         got = await ctx.elicit(question, schema=Answer)
-        return f"{got.action}"
+        return f"accept: {got.data.answer}" if isinstance(got, AcceptedElicitation) else got.action
 
     @server.tool(description="Log at four levels, then answer.", structured_output=False)
     async def chatty(ctx: Context) -> str:
