@@ -5,7 +5,8 @@ through this front answers.
 - `Offer`: a streamed `tools/call` whose session declared what its client can answer
   (`_mcp_wire.session_caps`) offers to relay its request's questions while its stream is
   open: claimed when the door names the RequestID (before the call can start, so the first
-  question finds it), refreshed while the stream runs, released when it ends. Each question
+  question finds it), refreshed while the stream runs, released when it ends or its client
+  goes away (`Offer.watch`). Each question
   addressed to this stream is sent on it as a server-to-client JSON-RPC request whose id is
   fresh (`reach.asks.ASK_ID_PREFIX` and a random token), its record kept where every gateway
   reads it.
@@ -25,7 +26,7 @@ import secrets
 import time
 from typing import Any
 
-from starlette.types import Send
+from starlette.types import Receive, Send
 
 from gateway_api import _mcp_http as http
 from gateway_api import _mcp_wire as wire
@@ -72,6 +73,14 @@ class Offer:
             self.key, self.value = key, value
             self.request_id, self.caller = request_id, caller
             self.refreshed = time.monotonic()
+
+    async def watch(self, receive: Receive) -> None:
+        """Until the client goes away (its stream closed), then the offer is released: a
+        question waiting on it is given up within `reach.asks.OFFER_CHECK_S`, not held to the
+        call's deadline (the server's `send` says nothing of a client gone)."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        await self.close()
 
     async def close(self) -> None:
         if self.key is not None:

@@ -234,7 +234,7 @@ class McpFront:
                     return
             else:
                 version = self._session(message, headers, identity)
-            reply = await self._dispatch(message, headers, identity, version, modern, send)
+            reply = await self._dispatch(message, headers, identity, version, modern, send, receive)
         except wire.RpcError as exc:
             key = message.id if message is not None else exc.key
             await http.respond_json(send, exc.status(modern), wire.error(key, exc), {})
@@ -272,18 +272,19 @@ class McpFront:
         version: str,
         modern: bool,
         send: Send,
+        receive: Receive | None = None,
     ) -> dict[str, Any] | None:
         method = message.method
         if method == "tools/call":
             active = tracing.tracer
             if active is None:
-                return await self._call(message, headers, identity.caller, version, send)
+                return await self._call(message, headers, identity.caller, version, send, receive)
             # Read leniently here: the door refuses an invalid traceparent, as over HTTP.
             said = message.meta.get("traceparent")
             traceparent = headers.get("traceparent") or (said if isinstance(said, str) else None)
             attributes = {"rpc.system": "jsonrpc", "rpc.method": method, "url.path": PATH}
             with tracing.server_span(active, "MCP tools/call", traceparent, attributes) as span:
-                reply = await self._call(message, headers, identity.caller, version, send)
+                reply = await self._call(message, headers, identity.caller, version, send, receive)
                 request_id = ((reply or {}).get("_meta") or {}).get(wire.REQUEST_ID_META)
                 if request_id:
                     span.set_attribute("reach.request_id", request_id)
@@ -354,6 +355,7 @@ class McpFront:
         caller: str,
         version: str,
         send: Send,
+        receive: Receive | None = None,
     ) -> dict[str, Any] | None:
         modern = version in wire.MODERN
         params = message.params
@@ -404,11 +406,17 @@ class McpFront:
             return await self._task(invoke, front, modern, asked)
         if not streams:  # awaited here: no timer, no task
             return await outcome(invoke, front, modern)
+        # A client gone mid-call releases its offer: its questions are not held to the deadline.
+        gone = None
+        if offer is not None and receive is not None:
+            gone = asyncio.ensure_future(offer.watch(receive))
         try:
             task = asyncio.ensure_future(invoke)
             session = headers.get(wire.SESSION_HEADER)
             return await self._streamed(task, message, front, send, level, session)
         finally:
+            if gone is not None:
+                gone.cancel()
             if offer is not None:
                 await offer.close()
 

@@ -17,8 +17,9 @@ both meet in the policy state every gateway and worker shares (as progress does:
   client did not declare, a question over the call's message bound, or more than
   `MAX_ASKS_PER_CALL` in one call: refused at once (`refusal`, JSON-RPC -32601). Otherwise the
   question is written (`question_key`, its number in `index_key`) and its answer awaited
-  (`answer_key`) until the call's deadline, the offer going (the stream closed), or the call's
-  end, whichever comes first.
+  (`answer_key`) until the call's deadline (a little past it, `DEADLINE_GRACE_S`: the call
+  ends as a timeout), the offer going (the stream closed), or the call's end, whichever comes
+  first.
 - **The relay.** The front relays each question addressed to its stream as a JSON-RPC request
   with a fresh id (`ASK_ID_PREFIX` and a random token, whose record under `ask_id_key` names
   the answer's key, the caller and the bound). The client's response, POSTed to `/mcp` on any
@@ -54,6 +55,10 @@ OFFER_CHECK_S = 1.0
 """How often a waiting question checks that the stream it went to is still open."""
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.25
+DEADLINE_GRACE_S = 1.0
+"""A question unanswered at the call's deadline waits this much longer, so that the call ends
+as the timeout it is (its connector's deadline) rather than as the agent's error (the agent
+answering its tool call with the refusal) that counts against the agent's health."""
 KEPT_S = 60.0
 """How long a question's records outlive the call's deadline."""
 ASK_ID_PREFIX = "reach-ask-"
@@ -202,7 +207,7 @@ class Questions:
             answer = decode(await self.state.peek(key))
             if answer is not None:
                 return answer
-            left = self.until_s - time.time()
+            left = self.until_s + DEADLINE_GRACE_S - time.time()
             if left <= 0:
                 return refusal(method, "no answer came before the call's deadline", INTERNAL_ERROR)
             if loop.time() >= check_at:
