@@ -41,6 +41,7 @@ from reach.invocation import (
     QueuePlan,
     ResolveInput,
     TakeInput,
+    delivery_workflow_id,
 )
 from reach.messages import Reply
 from reach.security.a2a_push import SIGNAL_A2A_PUSH
@@ -210,6 +211,9 @@ CASES = {
     "timeout": ("slow", {"timeout_ms": 300}),
     "late-answer-update": ("defer", {}),
     "callback-workflow": ("query", {"callback": "http://127.0.0.1:1/cb"}),
+    # The delivery workflow's own history (DELIVERY): its POST scheduled with a heartbeat
+    # timeout (PATCH_CALLBACK_HEARTBEAT); `-before`, recorded before that patch, without one.
+    "callback-delivery": ("query", {"callback": "http://127.0.0.1:1/cb"}),
     # The policy engine's paths: an idempotency key claimed (a failure frees it), a wait for
     # a rate-limit token, a store outage at routing waited out.
     "idempotency-key": ("flaky", {"idempotency_key": "order-1"}),
@@ -262,6 +266,8 @@ PUSH_AT: dict[str, list[tuple[str, int, int]]] = {
 # Cases started with a signal (a push notification: it changes nothing before a task is
 # followed), so that their first task finds more than a first task's events.
 START_SIGNAL = {"lost-run": SIGNAL_A2A_PUSH}
+# Cases whose file is the history of the request's delivery workflow, not its own.
+DELIVERY = {"callback-delivery"}
 # Each cancel case: the event it waits for before it cancels.
 CANCEL_AT = {
     "cancel-queued-call": "EVENT_TYPE_ACTIVITY_TASK_SCHEDULED",
@@ -347,6 +353,9 @@ async def main(names: list[str]) -> None:
                     if carries is None and not isinstance(exc.cause, CancelledError):
                         raise
                     result = carries or Reply(status="canceled")
+                if name.removesuffix("-before") in DELIVERY:
+                    handle = client.get_workflow_handle(delivery_workflow_id(inp.request_id))
+                    print(f"{name}: delivery {await handle.result()}")
                 history = await handle.fetch_history()
                 (HERE / f"{name}.json").write_text(history.to_json())
                 print(f"{name}: {result.status}")
