@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from temporalio import activity
@@ -74,6 +74,11 @@ from reach.telemetry.metrics import ReachMetrics
 log = logging.getLogger("reach.activities")
 
 HEARTBEAT_EVERY_S = 2.0
+# A callback POST heartbeats this often, so a worker that dies mid-POST is noticed within the
+# delivery's heartbeat timeout (workflows.callback), not its whole attempt timeout.
+CALLBACK_HEARTBEAT_EVERY_S = 1.0
+
+T = TypeVar("T")
 
 
 def to_application_error(
@@ -363,6 +368,8 @@ class ReachActivities:
     @activity.defn(name=ACTIVITY_DELIVER_CALLBACK)
     async def deliver_callback(self, inp: CallbackInput) -> int:
         """POST the envelope; return the attempt that was delivered (failures carry theirs).
+        It heartbeats while the POST is in flight: a worker that dies mid-POST is noticed by
+        the delivery's heartbeat timeout, and another worker sends it again.
 
         Signed (Standard Webhooks) when `security.webhook_key` is set: the id is the same on
         every attempt, the timestamp is this attempt's, the signature covers the bytes sent."""
@@ -379,18 +386,12 @@ class ReachActivities:
         secret = self._webhook_secret(inp.caller)
         if secret is not None:
             headers |= webhook_headers(secret, message_id(response.request_id), body, time.time())
+        timeout = info.start_to_close_timeout
         try:
-            # Streamed and never read: only the status matters, whatever the receiver sends.
-            async with self._http.stream(
-                "POST",
-                inp.url,
-                content=body,
-                headers=headers,
-                timeout=info.start_to_close_timeout.total_seconds()
-                if info.start_to_close_timeout
-                else 10.0,
-            ) as r:
-                pass
+            r = await _heartbeating(
+                self._post(inp.url, body, headers, timeout.total_seconds() if timeout else 10.0),
+                CALLBACK_HEARTBEAT_EVERY_S,
+            )
         except httpx.HTTPError as exc:
             refused = refusal_in(exc)
             if refused is not None:  # nothing was sent, and never will be: not retried
@@ -418,6 +419,16 @@ class ReachActivities:
             type="callback_rejected" if permanent else "callback_failed",
             non_retryable=permanent,
         )
+
+    async def _post(
+        self, url: str, body: bytes, headers: dict[str, str], timeout_s: float
+    ) -> httpx.Response:
+        """One callback POST, streamed and never read: only the status matters, whatever the
+        receiver sends."""
+        async with self._http.stream(
+            "POST", url, content=body, headers=headers, timeout=timeout_s
+        ) as r:
+            return r
 
     def _webhook_secret(self, caller: str | None) -> str | None:
         """The caller's signing secret, when callbacks are signed (None: send unsigned)."""
@@ -462,12 +473,12 @@ async def _awaited(work: Coroutine[Any, Any, Reply]) -> Reply:
     return await _heartbeating(work)
 
 
-async def _heartbeating(work: Coroutine[Any, Any, Reply]) -> Reply:
+async def _heartbeating(work: Coroutine[Any, Any, T], every_s: float = HEARTBEAT_EVERY_S) -> T:
     """Await a long call as a regular activity, heartbeating so a lost worker is noticed."""
     task = asyncio.ensure_future(work)
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY_S)
+            done, _ = await asyncio.wait({task}, timeout=every_s)
             if done:
                 return task.result()
             activity.heartbeat()

@@ -26,6 +26,16 @@ with workflow.unsafe.imports_passed_through():
     from reach.security.redact import safe_url
 
 
+# The delivery POST is scheduled with a heartbeat timeout (its activity heartbeats every second
+# while the POST is in flight), so a worker that dies mid-POST is noticed within seconds and the
+# POST is sent again elsewhere, not after the whole attempt timeout.
+PATCH_CALLBACK_HEARTBEAT = "callback-heartbeat"
+# 5 s: the SDK sends at most one heartbeat each 80% of the timeout (4 s here), which leaves a
+# busy worker a second; a slower one's POST is only sent again (the receiver dedupes). Never
+# longer than the attempt timeout, which would end the attempt first.
+CALLBACK_HEARTBEAT_S = 5.0
+
+
 def _attempts_and_reason(exc: ActivityError) -> tuple[int, str]:
     """The last attempt number the activity reported, and the last failure's words."""
     attempts, reason = 0, str(exc.cause or exc)
@@ -48,12 +58,16 @@ def _attempts_and_reason(exc: ActivityError) -> tuple[int, str]:
 async def deliver(inp: CallbackInput) -> DeliveryOutcome:
     """POST until delivered, refused for good, or the retry window is spent (workflow code)."""
     plan = inp.plan
+    heartbeat = None
+    if workflow.patched(PATCH_CALLBACK_HEARTBEAT):
+        heartbeat = timedelta(seconds=min(CALLBACK_HEARTBEAT_S, plan.attempt_timeout_s))
     try:
         attempts = await workflow.execute_activity(
             ACTIVITY_DELIVER_CALLBACK,
             inp,
             result_type=int,
             start_to_close_timeout=timedelta(seconds=plan.attempt_timeout_s),
+            heartbeat_timeout=heartbeat,
             schedule_to_close_timeout=timedelta(seconds=plan.retry_window_s),
             retry_policy=RetryPolicy(
                 initial_interval=timedelta(seconds=plan.initial_backoff_s),

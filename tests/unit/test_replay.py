@@ -36,6 +36,9 @@ def test_there_are_histories_to_replay() -> None:
     assert {"a2a-push-paced", "a2a-stream", "a2a-stream-cut"} <= names
     # An attempt a lost run may have sent, remembered and named at the end (PATCH_LOST_RUN).
     assert "lost-run" in names
+    # The delivery workflow's POST with a heartbeat timeout (PATCH_CALLBACK_HEARTBEAT), and
+    # without one, as deliveries started before it run on.
+    assert {"callback-delivery", "callback-delivery-before"} <= names
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
@@ -200,3 +203,29 @@ def test_a_push_notification_ends_the_wait_and_the_next_look_asks_once() -> None
     ]
     assert len(looks) == 2
     assert _result(events)["result"] == {"answer": 42}
+
+
+@pytest.mark.parametrize(
+    ("name", "heartbeat"),
+    [("callback-delivery", "5s"), ("callback-delivery-before", "0s"), ("callback", "0s")],
+)
+def test_a_delivery_post_has_a_heartbeat_timeout_only_since_its_patch(
+    name: str, heartbeat: str
+) -> None:
+    """Replay does not compare an activity's timeouts, so which history holds which is read
+    here: a worker SIGKILLed mid-POST is noticed in 5 s since PATCH_CALLBACK_HEARTBEAT."""
+    events = _events(name)
+    [post] = [
+        e["activityTaskScheduledEventAttributes"]
+        for e in events
+        if "activityTaskScheduledEventAttributes" in e
+        and e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
+        == "reach.deliver_callback"
+    ]
+    assert post["heartbeatTimeout"] == heartbeat
+    patches = [
+        e["markerRecordedEventAttributes"]
+        for e in events
+        if e.get("markerRecordedEventAttributes", {}).get("markerName") == "core_patch"
+    ]
+    assert bool(patches) == (heartbeat != "0s")
