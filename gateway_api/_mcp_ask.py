@@ -194,6 +194,9 @@ async def answer(state: PolicyState, message: wire.Message, caller: str) -> None
     except ReachError as exc:
         said = f"the answer was not kept: {exc.message}"
         raise _refused(503, wire.INTERNAL_ERROR, said, key) from None
+    if held == asks.GONE:
+        said = f"question {key!r} no longer waits for an answer: its call gave it up"
+        raise _refused(404, wire.INVALID_PARAMS, said, key)
     if held != raw:
         raise _refused(409, wire.INVALID_REQUEST, f"question {key!r} was answered already", key)
 

@@ -62,6 +62,9 @@ answering its tool call with the refusal) that counts against the agent's health
 KEPT_S = 60.0
 """How long a question's records outlive the call's deadline."""
 ASK_ID_PREFIX = "reach-ask-"
+GONE = '{"gone":true}'
+"""Claimed where a question's answer goes once its call gave it up: a late answer is refused
+(nobody waits for it), and one that came just before is still taken."""
 
 METHOD_NOT_FOUND = -32601
 INTERNAL_ERROR = -32603
@@ -209,17 +212,30 @@ class Questions:
                 return answer
             left = self.until_s + DEADLINE_GRACE_S - time.time()
             if left <= 0:
-                return refusal(method, "no answer came before the call's deadline", INTERNAL_ERROR)
+                why = "no answer came before the call's deadline"
+                return await self._given_up(key, refusal(method, why, INTERNAL_ERROR))
             if loop.time() >= check_at:
                 check_at = loop.time() + OFFER_CHECK_S
                 if await self.state.peek(offer_key(self.request_id)) != offered:
                     why = "the caller's stream closed before it answered"
-                    return refusal(method, why, INTERNAL_ERROR)
+                    return await self._given_up(key, refusal(method, why, INTERNAL_ERROR))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ended.wait(), min(wait, left))
             if self._ended.is_set():
-                return refusal(method, "the call ended before its caller answered", INTERNAL_ERROR)
+                why = "the call ended before its caller answered"
+                return await self._given_up(key, refusal(method, why, INTERNAL_ERROR))
             wait = min(wait * 2, POLL_MAX_S)
+
+    async def _given_up(self, key: str, why: dict[str, Any]) -> dict[str, Any]:
+        """`why`, once the question's answer is claimed as `GONE` (a later one is refused),
+        unless the answer came just before: then it is the answer."""
+        ttl = max(self.until_s - time.time(), 0.0) + KEPT_S
+        try:
+            held = await self.state.claim(key, GONE, ttl)
+        except ReachError:
+            return why
+        answer = decode(held) if held != GONE else None
+        return answer if answer is not None else why
 
 
 # The questions of the call running in this context (set by the activity around the

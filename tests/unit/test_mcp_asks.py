@@ -164,3 +164,19 @@ def test_what_a_client_declares_and_its_session_carries() -> None:
     plain = wire.new_session("2025-11-25", "alice")
     assert wire.session_caps(plain, "alice") == ""
     assert wire.session_version(plain + ".zz", "alice") is None
+
+
+async def test_an_answer_after_its_question_was_given_up_is_refused() -> None:
+    """The stream closed, the question given up: the answer that comes later is refused
+    (404: nobody waits for it), not taken as if it had reached the agent."""
+    state = MemoryPolicyState()
+    offer = ask.Offer(state, "s")
+    await offer.claim("r-1", "alice")
+    asking = asyncio.create_task(questions(state).ask(SAMPLE, {}, 4096))
+    key = (await relayed(offer, Sent()))["id"]
+    await offer.close()
+    said = await asyncio.wait_for(asking, asks.OFFER_CHECK_S + 3)
+    assert "stream closed" in said["error"]["message"]
+    with pytest.raises(http.Answer) as late:
+        await ask.answer(state, response(key, result=ANSWER), "alice")
+    assert late.value.status == 404
