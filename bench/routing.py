@@ -64,6 +64,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.gc_watch import GcWatch  # noqa: E402
 from bench.invoke import spawn, wait_http  # noqa: E402
 from gateway_api.devserver import DevServer, free_port  # noqa: E402
 from reach.config import RegistrySettings, RoutingDefaults, RoutingSettings  # noqa: E402
@@ -457,7 +458,7 @@ async def memory(quick: bool) -> None:
         MemoryStore(), RegistrySettings(heartbeat_timeout=3600, heartbeat_interval=5)
     )
     cap = "knowledge-retriever"
-    await _join_many(registry, cap, n, "mem-")
+    ids = await _join_many(registry, cap, n, "mem-")
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
@@ -472,6 +473,13 @@ async def memory(quick: bool) -> None:
     router.route(snap, key="some-user")
     gc.collect()
     with_ring = tracemalloc.get_traced_memory()[0]
+    # Every instance leaves: what the store, the view and the ring held for them goes back.
+    del router, snap
+    for instance_id in ids:
+        await registry.leave(instance_id)
+    assert await view.snapshot(cap) is None
+    gc.collect()
+    left = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     await view.aclose()
     view_b = (with_view - base) / n
@@ -501,7 +509,15 @@ async def memory(quick: bool) -> None:
     )
     print(
         "(each instance joined with two operations, one declared, a label and a 40-char id; "
-        "the store's own records are not counted)"
+        "the store's own records are not counted in these rows)"
+    )
+    print(
+        f"\nOnce all {n:,} left (view flushed, ring dropped, gc.collect): "
+        f"{(left - base) / n:+.0f} B per instance against before the view started (view + "
+        f"ring {view_b + ring_b:.0f} B went back, and the store's records)"
+    )
+    note(
+        "memory per instance once all left, against before the view", f"{(left - base) / n:+.0f} B"
     )
     note(
         "memory per instance (view + ring)",
@@ -544,7 +560,7 @@ async def _join_many(
 # -- 8. event-loop stalls at 10,000 instances ---------------------------------------------------
 
 
-async def stalls(quick: bool) -> None:
+async def stalls(quick: bool, census: bool = False) -> None:
     n, gateways = 10_000, 3
     seconds = 4.0 if quick else 8.0
     heading(
@@ -565,14 +581,18 @@ async def stalls(quick: bool) -> None:
         await view.start()
     lags: list[float] = []
     holds: list[float] = []  # the loop thread's CPU between two ticks: what held it
+    in_gc: list[float] = []  # of which the collector's (wall ms)
+    watch = GcWatch(census=census)
+    watch.start()
     stop_at = time.monotonic() + seconds
 
     async def ticker() -> None:
         while time.monotonic() < stop_at:
-            t, cpu = time.perf_counter(), time.thread_time()
+            t, cpu, collecting = time.perf_counter(), time.thread_time(), watch.gc_ms
             await asyncio.sleep(0.001)
             lags.append((time.perf_counter() - t) * 1000 - 1.0)
             holds.append((time.thread_time() - cpu) * 1000)
+            in_gc.append(watch.gc_ms - collecting)
 
     async def churn() -> None:
         # Heartbeats at 2,000/s, one in fifty a status change (a snapshot rebuild each). Each
@@ -595,11 +615,16 @@ async def stalls(quick: bool) -> None:
     try:
         await asyncio.gather(ticker(), churn())
     finally:
+        watch.stop()
         for view in views:
             await view.aclose()
         gc.unfreeze()
         gc.set_threshold(*threshold)
     worst, held = max(lags), max(holds)
+    # The longest tick with no collection in it: what the registry's own steps held.
+    quiet = [(lag, cpu) for lag, cpu, g in zip(lags, holds, in_gc, strict=True) if g == 0]
+    quiet_lag = max((lag for lag, _ in quiet), default=0.0)
+    quiet_cpu = max((cpu for _, cpu in quiet), default=0.0)
     table(
         ["instances", "gateways", "ticks", "p99 lag ms", "longest stall ms", "its CPU ms"],
         [
@@ -616,6 +641,19 @@ async def stalls(quick: bool) -> None:
     print(
         "(a 1 ms ticker's lateness; the box's other work shows up in it too. 'its CPU': the "
         "most CPU this thread spent between two ticks, what the loop's own work held it for)"
+    )
+    print(
+        f"\nticks with no collection in them: longest {quiet_lag:.1f} ms (CPU {quiet_cpu:.1f} ms)"
+        f"; {len(lags) - len(quiet)} of {len(lags)} ticks held a collection"
+        + (" (census on: these stalls include it, not figures)" if census else "")
+    )
+    watch.report(seconds)
+    longest = watch.longest()
+    note(
+        f"longest collector pass @{n // 1000}k instances, {gateways} views",
+        f"gen {longest.generation}: {longest.wall_ms:.1f} ms (CPU {longest.cpu_ms:.1f})"
+        if longest
+        else "no collection",
     )
     note(
         f"longest event-loop stall @{n // 1000}k instances, {gateways} views",
@@ -1567,7 +1605,7 @@ async def main(args: argparse.Namespace) -> None:
         if "6" in args.only:
             await memory(args.quick)
         if "8" in args.only:
-            await stalls(args.quick)
+            await stalls(args.quick, args.gc_census)
         print(f"\n(in-process sections done at {time.perf_counter() - started:.0f} s)")
         if "5" in args.only:
             watch = CpuWatch()
@@ -1590,6 +1628,11 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=20.0, help="outage load per strategy")
     parser.add_argument("--delay-ms", type=int, default=5, help="a healthy instance's service time")
     parser.add_argument("--only", default="12345678", help="sections to run, e.g. 234")
+    parser.add_argument(
+        "--gc-census",
+        action="store_true",
+        help="section 8: list what each collection walks (slows it: its stalls are not figures)",
+    )
     parser.add_argument("--keep-logs", action="store_true", help="keep the temporary log folder")
     asyncio.run(main(parser.parse_args()))
     sys.stdout.flush()
