@@ -71,8 +71,10 @@ class CapabilitySnapshot:
         self.by_id: dict[str, RouteEntry] = dict(
             zip(map(_by_id, self.entries), self.entries, strict=True)
         )
-        self.routable = tuple([e for e in self.entries if e.status != "unhealthy"])
-        self.ok = tuple([e for e in self.routable if e.status == "ok"])
+        self.routable = _same(
+            tuple([e for e in self.entries if e.status != "unhealthy"]), self.entries
+        )
+        self.ok = _same(tuple([e for e in self.routable if e.status == "ok"]), self.routable)
         self.degraded = tuple([e for e in self.routable if e.status == "degraded"])
         self.smallest = min(self.routable, key=_by_size) if self.routable else None
         # Whether an instance declared a max_inflight (routing then reads in-flight counts).
@@ -96,8 +98,8 @@ class CapabilitySnapshot:
         new.capability = self.capability
         new.version = next(_versions)
         new.entries = _edited(self.entries, current, _always)
-        new.routable = _edited(self.routable, current, _routable)
-        new.ok = _edited(self.ok, current, _ok)
+        new.routable = _tier(self.routable, self.entries, new.entries, current, _routable)
+        new.ok = _tier(self.ok, self.routable, new.routable, current, _ok)
         new.degraded = _edited(self.degraded, current, _degraded)
         by_id = dict(self.by_id)
         smallest = self.smallest
@@ -169,6 +171,29 @@ def _edited(
         else:
             del out[i]
     return tier if out is None else tuple(out)
+
+
+def _same(tier: tuple[RouteEntry, ...], whole: tuple[RouteEntry, ...]) -> tuple[RouteEntry, ...]:
+    """`whole` itself when the tier (a part of it, in its order) holds all of it: in the usual
+    case (every instance ok) one tuple serves as entries, routable and ok. Each tuple of
+    10,000 entries is walked by every collection of the cyclic collector while it is young,
+    and a snapshot is made at each status change, so three of them were most of what the
+    collector's young passes walked."""
+    return whole if len(tier) == len(whole) else tier
+
+
+def _tier(
+    tier: tuple[RouteEntry, ...],
+    whole: tuple[RouteEntry, ...],
+    new_whole: tuple[RouteEntry, ...],
+    current: Mapping[str, RouteEntry | None],
+    belongs: Callable[[RouteEntry], bool],
+) -> tuple[RouteEntry, ...]:
+    """`_edited` for a tier of `whole` (now `new_whole`): the new whole itself when the tier was
+    all of it and every changed instance still belongs (or is gone), else edited."""
+    if tier is whole and all(e is None or belongs(e) for e in current.values()):
+        return new_whole
+    return _same(_edited(tier, current, belongs), new_whole)
 
 
 def _limits(entry: RouteEntry | None) -> int:

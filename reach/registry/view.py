@@ -338,7 +338,8 @@ class RegistryView:
         made-up one."""
         clock = time.perf_counter
         slice_ends = clock() + RESYNC_SLICE_S
-        for instance_id in list(self._members.get(capability, ())):
+        # A tuple of strings: the cyclic collector stops tracking it when it first sees it.
+        for instance_id in tuple(self._members.get(capability, ())):
             if instance_id not in live:
                 self._set(instance_id, None)
                 if clock() >= slice_ends:
