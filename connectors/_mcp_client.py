@@ -34,8 +34,12 @@ from reach.messages import dumps
 
 log = logging.getLogger("connectors.mcp")
 
-# Answers to requests a server sends mid-call (sampling, elicitation) in flight at once.
+# Answers to requests a server sends mid-call (sampling, elicitation) in flight at once: the
+# immediate ones (refusals, pings), and apart from them the questions relayed to their callers,
+# which may wait until their calls' deadlines (past MAX_RELAYED a question is refused at once,
+# so that callers slow to answer never leave another caller's question unanswered).
 MAX_ANSWERS = 64
+MAX_RELAYED = 64
 # Ids of the JSON-RPC requests this process sends (each server sees them unique per session).
 _IDS = itertools.count(1)
 
@@ -92,6 +96,7 @@ class McpServer:
         # grows with waiting requests times connections (connectors/http.py measured it).
         self._slots = asyncio.Semaphore(connections)
         self._answers: set[asyncio.Task[None]] = set()  # refusals of requests sent mid-call
+        self._relays: set[asyncio.Task[None]] = set()  # questions relayed to their callers
         self._listener: asyncio.Task[None] | None = None  # its listen stream (`_mcp_listen`)
 
     @staticmethod
@@ -161,21 +166,31 @@ class McpServer:
         """Answer a request the server sent on a response stream, off the stream's reader and
         outside the call slots (the call waiting on it holds one): sampling or elicitation
         asked where the call's questions may be relayed to its caller (`reach.asks`) is
-        relayed, anything else refused (`_mcp_wire.refusal_of`); at most `MAX_ANSWERS` at once
-        per server, past them a request is left unanswered."""
+        relayed (at most `MAX_RELAYED` at once per server, past them refused), anything else
+        refused (`_mcp_wire.refusal_of`); at most `MAX_ANSWERS` refusals at once per server,
+        past them a request is left unanswered."""
         answer = w.refusal_of(asked)
-        if answer is None or len(self._answers) >= MAX_ANSWERS:
+        if answer is None:
             return
         method = str(asked["method"])[:80]
         questions = asks.QUESTIONS.get() if ask_limit is not None else None
+        pool = self._answers
         if questions is not None and method in asks.RELAYED and ask_limit is not None:
-            job = self._relay(negotiated, asked, questions, ask_limit)
+            if len(self._relays) < MAX_RELAYED:
+                job = self._relay(negotiated, asked, questions, ask_limit)
+                pool = self._relays
+            else:
+                log.info("%s asked for %s mid-call; refused: too many wait", self.where, method)
+                job = self._send_answer(negotiated, answer)
         else:
             log.info("%s asked Reach for %s mid-call; refused", self.where, method)
             job = self._send_answer(negotiated, answer)
+        if pool is self._answers and len(pool) >= MAX_ANSWERS:
+            job.close()
+            return
         task = asyncio.get_running_loop().create_task(job)
-        self._answers.add(task)
-        task.add_done_callback(self._answers.discard)
+        pool.add(task)
+        task.add_done_callback(pool.discard)
 
     async def _relay(
         self,

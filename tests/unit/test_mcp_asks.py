@@ -11,8 +11,10 @@ import json
 import time
 from typing import Any
 
+import httpx
 import pytest
 
+from connectors.mcp import McpServer
 from gateway_api.mcp_front import ask, http, wire
 from reach import asks
 from reach.policy.state import MemoryPolicyState
@@ -180,3 +182,52 @@ async def test_an_answer_after_its_question_was_given_up_is_refused() -> None:
     with pytest.raises(http.Answer) as late:
         await ask.answer(state, response(key, result=ANSWER), "alice")
     assert late.value.status == 404
+
+
+async def test_questions_waiting_on_slow_callers_never_silence_another_callers() -> None:
+    """Alice's calls hold 80 questions she does not answer (5 calls of 16, up to their
+    deadlines); a question of bob's call, which cannot be relayed, is still refused at once (a
+    real socket server hears the refusal), not left unanswered until his call's deadline."""
+    heard: list[dict[str, Any]] = []
+    bob_heard = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        heard.append(json.loads(await reader.readexactly(length)))
+        if heard[-1].get("id") == "bob-1":
+            bob_heard.set()
+        writer.write(b"HTTP/1.1 202 Accepted\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    listening = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = listening.sockets[0].getsockname()[1]
+    state = MemoryPolicyState()
+    async with listening, httpx.AsyncClient(trust_env=False) as client:
+        server = McpServer(f"http://127.0.0.1:{port}/mcp", client, 4)
+        held = []
+        for call in range(5):
+            rid = f"alice-{call}"
+            offer = ask.Offer(state, "s")
+            await offer.claim(rid, "alice")
+            held.append(questions(state, rid))
+            token = asks.QUESTIONS.set(held[-1])
+            try:
+                for n in range(16):
+                    asked = {"jsonrpc": "2.0", "id": f"{rid}-{n}", "method": SAMPLE, "params": {}}
+                    server._answer_later(None, asked, 4096)
+            finally:
+                asks.QUESTIONS.reset(token)
+        await asyncio.sleep(0)  # the relays run, and wait
+        bobs = {"jsonrpc": "2.0", "id": "bob-1", "method": SAMPLE, "params": {}}
+        server._answer_later(None, bobs, 4096)  # no QUESTIONS: not through the front
+        await asyncio.wait_for(bob_heard.wait(), 5)
+        [refused] = [said for said in heard if said.get("id") == "bob-1"]
+        assert refused["error"]["code"] == asks.METHOD_NOT_FOUND
+        for call in held:
+            call.close()
