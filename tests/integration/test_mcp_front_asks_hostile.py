@@ -5,6 +5,7 @@ one that never answers, answers given twice or after the call ended."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -121,3 +122,40 @@ async def test_a_client_that_never_answers(reach: dict[str, Any]) -> None:  # no
         assert 5 < took < 20
         assert got[-1]["result"].get("isError"), got[-1]
         assert got[-1]["result"]["structuredContent"]["error"]["type"] == "timeout", got[-1]
+
+
+async def test_answers_twice_and_after_the_end(reach: dict[str, Any]) -> None:  # noqa: F811
+    """Two answers raced: one is taken, the other refused 409 (the same answer again is taken
+    as already given: 202); another answer after the call ended is refused 409."""
+    base = reach["gateway"].url
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        headers = await session_of(http, f"{base}/mcp", reach["alice"])
+        said: list[tuple[str, int, str]] = []
+        async with http.stream(
+            "POST", f"{base}/mcp", json=call("ask_model", 20_000), headers=headers
+        ) as response:
+            async for frame in frames(response):
+                if frame.get("method") == "sampling/createMessage":
+                    key = frame["id"]
+                    answer = {"jsonrpc": "2.0", "id": key, "result": SAMPLED}
+                    other = {"jsonrpc": "2.0", "id": key, "result": {**SAMPLED, "model": "x"}}
+
+                    async def post(what: str, body: dict[str, Any]) -> None:
+                        r = await http.post(f"{base}/mcp", json=body, headers=headers)
+                        said.append((what, r.status_code, r.text[:200]))
+
+                    await asyncio.gather(post("first", answer), post("race", other))
+                    await post("same again", answer)
+                if frame.get("id") == 7:
+                    final = frame
+                    break
+        assert "result" in final, final
+        assert not final["result"].get("isError"), final
+        late = {"jsonrpc": "2.0", "id": key, "error": {"code": -1, "message": "late"}}
+        r = await http.post(f"{base}/mcp", json=late, headers=headers)
+        said.append(("after the end", r.status_code, r.text[:200]))
+        print("ANSWERS", json.dumps(said, indent=1))
+        codes = sorted(code for _, code, _ in said[:2])
+        assert codes == [202, 409], said
+        assert said[2][1] in (202, 409), said
+        assert said[3][1] == 409, said
