@@ -82,6 +82,26 @@ def test_a_derived_snapshot_equals_one_built_whole(
     )
 
 
+def test_tiers_that_hold_every_instance_are_the_entries_tuple_itself() -> None:
+    # One tuple, not three, for the cyclic collector to walk while a new snapshot is young.
+    whole = CapabilitySnapshot("cap", [entry(i) for i in range(10)])
+    assert whole.routable is whole.entries
+    assert whole.ok is whole.entries
+    degraded = whole.changed({"i003": entry(3, "degraded")})
+    assert degraded.routable is degraded.entries
+    assert degraded.ok is not degraded.entries
+    assert len(degraded.ok) == 9
+    healed = degraded.changed({"i003": entry(3), "i011": entry(11)})
+    assert healed.routable is healed.entries
+    assert healed.ok is healed.entries
+    assert len(healed.entries) == 11
+    gone = healed.changed({"i000": None, "i004": entry(4, "unhealthy")})
+    assert gone.routable is not gone.entries
+    assert gone.ok is gone.routable
+    assert len(gone.entries) == 10
+    assert len(gone.routable) == 9
+
+
 def test_the_view_derives_a_status_change_and_routes_what_the_store_holds() -> None:
     async def run() -> None:
         registry = Registry(MemoryStore(), RegistrySettings(heartbeat_timeout=60))
