@@ -55,10 +55,14 @@ META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
 CLIENT_INFO = {"name": "agent-reach", "version": "1"}
-# What Reach declares at `initialize`: a server may ask it for sampling and (form-mode)
-# elicitation mid-call, which it relays to the call's caller when that caller came through
-# the MCP front and can answer (`reach.asks`), and refuses at once otherwise.
-SESSION_CAPABILITIES: dict[str, Any] = {"sampling": {}, "elicitation": {}}
+# What Reach declares at `initialize`: nothing. One session serves every caller's calls to a
+# server, and most calls (POST /reach/invoke, gRPC, A2A, a front client that declared
+# nothing) have nobody to answer a question: a server that checks the client's capabilities
+# and would do without must keep doing without, as it did before questions were relayed. A
+# server that asks anyway (the `mcp` package's do not check) is relayed to the call's caller
+# when that caller came through the MCP front and can answer (`reach.asks`), and refused at
+# once otherwise. Declaring them per registration is the planned opt-in.
+SESSION_CAPABILITIES: dict[str, Any] = {}
 TASKS = "io.modelcontextprotocol/tasks"
 MAX_TASK_ID_CHARS = 256
 
