@@ -119,13 +119,23 @@ def declared(capabilities: Any) -> str:
     return caps
 
 
+REFUSED = "Agent-Reach did not relay"  # how a refusal's words begin (connectors tell it apart)
+UNANSWERED = "Agent-Reach relayed"  # how a given-up question's words begin
+
+
 def refusal(method: str, why: str, code: int = METHOD_NOT_FOUND) -> dict[str, Any]:
     """The JSON-RPC error (as a response's tail) that answers a question not relayed."""
     message = (
-        f"Agent-Reach did not relay {method[:80]!r} to its caller: {why}. It has no model to "
-        "sample and no user to ask of its own"
+        f"{REFUSED} {method[:80]!r} to its caller: {why}. It has no model to sample and no "
+        "user to ask of its own"
     )
     return {"error": {"code": code, "message": message}}
+
+
+def unanswered(method: str, why: str) -> dict[str, Any]:
+    """The JSON-RPC error that answers a question relayed to its caller and given up."""
+    message = f"{UNANSWERED} {method[:80]!r} to its caller, and no answer came: {why}"
+    return {"error": {"code": INTERNAL_ERROR, "message": message}}
 
 
 def decode(raw: str | None) -> dict[str, Any] | None:
@@ -170,7 +180,8 @@ class Questions:
             why = (
                 "no client that can answer waits on this call (only a client of Reach's MCP "
                 "front that declared sampling or elicitation at initialize is asked, on the "
-                "call's open response stream)"
+                "call's open response stream, and only in a session: 2025-11-25 or "
+                "2025-06-18; a 2026-07-28 call has no channel for questions)"
             )
             return refusal(method, why)
         if offer.get("caller") != self.caller:
@@ -212,18 +223,18 @@ class Questions:
                 return answer
             left = self.until_s + DEADLINE_GRACE_S - time.time()
             if left <= 0:
-                why = "no answer came before the call's deadline"
-                return await self._given_up(key, refusal(method, why, INTERNAL_ERROR))
+                why = "the call's deadline passed"
+                return await self._given_up(key, unanswered(method, why))
             if loop.time() >= check_at:
                 check_at = loop.time() + OFFER_CHECK_S
                 if await self.state.peek(offer_key(self.request_id)) != offered:
-                    why = "the caller's stream closed before it answered"
-                    return await self._given_up(key, refusal(method, why, INTERNAL_ERROR))
+                    why = "the caller's stream closed first"
+                    return await self._given_up(key, unanswered(method, why))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ended.wait(), min(wait, left))
             if self._ended.is_set():
-                why = "the call ended before its caller answered"
-                return await self._given_up(key, refusal(method, why, INTERNAL_ERROR))
+                why = "the call ended first"
+                return await self._given_up(key, unanswered(method, why))
             wait = min(wait * 2, POLL_MAX_S)
 
     async def _given_up(self, key: str, why: dict[str, Any]) -> dict[str, Any]:

@@ -140,6 +140,7 @@ async def test_a_question_whose_stream_closed_is_given_up() -> None:
     await offer.close()
     said = await asyncio.wait_for(asking, asks.OFFER_CHECK_S + 3)
     assert "stream closed" in said["error"]["message"]
+    assert said["error"]["message"].startswith("Agent-Reach relayed")  # relayed, not answered
 
 
 async def test_a_call_that_ends_gives_its_questions_up() -> None:
@@ -179,6 +180,7 @@ async def test_an_answer_after_its_question_was_given_up_is_refused() -> None:
     await offer.close()
     said = await asyncio.wait_for(asking, asks.OFFER_CHECK_S + 3)
     assert "stream closed" in said["error"]["message"]
+    assert said["error"]["message"].startswith("Agent-Reach relayed")  # relayed, not answered
     with pytest.raises(http.Answer) as late:
         await ask.answer(state, response(key, result=ANSWER), "alice")
     assert late.value.status == 404
