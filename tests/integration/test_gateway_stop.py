@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -42,7 +43,12 @@ async def test_a_sync_wait_in_flight_is_answered_running_when_its_gateway_stops(
     gateway = GatewayProcess(stack)
     try:
         runtime.reach_url = (await gateway.ready()).url
-        async with runtime, httpx.AsyncClient(trust_env=False, timeout=90) as http:
+        # Stopped with no grace after the call: its handler only holds it (`async with runtime`
+        # gave the handler 5 s more).
+        await runtime.astart()
+        stopped = contextlib.AsyncExitStack()
+        stopped.push_async_callback(runtime.astop, grace_s=0)
+        async with stopped, httpx.AsyncClient(trust_env=False, timeout=90) as http:
 
             async def joined() -> bool:
                 r = await http.get(f"{gateway.url}/reach/capabilities/{capability}")
