@@ -382,3 +382,52 @@ async def wait_until(
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(f"condition not met within {timeout_s}s")
         await asyncio.sleep(every_s)
+
+
+class OutageReceiver:
+    """A callback receiver on a port of its own with nothing listening until `up` (a receiver
+    that is down a while); `arrived` holds each envelope with the moment it came."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/callback"
+        self.arrived: list[tuple[float, dict[str, Any]]] = []
+        self._server: PathServer | None = None
+
+    async def _handle(self, request: Inbound) -> Answer:
+        self.arrived.append((time.monotonic(), json.loads(request.body)))
+        return Answer(200, {"ok": True})
+
+    async def up(self) -> float:
+        self._server = PathServer(
+            self._handle,
+            listen=f"127.0.0.1:{self.port}",
+            advertise=f"127.0.0.1:{self.port}",
+            instance_id="receiver",
+            max_body_bytes=1 << 20,
+        )
+        await self._server.start()
+        return time.monotonic()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await self._server.close()
+
+
+def count_ca_bundles(monkeypatch: Any) -> list[int]:
+    """Count the CA bundles read from now on (one per TLS context built: ~15 ms of CPU each),
+    with the shared public context forgotten so that the first use builds it again."""
+    import ssl
+
+    from connectors import public_context
+
+    built: list[int] = []
+    real = ssl.SSLContext.load_verify_locations
+
+    def counted(self: ssl.SSLContext, *args: Any, **kwargs: Any) -> None:
+        built.append(1)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
+    public_context.cache_clear()
+    return built

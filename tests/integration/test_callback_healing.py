@@ -15,9 +15,16 @@ import pytest
 
 from agent_reach_proto import wire
 from agent_reach_sdk.wire import Answer, Inbound
-from gateway_api.devserver import free_port
 from tests.conftest import new_stack
-from tests.helpers import Agent, GatewayProcess, PathServer, Worker, invoke, path_server, wait_until
+from tests.helpers import (
+    Agent,
+    GatewayProcess,
+    OutageReceiver,
+    Worker,
+    invoke,
+    path_server,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -85,35 +92,6 @@ async def test_a_worker_sigkilled_mid_post_is_redelivered_by_another_within_seco
         await receiver.close()
 
 
-class DownReceiver:
-    """A receiver on a port of its own with nothing listening until `up`."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/callback"
-        self.arrived: list[tuple[float, dict[str, Any]]] = []
-        self._server: PathServer | None = None
-
-    async def _handle(self, request: Inbound) -> Answer:
-        self.arrived.append((time.monotonic(), json.loads(request.body)))
-        return Answer(200, {"ok": True})
-
-    async def up(self) -> float:
-        self._server = PathServer(
-            self._handle,
-            listen=f"127.0.0.1:{self.port}",
-            advertise=f"127.0.0.1:{self.port}",
-            instance_id="receiver",
-            max_body_bytes=1 << 20,
-        )
-        await self._server.start()
-        return time.monotonic()
-
-    async def close(self) -> None:
-        if self._server is not None:
-            await self._server.close()
-
-
 @pytest.mark.slow  # ~40 s: the receiver's 30 s outage is the fault
 async def test_a_receiver_down_30_s_is_served_within_the_max_backoff_of_its_return(
     temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
@@ -124,7 +102,7 @@ async def test_a_receiver_down_30_s_is_served_within_the_max_backoff_of_its_retu
     stack = new_stack(temporal_server, tmp_path, extra={"REACH_CALLBACK__INITIAL_BACKOFF_S": "1"})
     gateway = await GatewayProcess(stack).ready()
     await Agent(gateway, f"{capability}-01", capability).ready()
-    receiver = DownReceiver()
+    receiver = OutageReceiver()
     try:
         r = await invoke(http, gateway, capability, callback=receiver.url)
         assert r.status_code == 202, r.text

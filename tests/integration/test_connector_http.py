@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -23,6 +22,7 @@ from reach.messages import dumps, json_size
 from tests.helpers import (
     TRACEPARENT,
     agent_server,
+    count_ca_bundles,
     free_port,
     message,
     path_server,
@@ -517,15 +517,7 @@ async def test_every_client_shares_one_tls_context(
     """Without mTLS, the HTTP, A2A and MCP connectors' clients for every agent share the one
     public TLS context (`connectors._tls.public_context`): building one reads the CA bundle,
     ~15 ms of CPU, which a context per client paid again for each agent and reopened pool."""
-    built: list[int] = []  # CA bundles read: one per TLS context built
-    real = ssl.SSLContext.load_verify_locations
-
-    def counted(self: ssl.SSLContext, *args: Any, **kwargs: Any) -> None:
-        built.append(1)
-        real(self, *args, **kwargs)
-
-    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
-    public_context.cache_clear()
+    built = count_ca_bundles(monkeypatch)  # one per TLS context built
 
     async def anything(request: Inbound) -> Answer:
         return Answer(200, {})

@@ -7,20 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent_reach_sdk.wire import Answer, Inbound
-from gateway_api.devserver import free_port
 from reach.config import CircuitBreakerSettings, OutlierSettings
 from reach.policy.breaker import IGNORED
 from reach.policy.state import MemoryPolicyState, create_policy_state
@@ -30,7 +26,7 @@ from tests.helpers import (
     Agent,
     CallbackReceiver,
     GatewayProcess,
-    PathServer,
+    OutageReceiver,
     Worker,
     invoke,
     rid,
@@ -312,35 +308,6 @@ async def test_an_accepted_request_outlives_a_registry_restarted_empty(
         redis.stop()
 
 
-class Receiver:
-    """A callback receiver on a port of its own that can be down (nothing listening) a while."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/callback"
-        self.arrived: list[tuple[float, dict[str, Any]]] = []
-        self._server: PathServer | None = None
-
-    async def _handle(self, request: Inbound) -> Answer:
-        self.arrived.append((time.monotonic(), json.loads(request.body)))
-        return Answer(200, {"ok": True})
-
-    async def up(self) -> float:
-        self._server = PathServer(
-            self._handle,
-            listen=f"127.0.0.1:{self.port}",
-            advertise=f"127.0.0.1:{self.port}",
-            instance_id="receiver",
-            max_body_bytes=1 << 20,
-        )
-        await self._server.start()
-        return time.monotonic()
-
-    async def close(self) -> None:
-        if self._server is not None:
-            await self._server.close()
-
-
 async def test_a_callback_receiver_that_is_back_is_served_within_seconds(
     gateway: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
@@ -349,7 +316,7 @@ async def test_a_callback_receiver_that_is_back_is_served_within_seconds(
     not at the next doubling (0.2 s at first, so attempts 6.2 s and 12.6 s after the first one;
     minutes apart after a longer outage)."""
     await Agent(gateway, f"{capability}-01", capability).ready()
-    receiver = Receiver()
+    receiver = OutageReceiver()
     try:
         r = await invoke(http, gateway, capability, callback=receiver.url)
         assert r.status_code == 202, r.text

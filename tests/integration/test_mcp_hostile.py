@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -22,7 +21,7 @@ from connectors.mcp import wire_rules as w
 from reach.config import SecuritySettings
 from reach.errors import DeadlineExceeded, InvalidRequest
 from reach.invocation import Endpoint
-from tests.helpers import message
+from tests.helpers import count_ca_bundles, message
 
 pytestmark = pytest.mark.integration
 
@@ -140,15 +139,7 @@ async def test_a_server_s_client_builds_no_tls_context_of_its_own(
     ~15 ms of CPU, paid for each server registered by URL whenever its pool was reopened (each
     probe, past transport.max_pools servers). Counted, not timed: a CPU bound failed on a
     loaded box."""
-    built: list[int] = []  # CA bundles read: one per TLS context built
-    real = ssl.SSLContext.load_verify_locations
-
-    def counted(self: ssl.SSLContext, *args: Any, **kwargs: Any) -> None:
-        built.append(1)
-        real(self, *args, **kwargs)
-
-    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
-    public_context.cache_clear()
+    built = count_ca_bundles(monkeypatch)  # one per TLS context built
 
     async def one_tool(message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         await result(writer, message, {"tools": [{"name": "t", "inputSchema": {"type": "object"}}]})
