@@ -27,7 +27,7 @@ from connectors._mcp_stream import MAX_DISCOVERY_BYTES as MAX_DISCOVERY_BYTES
 from connectors._mcp_stream import Budget as Budget
 from connectors._mcp_stream import Pace, limited, sse_messages
 from reach.acceptance import check_json, parse_json
-from reach.asks import REFUSED
+from reach.asks import REFUSED, UNANSWERED
 from reach.errors import (
     AgentError,
     AgentFault,
@@ -260,6 +260,10 @@ def error_for(error: Any, where: str, status: int | None = None) -> Exception:
     # The server's own trouble (internal, or its implementation-defined band) may pass;
     # a request it found wrong would be found wrong again.
     retryable = code == INTERNAL_ERROR or (code is not None and -32019 <= code <= -32000)
+    # Unless its trouble was Reach's question going unanswered or refused: a retry would ask
+    # the same caller again, who did not answer the first time.
+    if REFUSED in text or UNANSWERED in text:
+        retryable = False
     # A tool that failed on Reach's own refusal of its question was served: the server says so.
     if code == METHOD_NOT_FOUND and REFUSED not in text:
         return AgentError(f"{where}: operation not served;{said}", retryable=False, fault=fault)

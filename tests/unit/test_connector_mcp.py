@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from connectors.mcp import wire_rules as w
+from reach.asks import refusal, unanswered
 from reach.errors import AgentError, DeadlineExceeded, TransportError
 from reach.registry.models import MAX_DESCRIPTION_CHARS
 
@@ -42,6 +43,18 @@ def test_a_json_rpc_error_is_one_of_reachs(
             "the server's words",
             code,
         )
+
+
+@pytest.mark.parametrize("code", [-32603, -32000, -32601])
+def test_a_tool_failed_on_reachs_unanswered_or_refused_question_is_not_retried(code: int) -> None:
+    for said in (unanswered("sampling/createMessage", "the caller went away"), refusal("x", "no")):
+        text = f"tool failed: {said['error']['message']}"
+        err = w.error_for({"code": code, "message": text}, WHERE)
+        assert isinstance(err, AgentError)
+        assert err.retryable is False
+    own = w.error_for({"code": -32603, "message": "boom"}, WHERE)  # the server's own trouble
+    assert isinstance(own, AgentError)
+    assert own.retryable is True
 
 
 def test_a_refused_protocol_version_is_negotiated_again() -> None:
