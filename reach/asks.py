@@ -158,8 +158,13 @@ class Questions:
         self.caller = digest(caller)
         self.attempt = attempt
         self.until_s = until_s  # the call's deadline (epoch seconds)
-        self.asked = 0
+        self.asked = 0  # questions admitted (the call's bound)
+        self.written = 0  # questions numbered and stored, in that order
         self._ended = asyncio.Event()
+        # Questions asked at once are numbered and written one after another: question n is
+        # stored before the index says n, and the index never goes back, or the front, which
+        # relays up to the index, skips a question for good.
+        self._writing = asyncio.Lock()
 
     def close(self) -> None:
         self._ended.set()
@@ -203,11 +208,12 @@ class Questions:
         if len(question.encode()) > limit:
             return refusal(method, f"the question is larger than {limit} bytes")
         self.asked += 1
-        n = self.asked
         ttl = max(self.until_s - time.time(), 0.0) + KEPT_S
         try:
-            await self.state.put(question_key(self.request_id, self.attempt, n), question, ttl)
-            await self.state.put(index_key(self.request_id), f"{self.attempt}:{n}", ttl)
+            async with self._writing:
+                self.written = n = self.written + 1
+                await self.state.put(question_key(self.request_id, self.attempt, n), question, ttl)
+                await self.state.put(index_key(self.request_id), f"{self.attempt}:{n}", ttl)
             return await self._answer(method, n, held or "")
         except ReachError as exc:
             return refusal(method, f"the shared state failed: {exc.message}", INTERNAL_ERROR)

@@ -233,3 +233,40 @@ async def test_questions_waiting_on_slow_callers_never_silence_another_callers()
         assert refused["error"]["code"] == asks.METHOD_NOT_FOUND
         for call in held:
             call.close()
+
+
+class HeldFirstQuestion(MemoryPolicyState):
+    """A store whose first question write waits until let go (a slow Redis round trip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+        self.held = False
+
+    async def put(self, key: str, value: str, ttl_s: float) -> None:
+        if key.startswith("mcp-ask:") and not self.held:
+            self.held = True
+            await self.go.wait()
+        await super().put(key, value, ttl_s)
+
+
+async def test_two_questions_at_once_both_reach_the_stream_whatever_the_store_order() -> None:
+    """One call asking twice at once: the second's writes may not overtake the first's, or the
+    front, reading the index at 2 while question 1 is not yet stored, skips it for good."""
+    state = HeldFirstQuestion()
+    offer = ask.Offer(state, "se")
+    await offer.claim("r-1", "alice")
+    q = questions(state)
+    first = asyncio.create_task(q.ask(SAMPLE, {"maxTokens": 1}, 4096))
+    second = asyncio.create_task(q.ask(SAMPLE, {"maxTokens": 2}, 4096))
+    sent = Sent()
+    for _ in range(20):  # the front looks while question 1's write is held
+        await offer.forward(sent)  # type: ignore[arg-type]
+        await asyncio.sleep(0.005)
+    state.go.set()
+    got = [await relayed(offer, sent), await relayed(offer, sent)]
+    assert sorted(r["params"]["maxTokens"] for r in got) == [1, 2]
+    for request in got:
+        await ask.answer(state, response(request["id"], result=ANSWER), "alice")
+    assert (await first)["result"] == ANSWER
+    assert (await second)["result"] == ANSWER
