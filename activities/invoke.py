@@ -22,6 +22,7 @@ from activities import _following as following
 from activities._conversations import check_follow_up, keep_owner
 from activities._progress import Recorder, recording
 from activities._sent import NotSent, claim_send, idempotent
+from activities.receivers import ReceiverSlots
 from activities.telemetry import traced_call
 from agent_reach_proto import wire
 from connectors import ConnectorSet, GuardedTransport, refusal_in
@@ -140,6 +141,7 @@ class ReachActivities:
         key = security.webhook_key
         self._webhook_key = key.get_secret_value() if key is not None else None
         self._secrets: dict[str, str] = {}  # caller -> its webhook secret
+        self._receivers = ReceiverSlots()  # at most so many POSTs to one receiver at once
         # The audit trail (the gateway's guard's, or a worker's own): a callback request's
         # outcome record. None: not recorded here.
         self.audit: AuditLog | None = None
@@ -424,11 +426,12 @@ class ReachActivities:
         self, url: str, body: bytes, headers: dict[str, str], timeout_s: float
     ) -> httpx.Response:
         """One callback POST, streamed and never read: only the status matters, whatever the
-        receiver sends."""
-        async with self._http.stream(
-            "POST", url, content=body, headers=headers, timeout=timeout_s
-        ) as r:
-            return r
+        receiver sends; not sent while its receiver holds many (`activities.receivers`)."""
+        with self._receivers.taken(url):
+            async with self._http.stream(
+                "POST", url, content=body, headers=headers, timeout=timeout_s
+            ) as r:
+                return r
 
     def _webhook_secret(self, caller: str | None) -> str | None:
         """The caller's signing secret, when callbacks are signed (None: send unsigned)."""

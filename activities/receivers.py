@@ -1,0 +1,71 @@
+"""A bulkhead for callback receivers: at most `PER_RECEIVER` callback POSTs in flight from one
+worker to one receiver host.
+
+A POST holds one of the worker's activity slots (and one of the callback client's connections)
+for as long as the receiver keeps it open, up to `callback.attempt_timeout_s`, and those are
+shared with every other caller's callbacks and with task following. A receiver that accepts and
+never answers, given enough callbacks, held them all: another caller's callback to a healthy
+receiver waited 24.5 s behind 120 such POSTs (attempt timeout 30 s), and the wait grows with the
+backlog. Past the bound an attempt is not sent: it fails at once, retryable, and is tried again
+on the delivery's backoff, so the slot goes back to everyone else.
+
+The host is the URL's as written (a name or an IP literal), without its port: one host's ports
+are one receiver. Names that resolve to the same address count apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from reach.security.redact import safe_url
+
+# A quarter of a worker's activity slots (the SDK's default is 100), and far more than a fast
+# receiver needs: 16 POSTs of 10 ms each deliver 1,600 callbacks a second.
+PER_RECEIVER = 16
+
+
+def receiver_of(url: str) -> str:
+    """The receiver a callback URL names: its host, lowercased ("" when it has none)."""
+    try:
+        return (urlsplit(url).hostname or "").lower()
+    except ValueError:
+        return ""
+
+
+class ReceiverSlots:
+    """The callback POSTs in flight from this worker, counted per receiver host."""
+
+    def __init__(self, per_receiver: int = PER_RECEIVER) -> None:
+        self.per_receiver = per_receiver
+        self._in_flight: dict[str, int] = {}
+
+    def in_flight(self, url: str) -> int:
+        return self._in_flight.get(receiver_of(url), 0)
+
+    @contextlib.contextmanager
+    def taken(self, url: str) -> Iterator[None]:
+        """Hold one of the receiver's slots while the POST runs; when all are held, a retryable
+        `callback_busy` failure (nothing was sent)."""
+        host = receiver_of(url)
+        held = self._in_flight.get(host, 0)
+        if held >= self.per_receiver:
+            raise ApplicationError(
+                f"callback {safe_url(url)} not sent: {held} POSTs to {host} are already in "
+                "flight from this worker (a receiver slow to answer); tried again",
+                {"attempt": activity.info().attempt},
+                type="callback_busy",
+            )
+        self._in_flight[host] = held + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[host] - 1
+            if left:
+                self._in_flight[host] = left
+            else:
+                del self._in_flight[host]
