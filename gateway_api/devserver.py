@@ -36,6 +36,12 @@ TUNING = (
 )
 
 
+RETENTION_WAIT_S = 30.0
+"""How long the retention update is tried again once the server listens: on a busy box the
+port opens before the namespace is served, and the first `temporal operator namespace update`
+exits 1 (seen at load 7 on 2 cores: the test session's server and `reach up` failed to start)."""
+
+
 class PortInUse(RuntimeError):
     pass
 
@@ -231,20 +237,28 @@ class DevServer:
                 self.stop()
                 raise TimeoutError(f"nothing listens on {self.address} after {timeout_s:.0f}s")
             await asyncio.sleep(0.05)
-        if self.retention_hours is None:
-            return
-        retention = await asyncio.create_subprocess_exec(
-            *self.retention_command(self.retention_hours),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            _, err = await asyncio.wait_for(retention.communicate(), 30)
-        except TimeoutError:
-            retention.kill()
-            raise
-        if retention.returncode != 0:
-            raise RuntimeError(f"setting the retention failed: {err.decode(errors='replace')}")
+        if self.retention_hours is not None:
+            await self.set_retention_async(self.retention_hours)
+
+    async def set_retention_async(self, hours: float) -> None:
+        """`set_retention` without blocking the event loop."""
+        until = time.monotonic() + RETENTION_WAIT_S
+        while True:
+            retention = await asyncio.create_subprocess_exec(
+                *self.retention_command(hours),
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            try:
+                _, err = await asyncio.wait_for(retention.communicate(), 30)
+            except TimeoutError:
+                retention.kill()
+                raise
+            if retention.returncode == 0:
+                return
+            if time.monotonic() > until:
+                raise RuntimeError(f"setting the retention failed: {err.decode(errors='replace')}")
+            await asyncio.sleep(0.2)  # listening, its namespace not served yet (a busy box)
 
     def retention_command(self, hours: float) -> list[str]:
         minutes = max(1, round(hours * 60))
@@ -262,8 +276,18 @@ class DevServer:
         ]
 
     def set_retention(self, hours: float) -> None:
-        """How long closed requests are kept (and their RequestIDs deduplicated)."""
-        subprocess.run(self.retention_command(hours), check=True, capture_output=True, timeout=30)
+        """How long closed requests are kept (and their RequestIDs deduplicated). Tried again
+        for up to RETENTION_WAIT_S: a server that listens may not serve its namespace yet."""
+        until = time.monotonic() + RETENTION_WAIT_S
+        while True:
+            done = subprocess.run(self.retention_command(hours), capture_output=True, timeout=30)
+            if done.returncode == 0:
+                return
+            if time.monotonic() > until:
+                raise RuntimeError(
+                    f"setting the retention failed: {done.stderr.decode(errors='replace')}"
+                )
+            time.sleep(0.2)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         proc, self.process = self.process, None
