@@ -15,10 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
+from standardwebhooks.webhooks import Webhook
 
 from activities.receivers import PER_RECEIVER
+from reach.security.webhooks import caller_secret
 from tests.conftest import new_stack
-from tests.helpers import Agent, GatewayProcess, invoke, wait_until
+from tests.helpers import Agent, GatewayProcess, Worker, invoke, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -346,5 +348,55 @@ async def test_a_burst_to_one_slow_receiver_is_delivered_once_each_past_the_boun
         await wait_until(lambda: arrived() >= set(ids), 60, every_s=0.1)
         await wait_until(lambda: receiver.open_now() == 0, 10, every_s=0.05)
         assert len(receiver.posts) == len(ids), len(receiver.posts)
+    finally:
+        await receiver.close()
+
+
+def hold_first(held: asyncio.Event) -> Behaviour:
+    """Hold the first POST open until `held` is set (its worker dies holding it); 200 to the
+    rest. The receiver has the first one's bytes: as if it processed it, its 200 lost."""
+
+    async def behave(post: Post, _: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not held.is_set():
+            held.set()
+            await asyncio.Event().wait()  # until the sender's socket dies (or the test ends)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+
+    return behave
+
+
+async def test_a_post_whose_worker_was_sigkilled_comes_again_as_the_same_signed_message(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
+) -> None:
+    """The receiver dedupes a redelivery after a SIGKILL mid-POST on its webhook-id: the same
+    id, the same body, the next attempt, a signature of its own that verifies."""
+    master = "hostile-review-master-key"
+    extra = {"REACH_SECURITY__WEBHOOK_KEY": master, "REACH_CALLBACK__ATTEMPT_TIMEOUT_S": "60"}
+    stack = new_stack(temporal_server, tmp_path, extra=extra)
+    doomed = await GatewayProcess(stack, "doomed").ready()
+    await Agent(doomed, f"{capability}-01", capability).ready()
+    held = asyncio.Event()
+    receiver = await RawReceiver(hold_first(held)).start()
+    try:
+        r = await invoke(http, doomed, capability, caller="orchestrator", callback=receiver.url)
+        assert r.status_code == 202, r.text
+        await wait_until(held.is_set, 30, every_s=0.05)
+        await Worker(stack).ready()
+        doomed.proc.kill()
+        await wait_until(lambda: len(receiver.posts) >= 2, 45, every_s=0.05)
+        first, second = receiver.posts[:2]
+        assert first.headers["webhook-id"] == second.headers["webhook-id"]
+        assert first.body == second.body
+        assert second.headers["x-reach-delivery-attempt"] == "2"
+        verifier = Webhook(caller_secret(master, "orchestrator"))
+        for post in (first, second):
+            verifier.verify(
+                post.body,
+                {
+                    k: post.headers[k]
+                    for k in ("webhook-id", "webhook-timestamp", "webhook-signature")
+                },
+            )
     finally:
         await receiver.close()
