@@ -35,7 +35,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities import ReachActivities
 from activities.codec import data_converter
-from activities.telemetry import RequestIdInterceptor
+from activities.telemetry import RequestIdInterceptor, temporal_tracing
 from connectors import ConnectorSet
 from reach.config import ConfigError, ReachSettings, TemporalSettings
 from reach.errors import ReachError
@@ -64,15 +64,13 @@ WORKFLOW_THREADS = 2
 
 def telemetry_interceptors(settings: ReachSettings) -> list[Interceptor]:
     """On the client, so that every worker built on it has them too: Temporal's OpenTelemetry
-    interceptor when `telemetry.traces` is on (start, query and update spans on the client;
-    workflow, activity and local activity spans on workers), and the RequestID on activities'
-    log records with JSON logs. None by default: tracing off costs nothing."""
+    interceptor when `telemetry.traces` is on (its start, query and update spans on the client
+    only: `temporal_tracing`), and the RequestID on activities' log records with JSON logs. None
+    by default: tracing off costs nothing."""
     found: list[Interceptor] = []
     active = tracing.configure(settings.telemetry)
     if active is not None:
-        from temporalio.contrib.opentelemetry import TracingInterceptor
-
-        found.append(TracingInterceptor(active))
+        found.append(temporal_tracing(active))
     if settings.telemetry.logs_format == "json":
         found.append(RequestIdInterceptor())
     return found
@@ -268,6 +266,7 @@ def build_workers(
                     acts.release_key,
                     acts.release_route,
                     acts.pinned,
+                    acts.pinned_attempt,
                     acts.follow,
                     acts.take_token,
                     acts.follow_task,

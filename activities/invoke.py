@@ -43,6 +43,7 @@ from reach.invocation import (
     ACTIVITY_FOLLOW,
     ACTIVITY_FOLLOW_TASK,
     ACTIVITY_PINNED,
+    ACTIVITY_PINNED_ATTEMPT,
     ACTIVITY_RELEASE_KEY,
     ACTIVITY_RELEASE_ROUTE,
     ACTIVITY_RESOLVE,
@@ -55,6 +56,7 @@ from reach.invocation import (
     Endpoint,
     FollowInput,
     FollowTaskInput,
+    PinQuery,
     ResolveInput,
     TakeInput,
 )
@@ -174,6 +176,14 @@ class ReachActivities:
         except ReachError as err:
             raise to_application_error(err) from err
 
+    @activity.defn(name=ACTIVITY_PINNED_ATTEMPT)
+    async def pinned_attempt(self, query: PinQuery) -> str:
+        """The instance attempt `query.attempt` was pinned to ("" when none is recorded)."""
+        try:
+            return await pinned_instance(self.policy, query.request_id, query.attempt) or ""
+        except ReachError as err:
+            raise to_application_error(err) from err
+
     @activity.defn(name=ACTIVITY_CLAIM_KEY)
     async def claim_key(self, inp: ClaimInput) -> ClaimOutcome:
         """Make this request the owner of its idempotency key, or name the one that is."""
@@ -252,6 +262,7 @@ class ReachActivities:
                     header.request_id,
                     inp.movable,
                     fresh=inp.first_run or not _runs_local(),
+                    deadline_ms=header.deadline_ms,
                 )
             connector = self.connectors.get(endpoint.protocol)
             if connector.continues(inp.message):  # a follow-up: only to its own caller

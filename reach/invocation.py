@@ -30,8 +30,10 @@ ACTIVITY_RELEASE_ROUTE = "reach.release_route"
 # stands now, and asking it to stop at the deadline.
 ACTIVITY_FOLLOW_TASK = "reach.follow_task"
 ACTIVITY_CANCEL_TASK = "reach.cancel_task"
-# Which instance attempt 1 was pinned to (naming a lost task's attempt that may have run).
+# Which instance attempt 1 was pinned to (naming a lost task's attempt that may have run);
+# and any attempt's (`PinQuery`).
 ACTIVITY_PINNED = "reach.pinned"
+ACTIVITY_PINNED_ATTEMPT = "reach.pinned_attempt"
 # Late answers arrive as an update (validated, refused without a trace once the result is final);
 # the signal stays registered for requests accepted before the update existed.
 UPDATE_LATE_ANSWER = "submit_late_answer"
@@ -174,6 +176,13 @@ class InvokeInput(BaseModel):
         "differs. An inline request routed at the door starts as 'success' (what almost all of "
         "them end as), so its end writes no search attribute at all.",
     )
+
+
+class PinQuery(BaseModel):
+    """Asks which instance attempt `attempt` of `request_id` was pinned to."""
+
+    request_id: str
+    attempt: int
 
 
 class ResolveInput(BaseModel):

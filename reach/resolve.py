@@ -66,7 +66,7 @@ class Resolver:
             # Dirty records could not be re-read: route on what the view holds.
             log.warning("registry view not refreshed for %s: %s", capability, err.message)
             snap = self.view.cached(capability)
-        if snap is None or not snap.routable:
+        if snap is None or not snap.routable_size:
             snap = await self.view.reload(capability)
         return snap
 
@@ -87,7 +87,7 @@ class Resolver:
         waiting for the store; None leaves it to the workflow. `reserve` counts the pick in
         flight (inline, called here next): `release` undoes it."""
         snap = self.view.cached(inp.capability) if self.view.settled(inp.capability) else None
-        if snap is None or not snap.routable:
+        if snap is None or not snap.routable_size:
             return None
         view = self.policy.recent_view(inp.capability)
         # A breaker that is not closed (or a half-open probe) is the workflow's to meet: a
@@ -114,12 +114,20 @@ class Resolver:
         self.router.inflight.cancel(f"{request_id}:1")
 
     async def check_first(
-        self, endpoint: Endpoint, request_id: str, movable: bool, *, fresh: bool
+        self,
+        endpoint: Endpoint,
+        request_id: str,
+        movable: bool,
+        *,
+        fresh: bool,
+        deadline_ms: int | None = None,
     ) -> None:
         """Before calling the endpoint chosen at the door: go on if its instance is still the
         one chosen (alive, routable, not restarted); else `StaleRoute` when nothing can have
         been sent (`fresh`: the first run of this attempt) or the request may move, or the
-        unknown outcome when it may not."""
+        unknown outcome when it may not. Not fresh (after a wait, or a re-run), the call is
+        pinned in the store first, as resolve pins the attempts it routes: a task lost after
+        it leaves no other trace (`workflows._failures.sent_by_lost_run` reads it)."""
         try:
             snap = await self.view.snapshot(endpoint.capability)
         except ReachError:
@@ -132,6 +140,7 @@ class Resolver:
                     request_id,
                     endpoint.instance_id,
                 )
+                await self._pin_door_route(endpoint, request_id, deadline_ms)
             return
         if fresh or movable:
             raise StaleRoute(
@@ -140,10 +149,10 @@ class Resolver:
         raise _lost(endpoint.instance_id)
 
     def _check(self, inp: ResolveInput, snap: CapabilitySnapshot) -> None:
-        if not snap.routable:
+        if not snap.routable_size:
             raise NoInstance(
                 f"capability {inp.capability!r} has no healthy instance "
-                f"({len(snap.entries)} registered, all unhealthy)"
+                f"({snap.size} registered, all unhealthy)"
             )
         # R8: what one routable instance negotiated, the capability can carry; refused before
         # anything is sent, whichever instance routing would have picked.
@@ -215,7 +224,7 @@ class Resolver:
             inp.request_id,
             inp.capability,
             chosen.instance_id,
-            len(snap.routable),
+            snap.routable_size,
             route.strategy,
             f" (breaker {admission.status})" if admission.status != "closed" else "",
             f", skipped ejected {route.skipped}" if route.skipped else "",
@@ -272,6 +281,17 @@ class Resolver:
         # Not idempotent, no key, and the instance that got it is gone (or restarted): sending
         # it elsewhere could run it twice. Say what is known instead.
         raise _lost(owner)
+
+    async def _pin_door_route(
+        self, endpoint: Endpoint, request_id: str, deadline_ms: int | None
+    ) -> None:
+        left_s = ((deadline_ms or 0) - time.time() * 1000) / 1000
+        try:
+            await self.policy.state.claim(
+                pin_key(request_id, 1), endpoint_pin(endpoint), max(1.0, left_s) + PIN_MARGIN_S
+            )
+        except ReachError as err:  # the call goes on: the store only keeps the evidence
+            log.warning("request=%s: attempt 1 not pinned: %s", request_id, err.message)
 
 
 def pin_key(request_id: str, attempt: int) -> str:

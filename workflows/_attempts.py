@@ -73,6 +73,7 @@ with workflow.unsafe.imports_passed_through():
         error_of,
         name_lost_attempt,
         names_lost_later,
+        sent_by_lost_run,
     )
     from workflows._following import TaskFollowing
     from workflows._following import capability_queue as capability_queue  # invoke.py's
@@ -219,12 +220,15 @@ class AttemptLoop(TaskFollowing):
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)
                 lost = self._lost_before()  # and no claim of this run's says it sent nothing
+                named = None  # the instance a lost task sent it to, after a wait
+                if failed.unrouted and not lost:
+                    named = await sent_by_lost_run(inp, tries.number)
                 failure = Failure(
                     failed.error,
-                    failed.instance_id,
-                    sent=self._in_flight or lost,
+                    failed.instance_id or named,
+                    sent=self._in_flight or lost or named is not None,
                     not_sent=failed.not_sent,
-                    lost_run=lost and not failed.claimed,
+                    lost_run=(lost and not failed.claimed) or named is not None,
                 )
                 self._in_flight = False  # that call is over (a cancel from here finds none)
             step, self._tries = after_failure(
@@ -425,9 +429,10 @@ class AttemptLoop(TaskFollowing):
     ) -> Any:
         remaining = self._deadline_ms - self._now_ms()
         if remaining <= 0:
-            raise Failed(
-                ErrorInfo(type="timeout", message="deadline reached", retryable=False), instance_id
-            )
+            error = ErrorInfo(type="timeout", message="deadline reached", retryable=False)
+            # Not routed by this run: resolve's turn, or the door's route about to be called.
+            door = isinstance(arg, CallInput) and arg.check_first
+            raise Failed(error, instance_id, unrouted=name == ACTIVITY_RESOLVE or door)
         budget = timedelta(milliseconds=remaining)
         sent_before, self._routing = self._sent, name == ACTIVITY_RESOLVE
         if name == ACTIVITY_CALL:

@@ -25,7 +25,7 @@ from temporalio.exceptions import (
 
 with workflow.unsafe.imports_passed_through():
     from reach.errors import ERROR_TYPES, AgentFault
-    from reach.invocation import ACTIVITY_PINNED, InvokeInput
+    from reach.invocation import ACTIVITY_PINNED, ACTIVITY_PINNED_ATTEMPT, InvokeInput, PinQuery
     from reach.messages import ErrorInfo
     from reach.policy import Attempts, Failure
 
@@ -37,6 +37,9 @@ STORE_STEP = timedelta(seconds=10)
 # retry: the lost run is remembered, `reach.policy.retry.LOST_RUN`) left it unnamed then.
 PATCH_NAME_LOST_ATTEMPT = "name-lost-attempt"
 PATCH_NAME_LOST_LATER = "name-lost-attempt-later"
+# Requests accepted before it ended an attempt whose deadline came before this run routed it
+# (after a wait: the store, a token, a backoff) as never sent, without reading its pin.
+PATCH_LOST_AFTER_WAIT = "lost-after-wait-read-pin"
 
 
 class Failed(Exception):
@@ -47,6 +50,7 @@ class Failed(Exception):
         *,
         not_sent: bool = False,
         claimed: bool = False,
+        unrouted: bool = False,
     ) -> None:
         super().__init__(error.message)
         self.error = error
@@ -54,6 +58,8 @@ class Failed(Exception):
         self.not_sent = not_sent  # the call activity refused it before sending (NotSent)
         # This run claimed the attempt's send-once claim itself: no earlier run sent it.
         self.claimed = claimed
+        # The deadline came before this run routed the attempt (`sent_by_lost_run`).
+        self.unrouted = unrouted
 
 
 class StaleRoute(Exception):
@@ -143,6 +149,28 @@ async def name_lost_attempt(inp: InvokeInput, report: Failure) -> Failure:
         workflow.logger.warning("the instance attempt 1 went to could not be read")
         return report
     return replace(report, instance_id=pinned or None)
+
+
+async def sent_by_lost_run(inp: InvokeInput, attempt: int) -> str | None:
+    """The instance a lost workflow task sent attempt `attempt` to, when this run met the
+    deadline before routing it: a task that ran the attempt after a wait (its timer fired in
+    that task) and was lost with its worker leaves no trace in the history, only the pin its
+    resolve claimed in the store before the call. None: no pin (nothing was routed), or the
+    store could not say."""
+    if not workflow.patched(PATCH_LOST_AFTER_WAIT):
+        return None
+    try:
+        pinned: str = await workflow.execute_local_activity(
+            ACTIVITY_PINNED_ATTEMPT,
+            PinQuery(request_id=inp.request_id, attempt=attempt),
+            result_type=str,
+            schedule_to_close_timeout=STORE_STEP,
+            retry_policy=ONE_ATTEMPT,
+        )
+    except (ActivityError, ApplicationError, TimeoutError):
+        workflow.logger.warning("whether a lost task sent attempt %d could not be read", attempt)
+        return None
+    return pinned or None
 
 
 def cancelled(
