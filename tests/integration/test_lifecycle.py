@@ -4,11 +4,11 @@ its own, repeats and late answers behave by the final result, and nothing lives 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,6 +39,34 @@ def body(capability: str, **extra: Any) -> dict[str, Any]:
         "timeout_ms": 5000,
         **extra,
     }
+
+
+# The capability the module's gateway calls in queue mode (a task queue of its own, which a
+# gateway with a memory registry serves itself), for the one test that needs it.
+QUEUED = f"cap-queued-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+async def gateway(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[GatewayProcess]:
+    """conftest's module gateway, with QUEUED in queue mode (no other test here calls it)."""
+    extra = {"REACH_CAPABILITIES": json.dumps({QUEUED: {"mode": "queue"}})}
+    stack = new_stack(temporal_server, tmp_path_factory.mktemp("stack"), extra=extra)
+    async with GatewayProcess(stack) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+async def workerless(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[GatewayProcess]:
+    """A gateway without the invoke worker, nobody serving its task queue until a test starts
+    a worker.py of its own (stopped at the test's end): the outage tests share it."""
+    extra = {"REACH_TEMPORAL__RPC_TIMEOUT_S": "1"}
+    stack = new_stack(temporal_server, tmp_path_factory.mktemp("workerless"), extra=extra)
+    async with GatewayProcess(stack, "api", worker=False) as api:
+        yield api
 
 
 @pytest.fixture(scope="module")
@@ -384,16 +412,11 @@ async def test_the_deduplication_window_is_stated_at_start_up(
 
 
 async def test_a_late_answer_acknowledged_while_the_call_is_out_is_never_discarded(
-    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
+    gateway: GatewayProcess, http: httpx.AsyncClient
 ) -> None:
     """Before: the late answer got 202 'received', then the agent's slower 200 became the
     result and a resend of the late answer got 409."""
-    stack = new_stack(
-        temporal_server,
-        tmp_path,
-        extra={"REACH_CAPABILITIES": f'{{"{capability}": {{"mode": "queue"}}}}'},
-    )
-    gw = await GatewayProcess(stack).ready()
+    capability, gw = QUEUED, gateway  # called in queue mode
     await start_agents(gw, capability, 1, "--delay-ms", "3000")
     rid = f"req-{uuid.uuid4().hex}"
     call = asyncio.create_task(
@@ -432,19 +455,13 @@ async def test_an_error_late_answer_sent_again_is_received_again(
 
 
 async def test_without_a_worker_a_late_answer_is_503_and_a_callback_survives_the_outage(
-    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
+    workerless: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """No worker until well past the deadline: the request waits in Temporal and, once a worker
     is back, ends by its deadline with its callback (the hostile review found it ended by an
     execution timeout and the callback never sent)."""
-    stack = new_stack(
-        temporal_server,
-        tmp_path,
-        extra={
-            "REACH_TEMPORAL__RPC_TIMEOUT_S": "1",
-        },
-    )
-    api = await GatewayProcess(stack, "api", worker=False).ready()
+    api = workerless
+    stack = api.stack
     await start_agents(api, capability, 1)
     async with CallbackReceiver() as receiver:
         answered, waiting = f"req-{uuid.uuid4().hex}", f"req-{uuid.uuid4().hex}"
@@ -531,13 +548,13 @@ async def test_a_reused_request_id_gets_its_callback_despite_an_old_delivery(
 
 
 async def test_late_answers_piling_up_in_an_outage_cannot_kill_the_request(
-    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
+    workerless: GatewayProcess, http: httpx.AsyncClient, capability: str
 ) -> None:
     """Before: every resend of a 1 MB late answer during a worker outage was admitted as an
     update of its own; the workflow task answering them all passed Temporal's 4 MiB message
     limit and the server terminated the request, result and callback lost."""
-    stack = new_stack(temporal_server, tmp_path, extra={"REACH_TEMPORAL__RPC_TIMEOUT_S": "1"})
-    api = await GatewayProcess(stack, "api", worker=False).ready()
+    api = workerless
+    stack = api.stack
     await start_agents(api, capability, 1)
     rid = f"req-{uuid.uuid4().hex}"
     async with CallbackReceiver() as receiver:
