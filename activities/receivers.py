@@ -1,5 +1,5 @@
 """A bulkhead for callback receivers: at most `PER_RECEIVER` callback POSTs in flight from one
-worker to one receiver host.
+worker to one receiver host, and at most `AT_ONCE` in all.
 
 A POST holds one of the worker's activity slots (and one of the callback client's connections)
 for as long as the receiver keeps it open, up to `callback.attempt_timeout_s`, and those are
@@ -8,6 +8,10 @@ never answers, given enough callbacks, held them all: another caller's callback 
 receiver waited 24.5 s behind 120 such POSTs (attempt timeout 30 s), and the wait grows with the
 backlog. Past the bound an attempt is not sent: it fails at once, retryable, and is tried again
 on the delivery's backoff, so the slot goes back to everyone else.
+
+Hung receivers on many hosts could still hold every slot: with 16 on each of 8 hosts, a sync
+call to an A2A agent whose task Reach follows (a regular activity on the same worker) ended 504
+at its 10 s deadline, never followed. `AT_ONCE` keeps a part of the slots for everything else.
 
 The host is the URL's as written (a name or an IP literal), without its port: one host's ports
 are one receiver. Names that resolve to the same address count apart.
@@ -27,6 +31,9 @@ from reach.security.redact import safe_url
 # A quarter of a worker's activity slots (the SDK's default is 100), and far more than a fast
 # receiver needs: 16 POSTs of 10 ms each deliver 1,600 callbacks a second.
 PER_RECEIVER = 16
+# Of the worker's 100 activity slots (the SDK's default; Reach sets no other), those callback
+# POSTs may hold at once: the rest are task following's and cancels'.
+AT_ONCE = 64
 
 
 def receiver_of(url: str) -> str:
@@ -40,30 +47,40 @@ def receiver_of(url: str) -> str:
 class ReceiverSlots:
     """The callback POSTs in flight from this worker, counted per receiver host."""
 
-    def __init__(self, per_receiver: int = PER_RECEIVER) -> None:
+    def __init__(self, per_receiver: int = PER_RECEIVER, at_once: int = AT_ONCE) -> None:
         self.per_receiver = per_receiver
+        self.at_once = at_once
         self._in_flight: dict[str, int] = {}
+        self._total = 0
 
     def in_flight(self, url: str) -> int:
         return self._in_flight.get(receiver_of(url), 0)
 
     @contextlib.contextmanager
     def taken(self, url: str) -> Iterator[None]:
-        """Hold one of the receiver's slots while the POST runs; when all are held, a retryable
-        `callback_busy` failure (nothing was sent)."""
+        """Hold one of the receiver's slots while the POST runs; when all are held (its own or
+        the worker's), a retryable `callback_busy` failure (nothing was sent)."""
         host = receiver_of(url)
         held = self._in_flight.get(host, 0)
         if held >= self.per_receiver:
+            busy = f"{held} POSTs to {host} are already in flight from this worker"
+        elif self._total >= self.at_once:
+            busy = f"{self._total} callback POSTs are already in flight from this worker"
+        else:
+            busy = None
+        if busy is not None:
             raise ApplicationError(
-                f"callback {safe_url(url)} not sent: {held} POSTs to {host} are already in "
-                "flight from this worker (a receiver slow to answer); tried again",
+                f"callback {safe_url(url)} not sent: {busy} (receivers slow to answer); "
+                "tried again",
                 {"attempt": activity.info().attempt},
                 type="callback_busy",
             )
         self._in_flight[host] = held + 1
+        self._total += 1
         try:
             yield
         finally:
+            self._total -= 1
             left = self._in_flight[host] - 1
             if left:
                 self._in_flight[host] = left

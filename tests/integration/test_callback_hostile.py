@@ -19,6 +19,7 @@ from standardwebhooks.webhooks import Webhook
 
 from activities.receivers import PER_RECEIVER
 from reach.security.webhooks import caller_secret
+from tests.a2a_agents import A2AAgentProcess
 from tests.conftest import new_stack
 from tests.helpers import Agent, GatewayProcess, Worker, invoke, wait_until
 
@@ -400,3 +401,54 @@ async def test_a_post_whose_worker_was_sigkilled_comes_again_as_the_same_signed_
             )
     finally:
         await receiver.close()
+
+
+HOSTS = 8
+
+
+async def test_hung_receivers_on_many_hosts_do_not_stall_a_followed_task(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient, capability: str
+) -> None:
+    """16 hung callbacks on each of 8 receiver hosts (128, past the 100 activity slots a worker
+    has even with the per-receiver bound), then a sync call to an A2A agent whose task Reach
+    follows (a regular activity on the same worker): it must not wait for the hung POSTs'
+    30 s attempt timeout."""
+    gateway = await stack_with_agent(
+        temporal_server, tmp_path, capability, REACH_CALLBACK__ATTEMPT_TIMEOUT_S="30"
+    )
+    agent = await A2AAgentProcess(tmp_path, "hostile").ready()
+    task_cap = f"{capability}-a2a"
+    r = await http.post(
+        f"{gateway.url}/reach/agents",
+        json={
+            "capability": task_cap,
+            "instance_id": f"{task_cap}-01",
+            "protocol": "a2a",
+            "service_address": agent.url,
+        },
+    )
+    assert r.status_code == 200, r.text
+    hung = [await RawReceiver(never_answer, f"127.0.0.{i + 1}").start() for i in range(HOSTS)]
+    try:
+        for receiver in hung:
+            for _ in range(PER_RECEIVER):
+                r = await invoke(http, gateway, capability, callback=receiver.url)
+                assert r.status_code == 202, r.text
+        open_now = lambda: sum(h.open_now() for h in hung)  # noqa: E731
+        await wait_until(lambda: open_now() >= 64, 30, every_s=0.1)
+        started = time.monotonic()
+        r = await http.post(
+            f"{gateway.url}/reach/invoke",
+            json={"target": task_cap, "operation": "slow", "payload": {"seconds": 0.5}},
+            params={},
+            timeout=40,
+        )
+        took_s = time.monotonic() - started
+        print(f"followed task took {took_s:.2f} s with {open_now()} hung POSTs open")
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "success", r.json()
+        assert took_s < 8.0, f"{took_s:.1f} s"
+    finally:
+        for receiver in hung:
+            await receiver.close()
+        agent.proc.stop()
