@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from temporalio import activity
@@ -20,6 +19,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities import _following as following
 from activities._conversations import check_follow_up, keep_owner
+from activities._heartbeats import awaited, heartbeating
 from activities._progress import Recorder, recording
 from activities._sent import NotSent, claim_send, idempotent
 from activities.receivers import ReceiverSlots
@@ -76,12 +76,9 @@ from reach.telemetry.metrics import ReachMetrics
 
 log = logging.getLogger("reach.activities")
 
-HEARTBEAT_EVERY_S = 2.0
 # A callback POST heartbeats this often, so a worker that dies mid-POST is noticed within the
 # delivery's heartbeat timeout (workflows.callback), not its whole attempt timeout.
 CALLBACK_HEARTBEAT_EVERY_S = 1.0
-
-T = TypeVar("T")
 
 
 def to_application_error(
@@ -171,10 +168,7 @@ class ReachActivities:
     async def pinned(self, request_id: str) -> str:
         """The instance attempt 1 of `request_id` was pinned to ("" when none is recorded):
         a lost workflow task's call may have gone there."""
-        try:
-            return await pinned_instance(self.policy, request_id, 1) or ""
-        except ReachError as err:
-            raise to_application_error(err) from err
+        return await self.pinned_attempt(PinQuery(request_id=request_id, attempt=1))
 
     @activity.defn(name=ACTIVITY_PINNED_ATTEMPT)
     async def pinned_attempt(self, query: PinQuery) -> str:
@@ -281,13 +275,13 @@ class ReachActivities:
                 recorder = Recorder(self.policy.state, inp, keys)
             with recording(recorder):
                 if tracing.tracer is not None:  # a client span: the agent's span is its child
-                    reply = await traced_call(tracing.tracer, connector, inp, _awaited)
+                    reply = await traced_call(tracing.tracer, connector, inp, awaited)
                 else:
                     work = connector.invoke(endpoint, inp.message, inp.timeout_ms / 1000)
                     if activity.info().is_local:
                         reply = await work
                     else:
-                        reply = await _heartbeating(work)
+                        reply = await heartbeating(work)
             outcome = "success"
         except StaleRoute as stale:
             raise ApplicationError(str(stale), type=STALE_ROUTE, non_retryable=True) from stale
@@ -401,7 +395,7 @@ class ReachActivities:
             headers |= webhook_headers(secret, message_id(response.request_id), body, time.time())
         timeout = info.start_to_close_timeout
         try:
-            r = await _heartbeating(
+            r = await heartbeating(
                 self._post(inp.url, body, headers, timeout.total_seconds() if timeout else 10.0),
                 CALLBACK_HEARTBEAT_EVERY_S,
             )
@@ -478,26 +472,6 @@ def counts_as_failure(err: ReachError) -> bool:
     if isinstance(err, TransportError | DeadlineExceeded):
         return True
     return isinstance(err, AgentError) and err.retryable
-
-
-async def _awaited(work: Coroutine[Any, Any, Reply]) -> Reply:
-    """A local activity awaits the call; a regular one heartbeats while it runs."""
-    if activity.info().is_local:
-        return await work
-    return await _heartbeating(work)
-
-
-async def _heartbeating(work: Coroutine[Any, Any, T], every_s: float = HEARTBEAT_EVERY_S) -> T:
-    """Await a long call as a regular activity, heartbeating so a lost worker is noticed."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=every_s)
-            if done:
-                return task.result()
-            activity.heartbeat()
-    finally:
-        task.cancel()
 
 
 def outcome_status(response: InvokeResponse) -> int:
