@@ -245,12 +245,27 @@ class Agent:
         raise TimeoutError(f"agent not ready:\n{self.proc.output()}")
 
 
+def spawn_agents(gateway: GatewayProcess, capability: str, count: int, *flags: str) -> list[Agent]:
+    """`count` agents of `capability` started now, not waited for (`ready_together`)."""
+    return [Agent(gateway, f"{capability}-{i:02d}", capability, *flags) for i in range(count)]
+
+
 async def start_agents(
     gateway: GatewayProcess, capability: str, count: int, *flags: str
 ) -> list[Agent]:
-    agents = [Agent(gateway, f"{capability}-{i:02d}", capability, *flags) for i in range(count)]
+    agents = spawn_agents(gateway, capability, count, *flags)
     await asyncio.gather(*(a.ready() for a in agents))
     return agents
+
+
+async def ready_together(gateway: GatewayProcess, *others: Agent | Worker) -> GatewayProcess:
+    """A gateway and the agents (and workers) started beside it while it starts: an agent
+    joins once the gateway answers (the SDK tries its Join again every heartbeat interval), so
+    its process starts during the gateway's rather than after it. The others' deadlines count
+    from the gateway's readiness."""
+    await gateway.ready()
+    await asyncio.gather(*(o.ready() for o in others))
+    return gateway
 
 
 def message(

@@ -20,6 +20,7 @@ from tests.helpers import (
     Stack,
     Worker,
     agent_server,
+    ready_together,
     wait_until,
 )
 
@@ -63,11 +64,11 @@ async def test_sigkilled_gateway_worker_mid_request_is_finished_elsewhere(
     # the request up after the crash.
     stack, survivor_api, survivor = takeover
     doomed = GatewayProcess(stack, "doomed")  # API + invoke worker: eager start runs the call here
-    await doomed.ready()
     ledger = tmp_path / "ledger.txt"
-    agent = await Agent(
+    agent = Agent(
         survivor_api, "slow-01", "slow-cap", "--delay-ms", "2000", "--ledger", str(ledger)
-    ).ready()
+    )
+    await asyncio.gather(doomed.ready(), agent.ready())  # both start at once
 
     async with CallbackReceiver() as receiver:
         rid = f"req-{uuid.uuid4().hex}"
@@ -117,10 +118,10 @@ async def test_a_late_answer_to_a_sigkilled_gateways_request_is_taken_elsewhere_
     survivor after temporal.sticky_schedule_to_start_s, not the SDK's 10 s."""
     stack, survivor_api, survivor = takeover
     doomed = GatewayProcess(stack, "doomed")
-    await doomed.ready()
     ledger = stack.tmp / f"ledger-{uuid.uuid4().hex[:8]}.txt"
     flags = ("--defer", "--delay-ms", "500", "--ledger", str(ledger))
-    agent = await Agent(survivor_api, "late-01", "late-cap", *flags).ready()
+    agent = Agent(survivor_api, "late-01", "late-cap", *flags)
+    await asyncio.gather(doomed.ready(), agent.ready())  # both start at once
     async with CallbackReceiver() as receiver:
         rid = f"req-{uuid.uuid4().hex}"
         r = await http.post(
@@ -236,9 +237,10 @@ async def test_a_write_routed_at_the_door_goes_elsewhere_if_its_instance_left_be
     """The door chose an instance, no worker ran the request before that instance left: nothing
     was sent, so even a non-idempotent write goes to the instance that is there."""
     stack = new_stack(temporal_server, tmp_path, registry="redis", key_prefix=redis_prefix)
-    api = await GatewayProcess(stack, "api", worker=False).ready()
+    api = GatewayProcess(stack, "api", worker=False)
     ledger = tmp_path / "ledger.txt"
-    first = await Agent(api, "w-01", "writes", "--ledger", str(ledger)).ready()
+    first = Agent(api, "w-01", "writes", "--ledger", str(ledger))
+    await ready_together(api, first)
     async with CallbackReceiver() as receiver:
         rid = f"req-{uuid.uuid4().hex}"
         r = await http.post(
@@ -286,10 +288,9 @@ async def test_a_repeat_that_attached_does_not_let_a_lost_write_run_again_elsewh
     doomed = GatewayProcess(stack, "doomed")
     # The repeat's gateway runs the invoke worker that re-runs the request after the crash.
     api = GatewayProcess(stack, "api")
-    await asyncio.gather(doomed.ready(), api.ready())
     ledger = tmp_path / "ledger.txt"
     lost = Agent(api, "lw-01", "lost-writes", "--delay-ms", "30000", "--ledger", str(ledger))
-    await lost.ready()
+    await asyncio.gather(doomed.ready(), ready_together(api, lost))  # all three at once
     async with CallbackReceiver() as receiver:
         body = {
             "request_id": f"req-{uuid.uuid4().hex}",
