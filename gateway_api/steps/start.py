@@ -24,6 +24,7 @@ from gateway_api.steps.identify import Identity
 from reach.errors import RequestConflict, Unavailable
 from reach.invocation import CallbackPlan, CallPlan, Endpoint, InvokeInput, same_request
 from reach.messages import InvokeRequest
+from reach.telemetry import tracing
 
 
 def invoke_input(
@@ -52,7 +53,7 @@ def invoke_input(
         idempotency_key=request.idempotency_key,
         routing_key=request.routing_key,
         hash_key=hash_key,
-        traceparent=identity.traceparent,
+        traceparent=_traceparent(identity),
         context_id=request.context_id,
         plan=plan,
         payload_bytes=payload_bytes,
@@ -61,6 +62,15 @@ def invoke_input(
         # running request reads as running whatever it says: reach.listing.status_of).
         status_at_start="success" if endpoint is not None and plan.mode == "inline" else "running",
     )
+
+
+def _traceparent(identity: Identity) -> str | None:
+    """What the call's header carries: with tracing on, the front's SERVER span (current
+    here), which the connector's span continues in whichever worker calls the agent; off, the
+    caller's, passed on unchanged."""
+    if tracing.tracer is not None:
+        return tracing.current_traceparent() or identity.traceparent
+    return identity.traceparent
 
 
 @dataclass(slots=True)

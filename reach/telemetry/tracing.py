@@ -2,9 +2,13 @@
 
     the caller's span (its traceparent)
       └ gateway SERVER span: POST /reach/invoke, or reach.v1.Reach/Invoke on the gRPC front
-        └ StartWorkflow ─ RunWorkflow, StartActivity ─ RunActivity (Temporal's TracingInterceptor)
-          └ connector CLIENT span (activities/invoke.py; its traceparent is what the agent gets)
-            └ agent SERVER span (agent_reach_sdk, around the operation's handler)
+        ├ StartWorkflow (Temporal's TracingInterceptor, on the client only)
+        └ connector CLIENT span (activities/invoke.py; its traceparent is what the agent gets)
+          └ agent SERVER span (agent_reach_sdk, around the operation's handler)
+
+The workflow carries the gateway span's traceparent to the call (`InvokeInput.traceparent`),
+in whichever worker runs it; Temporal's workflow and activity spans are not made (see
+`activities.telemetry.client_tracing`).
 
 `configure(settings.telemetry)` builds the process's tracer provider once (a batch span
 processor and the exporter `traces` names) and sets `tracer`. With `traces: none` (the
@@ -148,11 +152,19 @@ def server_span(
 
 
 @contextlib.contextmanager
-def client_span(active: Tracer, name: str, attributes: Mapping[str, Any]) -> Iterator[Span]:
-    """A CLIENT span, child of the current one, current while the block runs."""
-    from opentelemetry.trace import SpanKind
+def client_span(
+    active: Tracer, name: str, attributes: Mapping[str, Any], parent: str | None = None
+) -> Iterator[Span]:
+    """A CLIENT span, current while the block runs: child of the current span, or when none
+    is current, of the `parent` traceparent (the gateway's span, carried by the workflow)."""
+    from opentelemetry.trace import SpanKind, get_current_span
 
-    with active.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes) as span:
+    context = None
+    if parent is not None and not get_current_span().get_span_context().is_valid:
+        context = context_of(parent)
+    with active.start_as_current_span(
+        name, context=context, kind=SpanKind.CLIENT, attributes=attributes
+    ) as span:
         yield span
 
 

@@ -142,6 +142,21 @@ async def test_the_agent_is_sent_the_connector_spans_traceparent() -> None:
     assert span.attributes["reach.reply"] == "ok"
 
 
+async def test_with_no_span_current_the_connector_span_continues_the_headers_trace() -> None:
+    """The workflow carries the gateway's span in the call's header: with no span current in
+    the activity (Temporal's activity spans are not made), the connector's span is its child."""
+    tracer, exporter = memory_tracer()
+    connector = Recording()
+    await traced_call(tracer, connector, call_input(), awaited)
+    (span,) = exporter.get_finished_spans()
+    assert span.parent is not None
+    assert span.parent.is_remote
+    assert f"00-{span.context.trace_id:032x}-{span.parent.span_id:016x}-01" == CALLER
+    (message,) = connector.sent
+    ctx = span.get_span_context()
+    assert message.header.traceparent == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-01"
+
+
 async def test_a_failed_call_is_an_error_span_with_its_type() -> None:
     tracer, exporter = memory_tracer()
     with pytest.raises(TransportError):
