@@ -150,11 +150,16 @@ class InvokeWorkflow(AttemptLoop):
             )
         # With tokens, the principal that registered the instance the request went to answers,
         # whatever instance_id an answer names (another token may re-use a name after a leave).
+        # An instance nobody owned when it was sent (an operator registered it, or it joined
+        # before tokens) is answered for with an admin token only (`principal` None): any agent
+        # token could take its name over once its record is gone.
         if answer.principal is not None:
             owners = [self._sent_to[sender]] if sender is not None else list(self._sent_to.values())
-            if not any(owner in (None, answer.principal) for owner in owners):
+            if answer.principal not in owners:
+                unowned = " (registered by an operator: an admin token answers for it)"
                 raise ApplicationError(
-                    f"this request was not sent to an instance of {answer.principal!r}",
+                    f"this request was not sent to an instance of {answer.principal!r}"
+                    + (unowned if None in owners else ""),
                     type="forbidden",
                 )
 
