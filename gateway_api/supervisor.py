@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from gateway_api.devserver import DevServer, dies_with_parent
+from gateway_api.devserver import DevServer, dies_with_parent, port_open_async
 from reach.config import ReachSettings
 from reach.errors import ReachError
 from reach.security.guard import token_store
@@ -324,6 +324,17 @@ class Up:
             for i in range(1, agents + 1)
         ]
 
+    async def gateway_listening(self) -> None:
+        """Until the gateway, starting beside this, accepts connections. A demo agent launched
+        before it did was refused its Join and tried again a heartbeat interval later (5 s):
+        the banner came ~5 s after the gateway was up (an agent starts in under a second)."""
+        host = self.settings.listen_host
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        while self.agents:
+            if await port_open_async(self.settings.listen_port, host):
+                return
+            await asyncio.sleep(0.05)
+
     async def run(self, announce: Announce) -> None:
         """Start the demo agents, announce, then keep every child running."""
         try:
@@ -332,6 +343,7 @@ class Up:
                     await self.token.renew()
             except (ReachError, OSError, ValueError) as exc:  # keep_token tries again
                 log.warning("could not read or write the token store: %s", exc)
+            await self.gateway_listening()
             for agent in self.agents:
                 await agent.launch()
                 agent.started_at = time.monotonic()

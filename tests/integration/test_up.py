@@ -95,6 +95,10 @@ async def test_up_runs_the_stack_stops_cleanly_and_keeps_history(tmp_path: Path)
         assert "curl -s -X POST" in banner
         assert "worker       in the gateway process, task queue reach-invoke" in banner
         assert len(processes_mentioning(f"--reach {gateway}")) == 2  # the demo agents
+        # Launched once the gateway listens, each joined at its first try: launched before,
+        # an agent was refused and tried again a heartbeat interval (5 s) later.
+        for log in sorted((tmp_path / "state" / "logs").glob("retriever-0*.log")):
+            assert "cannot join Reach" not in log.read_text(), log.read_text()
         async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
             r = await http.post(
                 f"{gateway}/reach/invoke",
