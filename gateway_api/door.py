@@ -174,6 +174,7 @@ class Door:
         now_ms = int(time.time() * 1000)
         await self.limiter.by_rule(request, caller, decision)
         await self.limiter.by_capability(settings, request, caller, call, now_ms)
+        await self.route.ready(request, call)
         key = self.route.key(self.live.routing_for(request.target), request)
         endpoint = self.route.pick(request, call, key, payload_bytes, now_ms)
         inp = invoke_input(

@@ -10,6 +10,10 @@ from reach.messages import InvokeRequest
 from reach.resolve import Resolver
 from reach.routing import hash_key
 
+POLICY_WAIT_S = 0.01
+"""How long the door waits for a policy view to be re-read: no longer than the workflow's own
+routing would take."""
+
 
 class FirstRoute:
     """`calls_here`: this process runs the invoke worker, so an inline call runs here next
@@ -18,6 +22,14 @@ class FirstRoute:
     def __init__(self, resolver: Resolver | None, *, calls_here: bool) -> None:
         self.resolver = resolver
         self.calls_here = calls_here
+
+    async def ready(self, request: InvokeRequest, plan: CallPlan) -> None:
+        """Before `pick`: after a quiet spell the policy view is too old for the door to route
+        on, and waiting for its re-read (one store read, at most `POLICY_WAIT_S`) is cheaper
+        than leaving attempt 1 to the workflow (a gateway called less than once a second
+        routed none of its calls here: +7 ms a call on the bench's box)."""
+        if self.resolver is not None and plan.queue is None:
+            await self.resolver.policy.settle(request.target, POLICY_WAIT_S)
 
     def key(self, routing: RoutingSettings, request: InvokeRequest) -> str | None:
         """What consistent hashing hashes for this request (None: nothing)."""

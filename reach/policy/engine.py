@@ -15,6 +15,7 @@ With `window` > 0 every outcome is recorded (the window needs them all): one rou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -106,6 +107,20 @@ class PolicyEngine:
         if cached is None or age is None or age >= 2 * self._refresh_s:
             return None
         return cached.view
+
+    async def settle(self, capability: str, within_s: float) -> None:
+        """Wait up to `within_s` for a view `recent_view` will use (the door, after a quiet
+        spell longer than twice `refresh_s`: one store read, where leaving the route to the
+        workflow costs a routing step of its own and its store reads). Gives up silently: a
+        slow or absent store leaves the route to the workflow, as before."""
+        if self.recent_view(capability) is not None:
+            return
+        refreshing = self._refreshing.get(capability)
+        if refreshing is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                await asyncio.shield(refreshing)
 
     def held_views(self) -> dict[str, CapabilityView]:
         """capability -> the view this process holds, however old, by name (a copy: for

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,6 +18,8 @@ from reach.config import (
 )
 from reach.invocation import CallPlan
 from reach.policy import GiveUp, Retry, backoff_s, next_step, plan_call, refine_plan
+from reach.policy.engine import PolicyEngine
+from reach.policy.state import MemoryPolicyState
 
 POLICY = PolicySettings(
     operations={
@@ -269,3 +275,32 @@ def test_a_retry_never_waits_past_the_deadline(
         # (4001 / 1000 * 1000 == 4001.0000000000005).
         assert 0 < step.delay_s <= p.backoff_cap_ms / 1000
         assert now_ms + step.delay_s * 1000 < now_ms + left_ms
+
+
+async def test_the_door_waits_for_a_view_gone_stale_in_a_quiet_spell() -> None:
+    """A view older than twice refresh_s is not used to route at the door; `settle` waits for
+    its re-read (started by `recent_view`), so a gateway called less than once a second still
+    routes attempt 1 itself."""
+    now = [100.0]
+    engine = PolicyEngine(
+        PolicySettings(), MemoryPolicyState(), refresh_s=0.5, clock=lambda: now[0]
+    )
+    assert engine.recent_view("cap") is None  # never read
+    await engine.settle("cap", 1.0)
+    assert engine.recent_view("cap") is not None
+    now[0] += 1.5  # a quiet spell
+    assert engine.recent_view("cap") is None
+    await engine.settle("cap", 1.0)
+    assert engine.recent_view("cap") is not None
+
+
+async def test_settling_gives_up_on_a_store_that_does_not_answer() -> None:
+    class Stalled(MemoryPolicyState):
+        async def view(self, capability: str, breaker: Any) -> Any:
+            await asyncio.Event().wait()
+
+    engine = PolicyEngine(PolicySettings(), Stalled(), refresh_s=0.5)
+    started = time.monotonic()
+    await engine.settle("cap", 0.05)
+    assert time.monotonic() - started < 5.0
+    assert engine.recent_view("cap") is None  # left to the workflow, as before
