@@ -8,7 +8,7 @@ package's `__init__`).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import (
@@ -328,7 +328,7 @@ class Declares(Protocol):
     def declared(self) -> Mapping[str, OperationDeclaration]: ...
 
 
-def declared_policy(instances: Sequence[Declares], operation: str) -> OperationDeclaration | None:
+def declared_policy(instances: Iterable[Declares], operation: str) -> OperationDeclaration | None:
     """What the routable instances together declare for `operation` (None: nothing).
 
     Idempotent only if one declares it so and none declares otherwise (an instance silent about

@@ -4,7 +4,6 @@ derived from the last one as a few instances change."""
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import operator
 from collections.abc import Callable, Iterable, Mapping
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reach.registry import HealthStatus, OperationDeclaration, declared_policy
+from reach.registry.rows import ById, Rows
 
 _versions = itertools.count(1)
 
@@ -44,21 +44,23 @@ class CapabilitySnapshot:
 
     A few instances changed since the last one (a status change, a join, a leave): the next
     is derived from it (`changed`) by edits at the changed places, not rebuilt from every
-    instance, so a status change at 10,000 instances costs tens of microseconds, not
-    milliseconds."""
+    instance. Its tiers are `Rows` (`reach.registry.rows`): a derived snapshot copies only
+    the chunks the changes fall in, and routing's flat tuple of a tier is made when a request
+    first reads it, so a status change at 10,000 instances costs tens of microseconds and
+    leaves no 10,000-entry container for the cyclic collector's young passes to walk."""
 
     __slots__ = (
         "_declared",
+        "_degraded",
+        "_entries",
         "_limits",
         "_members",
+        "_ok",
+        "_routable",
         "by_id",
         "cache",
         "capability",
-        "degraded",
-        "entries",
         "limited",
-        "ok",
-        "routable",
         "smallest",
         "version",
     )
@@ -67,28 +69,54 @@ class CapabilitySnapshot:
         # Built whole: each pass is a comprehension or runs in C (10,000 instances ~1 ms).
         self.capability = capability
         self.version = next(_versions)
-        self.entries: tuple[RouteEntry, ...] = tuple(sorted(entries, key=_by_id))
-        self.by_id: dict[str, RouteEntry] = dict(
-            zip(map(_by_id, self.entries), self.entries, strict=True)
-        )
-        self.routable = _same(
-            tuple([e for e in self.entries if e.status != "unhealthy"]), self.entries
-        )
-        self.ok = _same(tuple([e for e in self.routable if e.status == "ok"]), self.routable)
-        self.degraded = tuple([e for e in self.routable if e.status == "degraded"])
-        self.smallest = min(self.routable, key=_by_size) if self.routable else None
+        whole = tuple(sorted(entries, key=_by_id))
+        self._entries = Rows.of(whole)
+        routable = tuple([e for e in whole if e.status != "unhealthy"])
+        self._routable = _same(routable, self._entries)
+        ok = tuple([e for e in routable if e.status == "ok"])
+        self._ok = _same(ok, self._routable)
+        self._degraded = Rows.of(tuple([e for e in routable if e.status == "degraded"]))
+        self.by_id = ById(self._entries)
+        self.smallest = min(routable, key=_by_size) if routable else None
         # Whether an instance declared a max_inflight (routing then reads in-flight counts).
-        self._limits = len(self.routable) - list(map(_inflight_cap, self.routable)).count(None)
+        self._limits = len(routable) - list(map(_inflight_cap, routable)).count(None)
         self.limited = self._limits > 0
         self._members: tuple[tuple[str, int], ...] | None = None
         self._declared: dict[str, OperationDeclaration | None] = {}
         self.cache: dict[str, Any] = {}
 
     @property
+    def entries(self) -> tuple[RouteEntry, ...]:
+        """Every instance, sorted by id."""
+        return self._entries.flat()
+
+    @property
+    def routable(self) -> tuple[RouteEntry, ...]:
+        """The instances not unhealthy, sorted by id."""
+        return self._routable.flat()
+
+    @property
+    def ok(self) -> tuple[RouteEntry, ...]:
+        return self._ok.flat()
+
+    @property
+    def degraded(self) -> tuple[RouteEntry, ...]:
+        return self._degraded.flat()
+
+    @property
+    def size(self) -> int:
+        """How many instances (of every status): `len(entries)` without making the tuple."""
+        return self._entries.size
+
+    @property
+    def routable_size(self) -> int:
+        return self._routable.size
+
+    @property
     def members(self) -> tuple[tuple[str, int], ...]:
         """The routable instances and their weights: what a hash ring is built from."""
         if self._members is None:
-            self._members = tuple((e.instance_id, e.weight) for e in self.routable)
+            self._members = tuple((e.instance_id, e.weight) for e in self._routable)
         return self._members
 
     def changed(self, current: Mapping[str, RouteEntry | None]) -> CapabilitySnapshot:
@@ -97,18 +125,14 @@ class CapabilitySnapshot:
         new = object.__new__(CapabilitySnapshot)
         new.capability = self.capability
         new.version = next(_versions)
-        new.entries = _edited(self.entries, current, _always)
-        new.routable = _tier(self.routable, self.entries, new.entries, current, _routable)
-        new.ok = _tier(self.ok, self.routable, new.routable, current, _ok)
-        new.degraded = _edited(self.degraded, current, _degraded)
-        by_id = dict(self.by_id)
+        new._entries = self._entries.edited(current, _always)
+        new._routable = _tier(self._routable, self._entries, new._entries, current, _routable)
+        new._ok = _tier(self._ok, self._routable, new._routable, current, _ok)
+        new._degraded = self._degraded.edited(current, _degraded)
+        new.by_id = ById(new._entries)
         smallest = self.smallest
         recount = False
         for instance_id, entry in current.items():
-            if entry is None:
-                by_id.pop(instance_id, None)
-            else:
-                by_id[instance_id] = entry
             if smallest is not None and smallest.instance_id == instance_id:
                 recount = True  # the smallest itself changed: look again
             elif (
@@ -122,13 +146,12 @@ class CapabilitySnapshot:
                 )
             ):
                 smallest = entry
-        new.by_id = by_id
         if recount:
-            smallest = min(new.routable, key=_by_size) if new.routable else None
+            smallest = min(new._routable, key=_by_size) if new._routable.size else None
         new.smallest = smallest
         limits = self._limits
         for instance_id, entry in current.items():
-            limits -= _limits(self.by_id.get(instance_id))
+            limits -= _limits(self._entries.find(instance_id))
             limits += _limits(entry)
         new._limits = limits
         new.limited = limits > 0
@@ -142,58 +165,29 @@ class CapabilitySnapshot:
         try:
             return self._declared[operation]
         except KeyError:
-            found = self._declared[operation] = declared_policy(self.routable, operation)
+            found = self._declared[operation] = declared_policy(self._routable, operation)
             return found
 
 
-def _edited(
-    tier: tuple[RouteEntry, ...],
-    current: Mapping[str, RouteEntry | None],
-    belongs: Callable[[RouteEntry], bool],
-) -> tuple[RouteEntry, ...]:
-    """A tier (sorted by id) with the changed instances put in, replaced or taken out."""
-    out: list[RouteEntry] | None = None
-    for instance_id, entry in current.items():
-        held = out if out is not None else tier
-        i = bisect.bisect_left(held, instance_id, key=_by_id)
-        present = i < len(held) and held[i].instance_id == instance_id
-        keep = entry is not None and belongs(entry)
-        if not present and not keep:
-            continue
-        if out is None:
-            out = list(tier)
-        if keep:
-            assert entry is not None
-            if present:
-                out[i] = entry
-            else:
-                out.insert(i, entry)
-        else:
-            del out[i]
-    return tier if out is None else tuple(out)
-
-
-def _same(tier: tuple[RouteEntry, ...], whole: tuple[RouteEntry, ...]) -> tuple[RouteEntry, ...]:
+def _same(tier: tuple[RouteEntry, ...], whole: Rows) -> Rows:
     """`whole` itself when the tier (a part of it, in its order) holds all of it: in the usual
-    case (every instance ok) one tuple serves as entries, routable and ok. Each tuple of
-    10,000 entries is walked by every collection of the cyclic collector while it is young,
-    and a snapshot is made at each status change, so three of them were most of what the
-    collector's young passes walked."""
-    return whole if len(tier) == len(whole) else tier
+    case (every instance ok) one set of rows serves as entries, routable and ok."""
+    return whole if len(tier) == whole.size else Rows.of(tier)
 
 
 def _tier(
-    tier: tuple[RouteEntry, ...],
-    whole: tuple[RouteEntry, ...],
-    new_whole: tuple[RouteEntry, ...],
+    tier: Rows,
+    whole: Rows,
+    new_whole: Rows,
     current: Mapping[str, RouteEntry | None],
     belongs: Callable[[RouteEntry], bool],
-) -> tuple[RouteEntry, ...]:
-    """`_edited` for a tier of `whole` (now `new_whole`): the new whole itself when the tier was
-    all of it and every changed instance still belongs (or is gone), else edited."""
+) -> Rows:
+    """`Rows.edited` for a tier of `whole` (now `new_whole`): the new whole itself when the
+    tier was all of it and every changed instance still belongs (or is gone), else edited."""
     if tier is whole and all(e is None or belongs(e) for e in current.values()):
         return new_whole
-    return _same(_edited(tier, current, belongs), new_whole)
+    edited = tier.edited(current, belongs)
+    return new_whole if edited.size == new_whole.size else edited
 
 
 def _limits(entry: RouteEntry | None) -> int:

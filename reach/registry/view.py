@@ -204,7 +204,7 @@ class RegistryView:
         base = self._bases.get(capability)
         if base is not None:
             base[1].add(instance_id)
-            if len(base[1]) > max(BASE_EDITS, len(base[0].entries) // 8):
+            if len(base[1]) > max(BASE_EDITS, base[0].size // 8):
                 del self._bases[capability]  # so many changed: built again whole
 
     async def reload(self, capability: str) -> CapabilitySnapshot | None:

@@ -223,7 +223,7 @@ class Router:
             loads=loads if strategy.uses_loads else _NO_LOADS,
             latency=self.inflight.latency(capability) if strategy.uses_loads else None,
         )
-        if ctx.latency is not None and len(ctx.latency) > 2 * len(snapshot.entries) + 16:
+        if ctx.latency is not None and len(ctx.latency) > 2 * snapshot.size + 16:
             ctx.latency.forget(snapshot.by_id)  # instances that left are not remembered
         for avoid in levels:
             ctx.blocked = _Blocked(avoid, full)
@@ -248,19 +248,22 @@ class Router:
         if full.met:
             raise NoInstance(
                 f"every routable instance of capability {capability!r} is at its max_inflight "
-                f"({len(full.met)} of {len(snapshot.routable)}); try again when they drain",
+                f"({len(full.met)} of {snapshot.routable_size}); try again when they drain",
                 retry_after_s=1,
             )
         raise NoInstance(f"capability {capability!r} has no healthy instance")
 
     @staticmethod
     def _limits(cap: _Capability, snapshot: CapabilitySnapshot) -> Mapping[str, int]:
-        """The instances that declared a max_inflight of their own, with it (per snapshot)."""
+        """The routable instances that declared a max_inflight of their own, with it (per
+        snapshot; only routable ones are picked, and most snapshots have none to look for)."""
         found = snapshot.cache.get("router:limits")
         if found is None:
-            found = snapshot.cache["router:limits"] = {
-                e.instance_id: e.max_inflight for e in snapshot.entries if e.max_inflight
-            }
+            found = snapshot.cache["router:limits"] = (
+                {e.instance_id: e.max_inflight for e in snapshot.routable if e.max_inflight}
+                if snapshot.limited
+                else {}
+            )
         assert isinstance(found, dict)
         return found
 

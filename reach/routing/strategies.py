@@ -286,7 +286,7 @@ class ConsistentHash(Strategy):
         loads, blocked = ctx.loads, ctx.blocked
         # Bounded load: at most balance_factor x the mean, this request included.
         factor = self.settings.balance_factor or 1.25
-        capacity = max(1, math.ceil(factor * (loads.total + 1) / len(snapshot.routable)))
+        capacity = max(1, math.ceil(factor * (loads.total + 1) / snapshot.routable_size))
         ring = self.ring(snapshot)
         if ring is None:  # the first ring of a large capability is being built
             return self._meanwhile.pick(snapshot, tier, ctx)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reach.config import RegistrySettings
-from reach.registry import HealthReport, JoinRequest, Registry
+from reach.registry import HealthReport, JoinRequest, Registry, rows
 from reach.registry.view import CapabilitySnapshot, RegistryView, RouteEntry
 from reach.store import MemoryStore
 
@@ -57,29 +58,66 @@ one_entry = st.builds(
 
 @settings(max_examples=300, deadline=None)
 @given(
+    st.sampled_from([2, 4, 8, rows.CHUNK]),
     st.lists(one_entry, max_size=30),
-    st.lists(st.tuples(st.integers(0, 40), st.one_of(st.none(), one_entry)), max_size=8),
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 40), st.one_of(st.none(), one_entry)), max_size=8),
+        max_size=4,
+    ),
 )
-def test_a_derived_snapshot_equals_one_built_whole(
-    start: list[RouteEntry], edits: list[tuple[int, RouteEntry | None]]
+def test_derived_snapshots_equal_ones_built_whole(
+    chunk: int, start: list[RouteEntry], rounds: list[list[tuple[int, RouteEntry | None]]]
 ) -> None:
-    members = {e.instance_id: e for e in start}
-    before = CapabilitySnapshot("cap", members.values())
-    changed: dict[str, RouteEntry | None] = {}
-    for i, new in edits:
-        instance_id = new.instance_id if new is not None else f"i{i:03d}"
-        if new is None:
-            members.pop(instance_id, None)
-        else:
-            members[instance_id] = new
-        changed[instance_id] = members.get(instance_id)
-    derived = before.changed(changed)
-    assert picture(derived) == picture(CapabilitySnapshot("cap", members.values()))
-    assert derived.version != before.version
-    assert derived.cache == {}
-    assert picture(before) == picture(
-        CapabilitySnapshot("cap", {e.instance_id: e for e in start}.values())
-    )
+    # Small chunks: edits split and merge them, and land at their edges.
+    with mock.patch.object(rows, "CHUNK", chunk):
+        members = {e.instance_id: e for e in start}
+        first = before = CapabilitySnapshot("cap", members.values())
+        for edits in rounds:  # each derived from the last derived one
+            changed: dict[str, RouteEntry | None] = {}
+            for i, new in edits:
+                instance_id = new.instance_id if new is not None else f"i{i:03d}"
+                if new is None:
+                    members.pop(instance_id, None)
+                else:
+                    members[instance_id] = new
+                changed[instance_id] = members.get(instance_id)
+            derived = before.changed(changed)
+            assert picture(derived) == picture(CapabilitySnapshot("cap", members.values()))
+            assert derived.version != before.version
+            assert derived.cache == {}
+            for i in range(42):
+                instance_id = f"i{i:03d}"
+                assert derived.by_id.get(instance_id) == members.get(instance_id)
+                assert (instance_id in derived.by_id) == (instance_id in members)
+            before = derived
+        assert picture(first) == picture(
+            CapabilitySnapshot("cap", {e.instance_id: e for e in start}.values())
+        )
+
+
+def test_a_status_change_copies_the_chunk_it_falls_in_not_the_capability() -> None:
+    # What a young pass of the cyclic collector walks: a derived snapshot's new containers.
+    n = 10_000
+    whole = CapabilitySnapshot("cap", [entry(i) for i in range(n)])
+    degraded = whole.changed({"i5000": entry(5000, "degraded")})
+    shared = 0
+    for tier in ("_entries", "_routable", "_ok"):
+        before, after = getattr(whole, tier), getattr(degraded, tier)
+        assert len(after.chunks) <= 4 * n // rows.CHUNK + 1
+        old = {id(c) for c in before.chunks}
+        new = [c for c in after.chunks if id(c) not in old]
+        assert sum(map(len, new)) <= 2 * rows.CHUNK
+        shared += len(after.chunks) - len(new)
+    assert shared >= 3 * (n // rows.CHUNK - 1)
+    assert degraded._routable is degraded._entries
+    assert len(degraded.ok) == n - 1
+    assert [e.instance_id for e in degraded.degraded] == ["i5000"]
+    assert degraded.by_id["i5000"].status == "degraded"
+    assert whole.by_id["i5000"].status == "ok"
+    # The sets routing takes away from its candidates (`Router.route`).
+    assert {"i5000", "nobody"} & degraded.by_id.keys() == {"i5000"}
+    assert len(degraded.by_id) == n
+    assert list(degraded.by_id)[:2] == ["i000", "i001"]
 
 
 def test_tiers_that_hold_every_instance_are_the_entries_tuple_itself() -> None:
