@@ -14,6 +14,7 @@ import asyncio
 import math
 import random
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
@@ -215,7 +216,8 @@ class ConsistentHash(Strategy):
         super().__init__(settings)
         self._ring: HashRing | None = None
         self._members: tuple[tuple[str, int], ...] = ()
-        self._building: tuple[tuple[tuple[str, int], ...], asyncio.Future[HashRing]] | None = None
+        self._building: tuple[tuple[tuple[str, int], ...], asyncio.Future[None]] | None = None
+        self._built: HashRing | None = None  # what the thread building a ring handed over
         self._meanwhile = RoundRobin(settings)
 
     def ring(self, snapshot: CapabilitySnapshot) -> HashRing | None:
@@ -255,16 +257,18 @@ class ConsistentHash(Strategy):
                 # A build for older members is still running; this one starts after it.
                 snapshot.cache["ch:waiting"] = building[1]
                 return self._ring
+            self._built = None  # an older build's ring, never installed
             building = self._building = (
                 members,
-                loop.run_in_executor(None, HashRing, dict(members), vnodes),
+                loop.run_in_executor(None, _build_ring, weakref.ref(self), dict(members), vnodes),
             )
         future = building[1]
         snapshot.cache["ch:waiting"] = future
         if future.done():
             self._building = None  # a failed build is tried again at the next pick
-            if future.exception() is None:
-                return self._use(snapshot, members, future.result())
+            built, self._built = self._built, None
+            if future.exception() is None and built is not None:
+                return self._use(snapshot, members, built)
         return self._ring
 
     def _use(
@@ -299,6 +303,16 @@ class ConsistentHash(Strategy):
                 return entry
             first = first or entry
         return first
+
+
+def _build_ring(owner: weakref.ref[ConsistentHash], weights: dict[str, int], vnodes: int) -> None:
+    """In a thread: build a ring and hand it to its strategy if that is still there. Not
+    returned: the future would hold it until the event loop next ran, whether or not its router
+    was still there (a 10,000-instance ring, ~1.8 MB, outlived the router that asked for it)."""
+    ring = HashRing(weights, vnodes)
+    strategy = owner()
+    if strategy is not None:
+        strategy._built = ring
 
 
 BUILT_IN: dict[str, type[Strategy]] = {
