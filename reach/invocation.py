@@ -138,6 +138,11 @@ class Endpoint(BaseModel):
     bypassed: list[str] = Field(
         default_factory=list, description="instances passed over at their max_inflight"
     )
+    pinned_before: bool = Field(
+        default=False,
+        description="Another run had pinned this attempt first: a lost workflow task's, which "
+        "may have sent it.",
+    )
 
 
 class InvokeInput(BaseModel):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 
 from reach.errors import (
     CircuitOpen,
@@ -181,13 +182,16 @@ class Resolver:
         if self.router.reads_loads(snap):
             await self.router.inflight.fresh(inp.capability)
         route, chosen, declared = self._choose(inp, snap, view, reserve=reserve)
+        before = False
         if pin:
             # Unsettled by configuration and key: movable if the agents declare it idempotent.
             movable = (
                 inp.movable if inp.movable is not None else bool(declared and declared.idempotent)
             )
-            chosen = await self._pinned(inp, chosen, snap, movable)
-        return self._endpoint(inp, snap, route, chosen, declared, admission, door=False)
+            chosen, before = await self._pinned(inp, chosen, snap, movable)
+        endpoint = self._endpoint(inp, snap, route, chosen, declared, admission, door=False)
+        endpoint.pinned_before = before
+        return endpoint
 
     def _choose(
         self, inp: ResolveInput, snap: CapabilitySnapshot, view: CapabilityView, *, reserve: bool
@@ -255,17 +259,22 @@ class Resolver:
         chosen: RouteEntry,
         snap: CapabilitySnapshot,
         movable: bool,
-    ) -> RouteEntry:
+    ) -> tuple[RouteEntry, bool]:
         """A re-run of the same attempt (a crashed gateway's workflow task, run again) goes
         back to the instance that got it first while it is alive: that instance answers a
         re-delivered RequestID from its memory instead of running it a second time. The
-        workflow names that instance itself (`inp.pin`) when the door chose it."""
+        workflow names that instance itself (`inp.pin`) when the door chose it. Also whether
+        another run pinned it first (each claim carries a token of its own): that run was
+        lost, and may have sent it."""
         ttl_s = max(1.0, (inp.deadline_ms - time.time() * 1000) / 1000) + PIN_MARGIN_S
         key = pin_key(inp.request_id, inp.attempt)
         # The join time tells a restarted process (same instance id, empty memory) apart.
-        held = await self.policy.state.claim(key, inp.pin or _pin(chosen), ttl_s)
+        mine = f"{inp.pin or _pin(chosen)} {uuid.uuid4().hex[:16]}"
+        held = await self.policy.state.claim(key, mine, ttl_s)
+        before = held != mine
+        held = " ".join(held.split(" ")[:2])  # without its claim's token (none before them)
         if held == _pin(chosen):
-            return chosen
+            return chosen, before
         owner = held.partition(" ")[0]
         first = snap.by_id.get(owner)
         if first is not None and first.routable and _pin(first) == held:
@@ -275,9 +284,9 @@ class Resolver:
                 inp.attempt,
                 owner,
             )
-            return first
+            return first, before
         if movable:
-            return chosen
+            return chosen, before
         # Not idempotent, no key, and the instance that got it is gone (or restarted): sending
         # it elsewhere could run it twice. Say what is known instead.
         raise _lost(owner)

@@ -63,6 +63,7 @@ with workflow.unsafe.imports_passed_through():
         timed_out,
     )
     from workflows._failures import (
+        FIRST_TASK_EVENTS,
         KEY_IT,
         ONE_ATTEMPT,
         SAFE_AGAIN,
@@ -99,10 +100,6 @@ PATCHES: dict[Rule, str] = {
     NOT_SENT: PATCH_NOT_SENT,
     LOST_RUN: PATCH_LOST_RUN,
 }
-# A workflow's history when its first task runs: started, task scheduled, task started. More
-# means an earlier task ran (and may have sent the call) and was lost with its worker.
-FIRST_TASK_EVENTS = 3
-
 # How the log names each step that waits (operators and tests read "retrying in").
 DOING = {Retry: "retrying", Redeliver: "re-delivering", WaitForStore: "waiting for the store"}
 
@@ -129,6 +126,7 @@ class AttemptLoop(TaskFollowing):
         self._door_used = False  # whether the call to the instance chosen at the door began
         self._slept = False  # whether this request has waited on a durable timer
         self._history_at_attempt = 0  # the history's length when the current attempt began
+        self._pinned_before = False  # resolve found this attempt pinned by another (lost) run
         self._calling: str | None = None  # the instance the current attempt's call went to
         self._cancel_said: str | None = None  # set when a cancel asked an agent's task to stop
 
@@ -177,9 +175,9 @@ class AttemptLoop(TaskFollowing):
     def _lost_before(self) -> bool:
         """Whether an earlier workflow task ran this attempt and was lost (its worker was
         killed, or Temporal away timed it out): its call, a local activity, may have been
-        sent and never reported. Told for attempt 1 in the request's first task, which had
-        no timer before it: the history then holds more than a first task's events."""
-        return (
+        sent and never reported. Told by resolve (`Endpoint.pinned_before`), and for attempt
+        1 in the request's first task: the history then holds more than a first task's."""
+        return self._pinned_before or (
             self._tries.number == 1
             and self._tries.redeliveries == 0
             and not self._slept
@@ -278,6 +276,7 @@ class AttemptLoop(TaskFollowing):
         breaker: str | None = None
         self._in_flight = False
         self._history_at_attempt = workflow.info().get_current_history_length()
+        self._pinned_before = False
         try:
             if door is not None:
                 endpoint = door
@@ -300,7 +299,7 @@ class AttemptLoop(TaskFollowing):
                     Endpoint,
                     None,
                 )
-            instance_id = endpoint.instance_id
+            instance_id, self._pinned_before = endpoint.instance_id, endpoint.pinned_before
             self._sent_to[instance_id] = endpoint.principal
             breaker = endpoint.breaker
             self._plan, self._deadline_ms = refine_plan(

@@ -30,6 +30,9 @@ with workflow.unsafe.imports_passed_through():
     from reach.policy import Attempts, Failure
 
 ONE_ATTEMPT = RetryPolicy(maximum_attempts=1)
+# A workflow's history when its first task runs: started, task scheduled, task started. More
+# means an earlier task ran (and may have sent the call) and was lost with its worker.
+FIRST_TASK_EVENTS = 3
 # Store steps (claims, tokens, a pin read) are quick; this bounds one that is not.
 STORE_STEP = timedelta(seconds=10)
 # Requests accepted before a lost task's attempt was named ended without reading its pin; those
