@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from reach.config import PolicySettings, RateLimitSettings
 from reach.errors import ReachError, Unavailable
 from reach.invocation import BucketPlan
-from reach.policy.breaker import quorum
+from reach.policy.breaker import quorum, serving
 from reach.policy.state import Admission, Bucket, CapabilityView, PolicyState
 
 log = logging.getLogger("reach.policy")
@@ -182,9 +182,10 @@ class PolicyEngine:
                 return  # nothing to reset: the common case costs no round trip
         ejected = self.ejected(capability, cached.view) if cached is not None else set()
         need = quorum(instance_id, routable, ejected)
+        serves = serving(routable, ejected)  # only theirs make the quorum (reach.policy.breaker)
         try:
             view = await self.state.record(
-                capability, instance_id, ok, breaker, outlier, probe, quorum=need
+                capability, instance_id, ok, breaker, outlier, probe, quorum=need, serving=serves
             )
         except Unavailable as exc:
             log.warning("could not record an outcome for %s: %s", capability, exc)

@@ -1,12 +1,14 @@
-"""The Redis policy state: each method is one Lua script, atomic for every gateway and worker.
+"""The Redis policy state: each method is one Lua script, atomic for every gateway and worker
+(`record` two, the second only when a failure would open the breaker: `reach.policy.breaker`).
 
 Key layout under `<prefix>:pol:` (every key has a TTL, so nothing outlives its use):
 
 - `brk:<capability>` a hash, absent while closed and clean: `until` (ms; present = open, or
   half-open once passed), `fail` (consecutive failures), `win` (the last `window` outcomes,
   oldest first, "1" a failure), `who` (who failed, space-separated: the run's instances, or
-  one per failure in the window), `slots` (half-open probe leases' ends, ms, space-separated),
-  `ok` (probes that succeeded). TTL `open_duration_ms` + 6 h from the last write.
+  one per failure in the window, `-` for one of an instance routing no longer serves from),
+  `slots` (half-open probe leases' ends, ms, space-separated), `ok` (probes that succeeded).
+  TTL `open_duration_ms` + 6 h from the last write.
 - `out:<capability>` a hash, instance id -> "run ejections ejected_until forget_at" (ms); an
   entry past `forget_at` is dropped when met. TTL `max_ejection_ms` + 5 min.
 - `tb:<key>` a hash: `tok`, `ts` (ms), `rate` (tokens a ms), `cap`; it expires when it would be
@@ -22,12 +24,13 @@ both harmless at that rate.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, cast
 
 from redis.commands.core import AsyncScript
 
 from reach.config import CircuitBreakerSettings, OutlierSettings
+from reach.policy.breaker import departed
 from reach.policy.state import (
     Admission,
     BreakerStatus,
@@ -79,6 +82,18 @@ local function outlier_view(key, now)
   end
   return {ejected, failing}
 end
+local function distinct(ids)
+  local seen, n = {}, 0
+  for _, id in ipairs(ids) do
+    if id ~= '-' and not seen[id] then seen[id], n = true, n + 1 end
+  end
+  return n
+end
+local function split(s)
+  local ids = {}
+  for id in string.gmatch(s or '', '%S+') do table.insert(ids, id) end
+  return ids
+end
 local function live_slots(slots, now)
   local live = {}
   for s in string.gmatch(slots or '', '%d+') do
@@ -126,8 +141,10 @@ return {'half_open', 0, 0, math.max(1, live[1] - now)}
 # KEYS: breaker, outliers. ARGV: 1 breaker enabled, 2 error threshold, 3 window, 4 open ms,
 # 5 half-open probes, 6 breaker TTL ms, 7 instance, 8 ok, 9 probe, 10 outlier enabled,
 # 11 consecutive failures, 12 base ejection ms, 13 max ejection ms, 14 forget ms,
-# 15 quorum (distinct failing instances that open it; 0: the breaker ignores this outcome).
-# Returns what _VIEW does, afterwards.
+# 15 quorum (distinct failing instances that open it; 0: the breaker ignores this outcome),
+# 16 serving given (1: the caller knows who routing serves from, so a count that would open it
+# is not decided here: reach.policy.breaker's step 3).
+# Returns what _VIEW does, afterwards, and `who` ({} unless step 3 is due: then _SETTLE).
 _RECORD = (
     _HELPERS
     + """
@@ -135,14 +152,9 @@ local now = now_ms()
 local ok, probe = ARGV[8] == '1', ARGV[9] == '1'
 local threshold, window = tonumber(ARGV[2]), tonumber(ARGV[3])
 local quorum, instance = tonumber(ARGV[15]), ARGV[7]
+local settle = ARGV[16] == '1'
 local brk, out = KEYS[1], KEYS[2]
-local function distinct(ids)
-  local seen, n = {}, 0
-  for _, id in ipairs(ids) do
-    if not seen[id] then seen[id], n = true, n + 1 end
-  end
-  return n
-end
+local check = {}
 local function open()
   redis.call('DEL', brk)
   redis.call('HSET', brk, 'until', now + tonumber(ARGV[4]))
@@ -154,8 +166,7 @@ local function save(...)
 end
 if ARGV[1] == '1' and quorum ~= 0 then
   local v = redis.call('HMGET', brk, 'until', 'fail', 'win', 'slots', 'ok', 'who')
-  local who = {}
-  for id in string.gmatch(v[6] or '', '%S+') do table.insert(who, id) end
+  local who = split(v[6])
   local opened_until = tonumber(v[1])
   if opened_until then
     if now >= opened_until then
@@ -182,10 +193,11 @@ if ARGV[1] == '1' and quorum ~= 0 then
         if id == instance then known = true end
       end
       if not known then table.insert(who, instance) end
-      if fail + 1 >= threshold and distinct(who) >= quorum then
+      if fail + 1 >= threshold and distinct(who) >= quorum and not settle then
         open()
       else
         save('fail', fail + 1, 'who', table.concat(who, ' '))
+        if fail + 1 >= threshold and distinct(who) >= quorum then check = who end
       end
     end
   else
@@ -194,10 +206,11 @@ if ARGV[1] == '1' and quorum ~= 0 then
     if not ok then table.insert(who, instance) end
     local kept = {}
     for i = math.max(1, #who - failures + 1), #who do table.insert(kept, who[i]) end
-    if failures >= threshold and distinct(kept) >= quorum then
+    if failures >= threshold and distinct(kept) >= quorum and not settle then
       open()
     else
       save('win', win, 'who', table.concat(kept, ' '))
+      if failures >= threshold and distinct(kept) >= quorum then check = kept end
     end
   end
 end
@@ -227,6 +240,47 @@ if ARGV[10] == '1' then
 end
 local b = breaker_view(brk, now, tonumber(ARGV[1]), window)
 local o = outlier_view(out, now)
+return {b[1], b[2], b[3], o[1], o[2], check}
+"""
+)
+
+# reach.policy.breaker's step 3, after _RECORD returned `who`: the ids given, of instances
+# routing no longer serves from, leave `who` (in a window each becomes '-'), and the breaker
+# opens if the count still makes it. Nothing, if it is no longer closed.
+# KEYS: breaker, outliers. ARGV: 1 error threshold, 2 window, 3 open ms, 4 breaker TTL ms,
+# 5 quorum, 6... the departed ids. Returns what _VIEW does, afterwards.
+_SETTLE = (
+    _HELPERS
+    + """
+local now = now_ms()
+local threshold, window, quorum = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[5])
+local brk = KEYS[1]
+local gone = {}
+for i = 6, #ARGV do gone[ARGV[i]] = true end
+local v = redis.call('HMGET', brk, 'until', 'fail', 'win', 'who')
+if not v[1] and (v[2] or v[3]) then
+  local failures, kept = tonumber(v[2]) or 0, {}
+  if window > 0 then
+    local _, n = string.gsub(string.sub(v[3] or '', -window), '1', '')
+    failures = n
+  end
+  for _, id in ipairs(split(v[4])) do
+    if not gone[id] then
+      table.insert(kept, id)
+    elseif window > 0 then
+      table.insert(kept, '-')
+    end
+  end
+  if failures >= threshold and distinct(kept) >= quorum then
+    redis.call('DEL', brk)
+    redis.call('HSET', brk, 'until', now + tonumber(ARGV[3]))
+  else
+    redis.call('HSET', brk, 'who', table.concat(kept, ' '))
+  end
+  redis.call('PEXPIRE', brk, ARGV[4])
+end
+local b = breaker_view(brk, now, 1, window)
+local o = outlier_view(KEYS[2], now)
 return {b[1], b[2], b[3], o[1], o[2]}
 """
 )
@@ -290,7 +344,7 @@ return 0
 
 
 def _view(reply: list[Any]) -> CapabilityView:
-    status, failures, retry_ms, ejected, failing = reply
+    status, failures, retry_ms, ejected, failing = reply[:5]
     return CapabilityView(
         breaker=BreakerView(cast(BreakerStatus, status), int(failures), int(retry_ms) / 1000),
         ejected={ejected[i]: int(ejected[i + 1]) / 1000 for i in range(0, len(ejected), 2)},
@@ -308,6 +362,7 @@ class RedisPolicyState(PolicyState):
         self._view = client.register_script(_VIEW)
         self._admit = client.register_script(_ADMIT)
         self._record = client.register_script(_RECORD)
+        self._settle = client.register_script(_SETTLE)
         self._take = client.register_script(_TAKE)
         self._buckets = client.register_script(_BUCKETS)
         self._claim = client.register_script(_CLAIM)
@@ -342,6 +397,7 @@ class RedisPolicyState(PolicyState):
         outlier: OutlierSettings,
         probe: bool = False,
         quorum: int = 1,
+        serving: Collection[str] = (),
     ) -> CapabilityView:
         keys = [self._k("brk", capability), self._k("out", capability)]
         args = [
@@ -360,8 +416,22 @@ class RedisPolicyState(PolicyState):
             outlier.max_ejection_ms,
             outlier_forget_ms(outlier),
             quorum,
+            int(bool(serving)),
         ]
-        return _view(await self._run(self._record, keys, args))
+        reply = await self._run(self._record, keys, args)
+        who = reply[5]
+        if who:  # the count would open it: step 3 (reach.policy.breaker), the rare case
+            gone = departed(who, serving)
+            args = [
+                breaker.error_threshold,
+                breaker.window,
+                breaker.open_duration_ms,
+                breaker_ttl_ms(breaker),
+                quorum,
+                *gone,
+            ]
+            reply = await self._run(self._settle, keys, args)
+        return _view(reply)
 
     async def take(self, buckets: Sequence[Bucket]) -> float:
         if not buckets:

@@ -2,11 +2,12 @@
 
 One interface, two backends, like `reach.store`: `MemoryPolicyState` for one process and
 `RedisPolicyState` for every gateway and worker of a deployment (each step one Lua script, so
-it is atomic across processes and costs one round trip). Times are the store's own clock
-(Redis `TIME`), so processes whose clocks disagree still agree on a breaker.
+it is atomic across processes and costs one round trip; a breaker about to open, two). Times
+are the store's own clock (Redis `TIME`), so processes whose clocks disagree still agree on a
+breaker.
 
 - *Breaker* (per capability): `closed` → (failures reach the threshold, from most of the
-  instances routing serves from: `reach.policy.breaker`) → `open` until
+  instances routing serves from now: `reach.policy.breaker`) → `open` until
   `open_duration_ms` has passed → `half_open`: up to `half_open_probes` requests are admitted as
   probes (a probe slot not reported within `open_duration_ms` is free again); every probe
   succeeding closes it, any failure re-opens it.
@@ -24,12 +25,12 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from reach.config import CircuitBreakerSettings, OutlierSettings
-from reach.policy.breaker import IGNORED, trips
+from reach.policy.breaker import GONE, IGNORED, departed, trips
 
 if TYPE_CHECKING:
     from reach.store import Store
@@ -89,10 +90,13 @@ class PolicyState(ABC):
         outlier: OutlierSettings,
         probe: bool = False,
         quorum: int = 1,
+        serving: Collection[str] = (),
     ) -> CapabilityView:
         """Count one attempt's outcome for the breaker and the instance; returns the new view.
         `quorum` (`reach.policy.breaker.quorum`): the distinct instances whose failures open
-        the breaker; `IGNORED` (0): the breaker does not count this outcome."""
+        the breaker; `IGNORED` (0): the breaker does not count this outcome. `serving`
+        (`reach.policy.breaker.serving`): the instances routing serves from now; only their
+        failures make the quorum (none given: everyone's)."""
 
     @abstractmethod
     async def take(self, buckets: Sequence[Bucket]) -> float:
@@ -272,10 +276,11 @@ class MemoryPolicyState(PolicyState):
         outlier: OutlierSettings,
         probe: bool = False,
         quorum: int = 1,
+        serving: Collection[str] = (),
     ) -> CapabilityView:
         now = self._clock()
         if breaker.enabled and quorum != IGNORED:
-            self._record_breaker(capability, instance_id, ok, probe, breaker, now, quorum)
+            self._record_breaker(capability, instance_id, ok, probe, breaker, now, quorum, serving)
         if outlier.enabled:
             self._record_outlier(capability, instance_id, ok, outlier, now)
         return self._view(capability, breaker, now)
@@ -289,6 +294,7 @@ class MemoryPolicyState(PolicyState):
         breaker: CircuitBreakerSettings,
         now: float,
         quorum: int,
+        serving: Collection[str],
     ) -> None:
         expires = now + breaker_ttl_ms(breaker) / 1000
         state = self._breaker(capability, now)
@@ -323,8 +329,16 @@ class MemoryPolicyState(PolicyState):
             if instance_id not in state.who:
                 state.who = (*state.who, instance_id)
         if trips(failures, state.who, breaker.error_threshold, quorum):
-            self._open(capability, breaker, now)
-            return
+            # Would open: only the failures of instances routing serves from now make the
+            # quorum; the others' are dropped from `who` for good (reach.policy.breaker).
+            gone = departed(state.who, serving)
+            if breaker.window:
+                state.who = tuple(GONE if i in gone else i for i in state.who)
+            else:
+                state.who = tuple(i for i in state.who if i not in gone)
+            if trips(failures, state.who, breaker.error_threshold, quorum):
+                self._open(capability, breaker, now)
+                return
         state.expires = expires
         self._breakers[capability] = state
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from reach.config import CircuitBreakerSettings, OutlierSettings
@@ -357,24 +357,43 @@ quorum_breakers = st.builds(
 @given(
     breaker=quorum_breakers,
     ops=st.lists(
-        st.tuples(st.sampled_from("abc"), st.booleans(), st.sampled_from([IGNORED, 1, 2, 3])),
+        st.tuples(
+            st.sampled_from("abc"),
+            st.booleans(),
+            st.sampled_from([IGNORED, 1, 2, 3]),
+            # Who routing serves from then ("": it could not say): the others' failures leave
+            # the quorum (reach.policy.breaker).
+            st.sampled_from(["", "abc", "ab", "bc", "ac", "a"]),
+        ),
         max_size=25,
     ),
+)
+# One agent ("a") fails 3 times, leaves and comes back as "c", which fails, then a peer fails:
+# closed, closed, open (tests/unit/test_policy_state.py), in Lua too (its second script).
+@example(
+    breaker=CircuitBreakerSettings(error_threshold=3, window=0, open_duration_ms=LONG),
+    ops=[("a", False, 2, "abc")] * 3 + [("c", False, 2, "bc"), ("b", False, 2, "bc")],
+)
+@example(
+    breaker=CircuitBreakerSettings(error_threshold=3, window=5, open_duration_ms=LONG),
+    ops=[("a", False, 2, "abc")] * 3 + [("c", False, 2, "bc"), ("b", False, 2, "bc")],
 )
 async def test_both_backends_count_the_breaker_s_quorum_alike(
     redis_url: str,
     redis_prefix: str,
     breaker: CircuitBreakerSettings,
-    ops: list[tuple[str, bool, int]],
+    ops: list[tuple[str, bool, int, str]],
 ) -> None:
     memory = MemoryPolicyState()
     store = RedisStore.from_url(redis_url, prefix=f"{redis_prefix}:{uuid.uuid4().hex[:8]}")
     redis = create_policy_state(store)
     outlier = OutlierSettings(consecutive_failures=2, base_ejection_ms=LONG, max_ejection_ms=LONG)
     try:
-        for instance, ok, need in ops:
+        for instance, ok, need, serves in ops:
             views = [
-                await s.record("cap", instance, ok, breaker, outlier, quorum=need)
+                await s.record(
+                    "cap", instance, ok, breaker, outlier, quorum=need, serving=list(serves)
+                )
                 for s in (memory, redis)
             ]
             mem, red = ((v.breaker.status, v.breaker.failures, v.failing) for v in views)

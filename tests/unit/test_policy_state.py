@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reach.config import CircuitBreakerSettings, OutlierSettings
-from reach.policy.breaker import IGNORED, quorum, serving, trips
+from reach.policy.breaker import GONE, IGNORED, departed, quorum, serving, trips
 from reach.policy.state import (
     Admission,
     BreakerView,
@@ -321,6 +321,40 @@ async def test_a_lone_instance_opens_it_as_before(state: MemoryPolicyState) -> N
     assert view.breaker.status == "open"
 
 
+def test_failures_of_instances_routing_no_longer_serves_from_leave_the_quorum() -> None:
+    # f-00 failed 3 times (ejected), left, and came back under a fresh id, f-03, which fails.
+    serves = serving(["f-01", "f-02", "f-03"], ejected=[])
+    need = quorum("f-03", ["f-01", "f-02", "f-03"], ejected=[])
+    who = ["f-00", "f-03"]
+    assert trips(4, who, 3, need)  # the count alone: two instances' of three
+    assert departed(who, serves) == ["f-00"]
+    assert not trips(4, ["f-03"], 3, need)  # one agent's: the breaker stays closed
+    assert trips(5, ["f-03", "f-01"], 3, need)  # a second one serving fails: it opens
+    assert departed(["b", "x", "b", "a", GONE], ["b"]) == ["a", "x"]
+    assert departed(who, []) == []  # routing could not say: everyone's failures count
+    # In a window a departed instance's failure stays a failure, nobody's.
+    assert trips(3, [GONE, GONE, "a"], 3, 1)
+    assert not trips(3, [GONE, GONE, "a"], 3, 2)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+async def test_one_agent_restarted_under_a_fresh_id_does_not_open_it(
+    state: MemoryPolicyState, window: int
+) -> None:
+    breaker = CircuitBreakerSettings(error_threshold=3, window=window, open_duration_ms=10_000)
+    before, after = ["f-00", "f-01", "f-02"], ["f-01", "f-02", "f-03"]
+    for _ in range(3):
+        view = await state.record(
+            "cap", "f-00", False, breaker, NO_OUTLIER, quorum=2, serving=before
+        )
+    assert view.breaker == BreakerView("closed", 3)
+    view = await state.record("cap", "f-03", False, breaker, NO_OUTLIER, quorum=2, serving=after)
+    assert view.breaker == BreakerView("closed", 4)
+    # f-00's failures still count toward the threshold; a second instance serving fails: open.
+    view = await state.record("cap", "f-01", False, breaker, NO_OUTLIER, quorum=2, serving=after)
+    assert view.breaker.status == "open"
+
+
 @given(
     routable=st.lists(st.sampled_from("abcdef"), unique=True, max_size=6),
     ejected=st.lists(st.sampled_from("abcdef"), unique=True, max_size=6),
@@ -343,22 +377,28 @@ def test_the_breaker_needs_most_of_the_instances_routing_serves_from(
 
 @settings(max_examples=200)
 @given(
-    outcomes=st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), max_size=40),
+    outcomes=st.lists(
+        st.tuples(st.sampled_from("abc"), st.booleans(), st.sampled_from(["", "abc", "ab", "bc"])),
+        max_size=40,
+    ),
     window=st.sampled_from([0, 3, 6]),
     need=st.integers(0, 3),
 )
 async def test_an_open_breaker_always_had_failures_from_enough_instances(
-    outcomes: list[tuple[str, bool]], window: int, need: int
+    outcomes: list[tuple[str, bool, str]], window: int, need: int
 ) -> None:
     state = MemoryPolicyState(Clock())
     breaker = CircuitBreakerSettings(error_threshold=min(3, window or 3), window=window)
     failed: list[str] = []
-    for instance, ok in outcomes:
-        view = await state.record("cap", instance, ok, breaker, NO_OUTLIER, quorum=need)
+    for instance, ok, serves in outcomes:
+        view = await state.record(
+            "cap", instance, ok, breaker, NO_OUTLIER, quorum=need, serving=list(serves)
+        )
         if need == IGNORED:
             assert view.breaker == BreakerView()
             continue
         failed = [] if ok and not window else failed + ([] if ok else [instance])
         if view.breaker.status == "open":
-            assert len(set(failed)) >= need
+            # ... of instances routing served from when it opened ("": it could not say).
+            assert len({i for i in failed if i in serves or not serves}) >= need
             break
