@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from reach.errors import UnknownCapability
+from reach.errors import ReachError, UnknownCapability
 from reach.messages import InvokeRequest
 from reach.registry import Registry
 from reach.registry.view import RegistryView
@@ -52,10 +52,20 @@ class Capabilities:
     async def labels(self, request: InvokeRequest) -> tuple[str, str]:
         """Metric labels for a request that did not succeed: a capability nobody registered
         is the caller's to name (and to multiply), so it counts as `_unknown`; an operation
-        none of its instances declares counts as `_other`."""
-        if not await self.known(request.target):
+        none of its instances declares counts as `_other`. Never raises: the answer is
+        decided by then (the request may be running: a 503 would read as never sent), so a
+        store that cannot say counts it as `_unknown`, or by the operations last read."""
+        try:
+            if not await self.known(request.target):
+                return UNKNOWN_LABEL, UNKNOWN_LABEL
+        except ReachError:
             return UNKNOWN_LABEL, UNKNOWN_LABEL
-        if request.operation in await self.operations(request.target):
+        try:
+            served = await self.operations(request.target)
+        except ReachError:
+            held = self._served.get(request.target)
+            served = held[1] if held is not None else frozenset()
+        if request.operation in served:
             return request.target, request.operation
         return request.target, OTHER_LABEL
 
