@@ -340,7 +340,7 @@ class ReachActivities:
         success into a timeout (the task is kept until it ends)."""
         # Whom routing serves from now: one instance's failures are not the capability's.
         snap = self.view.cached(endpoint.capability)
-        routable = [instance for instance, _ in snap.members] if snap is not None else []
+        routable = snap.ids if snap is not None else frozenset()
         task = asyncio.create_task(
             self.policy.record(
                 endpoint.capability, endpoint.instance_id, ok, endpoint.probe, routable

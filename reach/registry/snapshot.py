@@ -53,6 +53,7 @@ class CapabilitySnapshot:
         "_declared",
         "_degraded",
         "_entries",
+        "_ids",
         "_limits",
         "_members",
         "_ok",
@@ -82,6 +83,7 @@ class CapabilitySnapshot:
         self._limits = len(routable) - list(map(_inflight_cap, routable)).count(None)
         self.limited = self._limits > 0
         self._members: tuple[tuple[str, int], ...] | None = None
+        self._ids: frozenset[str] | None = None
         self._declared: dict[str, OperationDeclaration | None] = {}
         self.cache: dict[str, Any] = {}
 
@@ -118,6 +120,14 @@ class CapabilitySnapshot:
         if self._members is None:
             self._members = tuple((e.instance_id, e.weight) for e in self._routable)
         return self._members
+
+    @property
+    def ids(self) -> frozenset[str]:
+        """The routable instances' ids, built once a snapshot (every call's outcome names
+        them: `reach.policy.breaker`)."""
+        if self._ids is None:
+            self._ids = frozenset(e.instance_id for e in self._routable)
+        return self._ids
 
     def changed(self, current: Mapping[str, RouteEntry | None]) -> CapabilitySnapshot:
         """The snapshot once the instances in `current` are as it says (None: gone); equal to
@@ -156,6 +166,7 @@ class CapabilitySnapshot:
         new._limits = limits
         new.limited = limits > 0
         new._members = None
+        new._ids = None
         new._declared = {}
         new.cache = {}
         return new

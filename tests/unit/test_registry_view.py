@@ -42,6 +42,7 @@ def picture(snap: CapabilitySnapshot) -> tuple[Any, ...]:
         snap.ok,
         snap.degraded,
         snap.members,
+        snap.ids,
         snap.smallest,
         snap.limited,
     )
@@ -83,6 +84,7 @@ def test_derived_snapshots_equal_ones_built_whole(
                 changed[instance_id] = members.get(instance_id)
             derived = before.changed(changed)
             assert picture(derived) == picture(CapabilitySnapshot("cap", members.values()))
+            assert derived.ids == {instance_id for instance_id, _ in derived.members}
             assert derived.version != before.version
             assert derived.cache == {}
             for i in range(42):
