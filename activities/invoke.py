@@ -82,16 +82,19 @@ CALLBACK_HEARTBEAT_EVERY_S = 1.0
 
 
 def to_application_error(
-    err: ReachError, *, not_sent: bool = False, claimed: bool = False
+    err: ReachError, *, not_sent: bool = False, claimed: bool = False, pinned_before: bool = False
 ) -> ApplicationError:
     """`not_sent`: refused before the call was sent (`NotSent`), so the workflow never
     re-delivers it (it would be refused again). `claimed`: this run made the attempt's send-once
-    claim itself, so no earlier run of it sent it (the workflow need not suspect a lost one)."""
+    claim itself, so no earlier run of it sent it (the workflow need not suspect a lost one).
+    `pinned_before`: another run had pinned the door's route first (`Resolver.check_first`)."""
     details: dict[str, Any] = {"retryable": err.retryable}
     if not_sent:
         details["not_sent"] = True
     if claimed:
         details["claimed"] = True
+    if pinned_before:
+        details["pinned_before"] = True
     if err.retry_after_s is not None:
         details["retry_after_s"] = err.retry_after_s
     if err.outcome_unknown:
@@ -247,11 +250,12 @@ class ReachActivities:
         outcome = "cancelled"
         recorder: Recorder | None = None
         claimed = False  # this run claimed the attempt's send: no earlier run sent it
+        before = False  # another run pinned the door's route first: it may have sent it
         try:
             if inp.check_first:
                 # A regular activity runs once per scheduling, so only a local one can be a
                 # silent re-run of a call already sent; the workflow says whether it is.
-                await self.resolver.check_first(
+                before = await self.resolver.check_first(
                     endpoint,
                     header.request_id,
                     inp.movable,
@@ -287,13 +291,13 @@ class ReachActivities:
             raise ApplicationError(str(stale), type=STALE_ROUTE, non_retryable=True) from stale
         except NotSent as refused:  # not the agent's fault: nothing is recorded against it
             outcome = refused.err.type
-            raise to_application_error(refused.err, not_sent=True) from None
+            raise to_application_error(refused.err, not_sent=True, pinned_before=before) from None
         except ReachError as err:
             outcome = err.type
             if inp.judge_timeouts or not isinstance(err, DeadlineExceeded):
                 failed = counts_as_failure(err)
                 await self._record(inp.endpoint, ok=not failed)
-            raise to_application_error(err, claimed=claimed) from err
+            raise to_application_error(err, claimed=claimed, pinned_before=before) from err
         except Exception as exc:
             outcome = "internal"
             raise _internal(f"call to {inp.endpoint.instance_id}", exc) from exc

@@ -122,13 +122,15 @@ class Resolver:
         *,
         fresh: bool,
         deadline_ms: int | None = None,
-    ) -> None:
+    ) -> bool:
         """Before calling the endpoint chosen at the door: go on if its instance is still the
         one chosen (alive, routable, not restarted); else `StaleRoute` when nothing can have
         been sent (`fresh`: the first run of this attempt) or the request may move, or the
         unknown outcome when it may not. Not fresh (after a wait, or a re-run), the call is
         pinned in the store first, as resolve pins the attempts it routes: a task lost after
-        it leaves no other trace (`workflows._failures.sent_by_lost_run` reads it)."""
+        it leaves no other trace (`workflows._failures.sent_by_lost_run` reads it). True when
+        another run had pinned it first (a lost task's, which may have sent it), as
+        `Endpoint.pinned_before` says of a resolved attempt."""
         try:
             snap = await self.view.snapshot(endpoint.capability)
         except ReachError:
@@ -141,8 +143,8 @@ class Resolver:
                     request_id,
                     endpoint.instance_id,
                 )
-                await self._pin_door_route(endpoint, request_id, deadline_ms)
-            return
+                return await self._pin_door_route(endpoint, request_id, deadline_ms)
+            return False
         if fresh or movable:
             raise StaleRoute(
                 f"instance {endpoint.instance_id} left before request {request_id} was sent"
@@ -293,14 +295,20 @@ class Resolver:
 
     async def _pin_door_route(
         self, endpoint: Endpoint, request_id: str, deadline_ms: int | None
-    ) -> None:
+    ) -> bool:
         left_s = ((deadline_ms or 0) - time.time() * 1000) / 1000
+        # A token of this claim's own, as `_pinned`'s: a lost task that called this route
+        # after the same wait pinned it first (the gateway killed with its agent: this run's
+        # call then meets a refused connection, and only the pin says the lost one ran).
+        mine = f"{endpoint_pin(endpoint)} {uuid.uuid4().hex[:16]}"
         try:
-            await self.policy.state.claim(
-                pin_key(request_id, 1), endpoint_pin(endpoint), max(1.0, left_s) + PIN_MARGIN_S
+            held = await self.policy.state.claim(
+                pin_key(request_id, 1), mine, max(1.0, left_s) + PIN_MARGIN_S
             )
         except ReachError as err:  # the call goes on: the store only keeps the evidence
             log.warning("request=%s: attempt 1 not pinned: %s", request_id, err.message)
+            return False
+        return held != mine
 
 
 def pin_key(request_id: str, attempt: int) -> str:

@@ -217,7 +217,8 @@ class AttemptLoop(TaskFollowing):
             except Failed as failed:
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)
-                lost = self._lost_before()  # and no claim of this run's says it sent nothing
+                # (and no claim of this run's says it sent nothing; `Failed.pinned_before`)
+                lost = self._lost_before() or failed.pinned_before
                 named = None  # the instance a lost task sent it to, after a wait
                 if failed.unrouted and not lost:
                     named = await sent_by_lost_run(inp, tries.number)

@@ -54,6 +54,7 @@ class Failed(Exception):
         not_sent: bool = False,
         claimed: bool = False,
         unrouted: bool = False,
+        pinned_before: bool = False,
     ) -> None:
         super().__init__(error.message)
         self.error = error
@@ -63,6 +64,8 @@ class Failed(Exception):
         self.claimed = claimed
         # The deadline came before this run routed the attempt (`sent_by_lost_run`).
         self.unrouted = unrouted
+        # Another run had pinned the door's route first: a lost task's, which may have sent it.
+        self.pinned_before = pinned_before
 
 
 class StaleRoute(Exception):
@@ -91,7 +94,7 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
         raise asyncio.CancelledError(workflow.cancellation_reason()) from exc
     # Regular activities fail with ActivityError(cause=...); local ones with the cause itself.
     cause = exc.cause if isinstance(exc, ActivityError) else exc
-    not_sent = claimed = False
+    not_sent = claimed = before = False
     if isinstance(cause, TimeoutError):
         if cause.type == TimeoutType.HEARTBEAT:
             info = ErrorInfo(
@@ -109,6 +112,7 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
         if details.get("not_sent"):
             not_sent = True
         claimed = bool(details.get("claimed"))
+        before = bool(details.get("pinned_before"))
         # The activities raise only Reach's own types; anything else is a bug in Reach.
         known = cause.type in ERROR_TYPES
         info = ErrorInfo(
@@ -121,7 +125,7 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
         )
     else:
         info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
-    return Failed(info, instance_id, not_sent=not_sent, claimed=claimed)
+    return Failed(info, instance_id, not_sent=not_sent, claimed=claimed, pinned_before=before)
 
 
 def names_lost_later(sent: bool, tries: Attempts) -> bool:
