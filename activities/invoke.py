@@ -400,7 +400,7 @@ class ReachActivities:
         timeout = info.start_to_close_timeout
         try:
             r = await heartbeating(
-                self._post(inp.url, body, headers, timeout.total_seconds() if timeout else 10.0),
+                self._post(inp, body, headers, timeout.total_seconds() if timeout else 10.0),
                 CALLBACK_HEARTBEAT_EVERY_S,
             )
         except httpx.HTTPError as exc:
@@ -432,13 +432,13 @@ class ReachActivities:
         )
 
     async def _post(
-        self, url: str, body: bytes, headers: dict[str, str], timeout_s: float
+        self, inp: CallbackInput, body: bytes, headers: dict[str, str], timeout_s: float
     ) -> httpx.Response:
         """One callback POST, streamed and never read: only the status matters, whatever the
-        receiver sends; not sent while its receiver holds many (`activities.receivers`)."""
-        with self._receivers.taken(url):
+        receiver sends; not sent while its receiver or caller holds many (activities.receivers)."""
+        with self._receivers.taken(inp.url, inp.caller):
             async with self._http.stream(
-                "POST", url, content=body, headers=headers, timeout=timeout_s
+                "POST", inp.url, content=body, headers=headers, timeout=timeout_s
             ) as r:
                 return r
 

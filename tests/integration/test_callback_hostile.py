@@ -430,9 +430,9 @@ async def test_hung_receivers_on_many_hosts_do_not_stall_a_followed_task(
     assert r.status_code == 200, r.text
     hung = [await RawReceiver(never_answer, f"127.0.0.{i + 1}").start() for i in range(HOSTS)]
     try:
-        for receiver in hung:
+        for i, receiver in enumerate(hung):  # a caller each: within a caller's share
             for _ in range(PER_RECEIVER):
-                r = await invoke(http, gateway, capability, callback=receiver.url)
+                r = await invoke(http, gateway, capability, caller=f"c{i}", callback=receiver.url)
                 assert r.status_code == 202, r.text
         open_now = lambda: sum(h.open_now() for h in hung)  # noqa: E731
         await wait_until(lambda: open_now() >= 64, 30, every_s=0.1)
