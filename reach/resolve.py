@@ -83,6 +83,14 @@ class Resolver:
             raise NoInstance(f"capability {inp.capability!r} has no live instance")
         return await self._route(inp, snap, reserve=reserve, pin=bool(inp.attempt))
 
+    async def settle(self, capability: str, within_s: float) -> None:
+        """Before `first`: wait (at most `within_s`) for the policy view `first` routes on,
+        only for a capability this process can route (a name nobody registered is the
+        caller's to make up: it must leave no view behind, nor a metric label)."""
+        snap = self.view.cached(capability) if self.view.settled(capability) else None
+        if snap is not None and snap.routable_size:
+            await self.policy.settle(capability, within_s)
+
     def first(self, inp: ResolveInput, *, reserve: bool) -> Endpoint | None:
         """Attempt 1's endpoint, chosen at the door from what this process holds, without
         waiting for the store; None leaves it to the workflow. `reserve` counts the pick in

@@ -29,7 +29,7 @@ class FirstRoute:
         than leaving attempt 1 to the workflow (a gateway called less than once a second
         routed none of its calls here: +7 ms a call on the bench's box)."""
         if self.resolver is not None and plan.queue is None:
-            await self.resolver.policy.settle(request.target, POLICY_WAIT_S)
+            await self.resolver.settle(request.target, POLICY_WAIT_S)
 
     def key(self, routing: RoutingSettings, request: InvokeRequest) -> str | None:
         """What consistent hashing hashes for this request (None: nothing)."""
