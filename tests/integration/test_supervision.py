@@ -118,7 +118,7 @@ async def test_up_restarts_a_killed_dev_server_on_its_database_and_a_killed_agen
 
             # A demo agent, SIGKILLed: restarted, and it joins again (a new address).
             first = (await instances(http, gateway))["retriever-01"]
-            (agent,) = processes_mentioning("--instance-id retriever-01")
+            (agent,) = processes_mentioning(f"--reach {gateway} --instance-id retriever-01")
             os.kill(agent, signal.SIGKILL)
             await said(
                 up, "demo agent retriever-01 exited (signal 9); restarting in 1 s (attempt 1)"
@@ -130,7 +130,10 @@ async def test_up_restarts_a_killed_dev_server_on_its_database_and_a_killed_agen
                 return now is not None and now["joined_at"] > first["joined_at"]
 
             await wait_until(rejoined, 60, every_s=0.2)
-            assert processes_mentioning("--instance-id retriever-01") not in ([], [agent])
+            assert processes_mentioning(f"--reach {gateway} --instance-id retriever-01") not in (
+                [],
+                [agent],
+            )
             again = await instances(http, gateway)
             assert again["retriever-01"]["address"] != first["address"]
             assert {"retriever-01", "retriever-02"} <= again.keys()
