@@ -156,7 +156,7 @@ class InvokeWorkflow(AttemptLoop):
         if answer.principal is not None:
             owners = [self._sent_to[sender]] if sender is not None else list(self._sent_to.values())
             if answer.principal not in owners:
-                unowned = " (registered by an operator: an admin token answers for it)"
+                unowned = " (held by nobody when it was sent: an admin token answers for it)"
                 raise ApplicationError(
                     f"this request was not sent to an instance of {answer.principal!r}"
                     + (unowned if None in owners else ""),
