@@ -72,6 +72,7 @@ with workflow.unsafe.imports_passed_through():
         StaleRoute,
         cancelled,
         error_of,
+        forget_unsent,
         name_lost_attempt,
         names_lost_later,
         sent_by_lost_run,
@@ -211,14 +212,12 @@ class AttemptLoop(TaskFollowing):
             except StaleRoute as stale:
                 workflow.logger.info("attempt 1 is routed again: %s", stale)
                 error = ErrorInfo(type="no_instance", message=str(stale), retryable=True)
-                # Found gone by a re-run of a lost task (not its first run): that run may have
-                # sent it there.
+                # Found gone by a re-run of a lost task: that run may have sent it there.
                 failure = Failure(error, stale_route=True, lost_run=self._lost_before())
             except Failed as failed:
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)
-                # (and no claim of this run's says it sent nothing; `Failed.pinned_before`)
-                lost = self._lost_before() or failed.pinned_before
+                lost = self._lost_before() or failed.pinned_before  # and claimed nothing
                 named = None  # the instance a lost task sent it to, after a wait
                 if failed.unrouted and not lost:
                     named = await sent_by_lost_run(inp, tries.number)
@@ -462,6 +461,7 @@ class AttemptLoop(TaskFollowing):
             cause = exc.cause if isinstance(exc, ActivityError) else exc
             if isinstance(cause, ApplicationError) and cause.type == STALE_ROUTE:
                 self._sent, self._in_flight = sent_before, False  # nothing was sent
+                forget_unsent(self._sent_to, arg, queue=inp.plan.mode == "queue")
                 raise StaleRoute(cause.message) from exc
             raise error_of(exc, instance_id) from exc
 

@@ -25,7 +25,13 @@ from temporalio.exceptions import (
 
 with workflow.unsafe.imports_passed_through():
     from reach.errors import ERROR_TYPES, AgentFault
-    from reach.invocation import ACTIVITY_PINNED, ACTIVITY_PINNED_ATTEMPT, InvokeInput, PinQuery
+    from reach.invocation import (
+        ACTIVITY_PINNED,
+        ACTIVITY_PINNED_ATTEMPT,
+        CallInput,
+        InvokeInput,
+        PinQuery,
+    )
     from reach.messages import ErrorInfo
     from reach.policy import Attempts, Failure
 
@@ -126,6 +132,15 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
     else:
         info = ErrorInfo(type="internal", message=str(cause or exc), retryable=False)
     return Failed(info, instance_id, not_sent=not_sent, claimed=claimed, pinned_before=before)
+
+
+def forget_unsent(sent_to: dict[str, str | None], call: CallInput, *, queue: bool) -> None:
+    """The door's route found stale on the first run of its call (or in queue mode, where no
+    call runs again silently) was never sent, nor by a lost task: its instance is not one the
+    request went to, so its principal does not answer it (2ff98de's validator reads `sent_to`;
+    after a re-run, the lost task may have sent it there, and it still may)."""
+    if call.first_run or queue:
+        sent_to.pop(call.endpoint.instance_id, None)
 
 
 def names_lost_later(sent: bool, tries: Attempts) -> bool:
