@@ -192,7 +192,11 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="demo knowledge-retriever agent")
-    p.add_argument("--reach", default="127.0.0.1:7600", help="gateway address")
+    p.add_argument(
+        "--reach",
+        default=None,
+        help="gateway address (default: $REACH_ADDRESS, else 127.0.0.1:7600)",
+    )
     p.add_argument("--capability", default="knowledge-retriever")
     p.add_argument("--instance-id", default="retriever-01")
     p.add_argument("--protocol", default="http", choices=["http", "grpc", "websocket", "mqtt"])
