@@ -288,7 +288,10 @@ class ReachActivities:
                         reply = await heartbeating(work)
             outcome = "success"
         except StaleRoute as stale:
-            raise ApplicationError(str(stale), type=STALE_ROUTE, non_retryable=True) from stale
+            said = {"pinned_before": True} if stale.pinned_before else {}
+            raise ApplicationError(
+                str(stale), said, type=STALE_ROUTE, non_retryable=True
+            ) from stale
         except NotSent as refused:  # not the agent's fault: nothing is recorded against it
             outcome = refused.err.type
             raise to_application_error(refused.err, not_sent=True, pinned_before=before) from None

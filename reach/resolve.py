@@ -46,7 +46,12 @@ CLOSED = Admission(allowed=True, status="closed")
 
 class StaleRoute(Exception):
     """The instance chosen at the door is gone and nothing was sent (or the request may move):
-    the workflow resolves attempt 1 again. Never reaches a caller."""
+    the workflow resolves attempt 1 again. Never reaches a caller. `pinned_before`: a re-run
+    found the route pinned by another run (a lost task's, which may have sent it there)."""
+
+    def __init__(self, message: str, *, pinned_before: bool = False) -> None:
+        super().__init__(message)
+        self.pinned_before = pinned_before
 
 
 class Resolver:
@@ -155,7 +160,8 @@ class Resolver:
             return False
         if fresh or movable:
             raise StaleRoute(
-                f"instance {endpoint.instance_id} left before request {request_id} was sent"
+                f"instance {endpoint.instance_id} left before request {request_id} was sent",
+                pinned_before=not fresh and await self._door_pinned(request_id),
             )
         raise _lost(endpoint.instance_id)
 
@@ -317,6 +323,14 @@ class Resolver:
             log.warning("request=%s: attempt 1 not pinned: %s", request_id, err.message)
             return False
         return held != mine
+
+    async def _door_pinned(self, request_id: str) -> bool:
+        """Whether a run pinned the door's route (not this one: it pins only a route it calls)."""
+        try:
+            return await self.policy.state.peek(pin_key(request_id, 1)) is not None
+        except ReachError as err:
+            log.warning("request=%s: attempt 1's pin not read: %s", request_id, err.message)
+            return False
 
 
 def pin_key(request_id: str, attempt: int) -> str:

@@ -212,8 +212,8 @@ class AttemptLoop(TaskFollowing):
             except StaleRoute as stale:
                 workflow.logger.info("attempt 1 is routed again: %s", stale)
                 error = ErrorInfo(type="no_instance", message=str(stale), retryable=True)
-                # Found gone by a re-run of a lost task: that run may have sent it there.
-                failure = Failure(error, stale_route=True, lost_run=self._lost_before())
+                lost = self._lost_before() or stale.pinned_before  # a lost task's may have sent it
+                failure = Failure(error, stale_route=True, lost_run=lost)
             except Failed as failed:
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)
@@ -462,7 +462,7 @@ class AttemptLoop(TaskFollowing):
             if isinstance(cause, ApplicationError) and cause.type == STALE_ROUTE:
                 self._sent, self._in_flight = sent_before, False  # nothing was sent
                 forget_unsent(self._sent_to, arg, queue=inp.plan.mode == "queue")
-                raise StaleRoute(cause.message) from exc
+                raise StaleRoute.of(cause) from exc
             raise error_of(exc, instance_id) from exc
 
     async def _await_late_answer(self, inp: InvokeInput, instance_id: str) -> InvokeResponse:

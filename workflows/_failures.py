@@ -75,7 +75,18 @@ class Failed(Exception):
 
 
 class StaleRoute(Exception):
-    """The instance chosen at the door left before anything was sent."""
+    """The instance chosen at the door left before anything was sent (by this run: a lost
+    task's pin says that one may have sent it there, `pinned_before`)."""
+
+    def __init__(self, message: str, *, pinned_before: bool = False) -> None:
+        super().__init__(message)
+        self.pinned_before = pinned_before
+
+    @classmethod
+    def of(cls, cause: ApplicationError) -> StaleRoute:
+        details: Any = cause.details[0] if cause.details else {}
+        before = isinstance(details, dict) and bool(details.get("pinned_before"))
+        return cls(cause.message, pinned_before=before)
 
 
 # Requests accepted before a cancel of theirs ended them `canceled` read a cancelled activity

@@ -91,3 +91,68 @@ async def test_a_door_routed_keyed_write_lost_after_its_key_s_store_wait_may_hav
     assert envelope["status"] in ("error", "timeout"), (envelope, log)
     assert envelope["error"].get("outcome_unknown") is True, (envelope, log)
     assert envelope["instance_id"] == agent.instance_id, envelope
+
+
+async def test_a_door_routed_keyed_write_whose_instance_left_after_a_lost_task_may_have_run(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """As above, but the agent's record is gone by the time another worker takes the request
+    over (an operator removed it): the door's route is stale on a re-run, and the request may
+    move (keyed), so it is routed again; nothing is left to route it to. The lost task had sent
+    it: the caller must be told it may have run (before: a plain, retryable no_instance)."""
+    capability = f"doorleft-{uuid.uuid4().hex[:8]}"
+    unread = {"circuit_breaker": {"enabled": False}, "outlier": {"enabled": False}}
+    redis = RedisServer()
+    redis.start()
+    try:
+        stack = new_stack(
+            temporal_server,
+            tmp_path,
+            registry="redis",
+            heartbeat_timeout=60.0,
+            extra={
+                "REACH_REGISTRY__REDIS_URL": redis.url,
+                "REACH_POLICY__CAPABILITIES": json.dumps({capability: unread}),
+            },
+        )
+        doomed = await GatewayProcess(stack, "doomed").ready()
+        api = await GatewayProcess(stack, "api", worker=False).ready()
+        ledger = tmp_path / "ledger.txt"
+        agent = await Agent(
+            doomed, f"{capability}-01", capability, "--delay-ms", "60000", "--ledger", str(ledger)
+        ).ready()
+        warm = await invoke(http, doomed, capability, "get_metadata")
+        assert warm.status_code == 200, warm.text
+        async with CallbackReceiver() as receiver:
+            request_id = rid()
+            redis.signal(signal.SIGSTOP)
+            try:
+                r = await invoke(
+                    http,
+                    doomed,
+                    capability,
+                    "create",
+                    request_id=request_id,
+                    idempotency_key=rid(),
+                    timeout_ms=40_000,
+                    callback=receiver.url,
+                )
+                assert r.status_code == 202, r.text
+                await wait_until(lambda: "reach.claim_key failed" in doomed.proc.output(), 20)
+            finally:
+                redis.signal(signal.SIGCONT)
+            await wait_until(lambda: bool(executions(ledger, request_id)), 30)
+            assert "chosen at the door" in doomed.proc.output()
+            doomed.proc.kill()
+            agent.proc.kill()
+            gone = await http.delete(f"{api.url}/reach/agents/{agent.instance_id}")
+            assert gone.status_code == 204, gone.text  # before a worker takes the request over
+            other = await Worker(stack).ready()
+            await receiver.wait(1, timeout_s=60)
+            envelope = receiver.received[0][1]
+    finally:
+        redis.stop()
+    log = other.proc.output()[-3000:]
+    assert "left before request" in other.proc.output(), log  # the re-run found it stale
+    assert executions(ledger, request_id) == [agent.instance_id]
+    assert envelope["error"].get("outcome_unknown") is True, (envelope, log)
