@@ -446,3 +446,12 @@ def count_ca_bundles(monkeypatch: Any) -> list[int]:
     monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
     public_context.cache_clear()
     return built
+
+
+def executions(ledger: Path, request_id: str) -> list[str]:
+    """The instances that ran `request_id`, from an agent's ledger (`knowledge_retriever.py
+    --ledger`: a line per execution)."""
+    if not ledger.exists():
+        return []
+    rows = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
+    return [instance for request, instance in rows if request == request_id]

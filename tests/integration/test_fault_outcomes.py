@@ -28,6 +28,7 @@ from tests.helpers import (
     GatewayProcess,
     OutageReceiver,
     Worker,
+    executions,
     invoke,
     rid,
     wait_until,
@@ -35,14 +36,6 @@ from tests.helpers import (
 from tests.integration.test_redis_outages import RedisServer
 
 pytestmark = pytest.mark.integration
-
-
-def executions(ledger: Path, request_id: str) -> list[str]:
-    """The instances that ran `request_id`, from the agents' ledger."""
-    if not ledger.exists():
-        return []
-    rows = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
-    return [instance for request, instance in rows if request == request_id]
 
 
 # The queued test's capability: its own rate limit (`policy.capabilities`), so it shares the

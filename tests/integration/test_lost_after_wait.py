@@ -16,20 +16,22 @@ import httpx
 import pytest
 
 from tests.conftest import new_stack
-from tests.helpers import Agent, CallbackReceiver, GatewayProcess, Worker, invoke, rid, wait_until
+from tests.helpers import (
+    Agent,
+    CallbackReceiver,
+    GatewayProcess,
+    Worker,
+    executions,
+    invoke,
+    rid,
+    wait_until,
+)
 from tests.integration.test_redis_outages import RedisServer
 
 pytestmark = pytest.mark.integration
 
 TIMEOUT_MS = 15_000  # a worker starts, waits out the store, and calls the agent before it
 LONG_MS = 60_000  # the other request's: the run that takes it over routes it itself
-
-
-def executions(ledger: Path, request_id: str) -> list[str]:
-    if not ledger.exists():
-        return []
-    rows = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
-    return [instance for request, instance in rows if request == request_id]
 
 
 async def test_writes_sent_by_a_task_lost_after_a_store_wait_may_have_run_and_say_where(

@@ -13,17 +13,19 @@ import httpx
 import pytest
 
 from tests.conftest import new_stack
-from tests.helpers import Agent, CallbackReceiver, GatewayProcess, Worker, invoke, rid, wait_until
+from tests.helpers import (
+    Agent,
+    CallbackReceiver,
+    GatewayProcess,
+    Worker,
+    executions,
+    invoke,
+    rid,
+    wait_until,
+)
 from tests.integration.test_redis_outages import RedisServer
 
 pytestmark = pytest.mark.integration
-
-
-def executions(ledger: Path, request_id: str) -> list[str]:
-    if not ledger.exists():
-        return []
-    rows = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
-    return [instance for request, instance in rows if request == request_id]
 
 
 async def test_a_door_routed_keyed_write_lost_after_its_key_s_store_wait_may_have_run(

@@ -19,13 +19,6 @@ from tests.integration.test_redis_outages import RedisServer
 pytestmark = pytest.mark.integration
 
 
-def executions(ledger: Path, request_id: str) -> list[str]:
-    if not ledger.exists():
-        return []
-    rows = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
-    return [instance for request, instance in rows if request == request_id]
-
-
 async def test_answers_that_leave_the_door_while_the_store_stalls_say_what_happened(
     temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:

@@ -18,19 +18,12 @@ import pytest
 from reach.policy.state import create_policy_state
 from reach.store.redis import RedisStore
 from tests.conftest import new_stack
-from tests.helpers import Agent, GatewayProcess, invoke, rid, wait_until
+from tests.helpers import Agent, GatewayProcess, executions, invoke, rid, wait_until
 from tests.integration.test_connector_mcp import registered
 from tests.integration.test_connector_mqtt import OwnBroker
 from tests.mcp_servers import McpServerProcess
 
 pytestmark = pytest.mark.integration
-
-
-def executions(ledger: Path, request_id: str) -> list[str]:
-    if not ledger.exists():
-        return []
-    rows = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
-    return [instance for request, instance in rows if request == request_id]
 
 
 @pytest.fixture(scope="module")
