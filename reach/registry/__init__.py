@@ -106,9 +106,10 @@ class Registry:
         self._retention_s = max(settings.capability_retention_s, settings.heartbeat_timeout)
         self._listeners: list[ChangeListener] = []
         self._evict_listeners: list[ChangeListener] = []
-        # A new capability's admission in progress, by (capability, principal): the Joins that
-        # race to create it wait for that one check rather than each counting as a creation.
-        self._admitting: dict[tuple[str, str | None], asyncio.Future[None]] = {}
+        # A new capability's admission, by (capability, principal), and when it began: the Joins
+        # that race to create it share that one check rather than each counting as a creation,
+        # also those that found the capability unknown before the first Join wrote it (a minute).
+        self._admitting: dict[tuple[str, str | None], tuple[asyncio.Future[None], float]] = {}
 
     def on_change(self, listener: ChangeListener) -> None:
         """Call `listener(capability, instance_id)` after each change made through this
@@ -248,13 +249,16 @@ class Registry:
 
     async def _admit_once(self, capability: str, principal: str | None, now: float) -> None:
         key = (capability, principal)
-        pending = self._admitting.get(key)
-        if pending is None:
+        pending, since = self._admitting.get(key, (None, now))
+        if pending is None or now - since > 60:
+            self._admitting = {k: v for k, v in self._admitting.items() if now - v[1] <= 60}
             pending = asyncio.ensure_future(self._admit_new_capability(capability, principal, now))
-            self._admitting[key] = pending
-            pending.add_done_callback(lambda _: self._admitting.pop(key, None))
-        # Shielded: one waiting Join that is cancelled does not cancel the others' check.
-        await asyncio.shield(pending)
+            self._admitting[key] = (pending, now)
+        try:  # shielded: one waiting Join that is cancelled does not cancel the others' check
+            await asyncio.shield(pending)
+        except Exception:
+            self._admitting.pop(key, None)  # a refusal is not kept: the next Join is checked
+            raise
 
     async def _admit_new_capability(
         self, capability: str, principal: str | None, now: float
