@@ -54,9 +54,10 @@ test: lint docs-build test-only
 # gateway fixture starts once. In collection order (integration, then the quick unit files),
 # not xdist's default of the files with the most tests first: that leaves the files of a few
 # long tests (fault outcomes, recovery, supervision, `reach up`) for the end, where one worker
-# can be left finishing them alone. `make test-only XDIST=` runs serially. `XDIST='-n 3 ...'` ran pytest in 494-589 s against
-# 829 s at two, but each of its runs here met a different race (fixed as found; the last, a
-# gateway's ephemeral gRPC port taking the HTTP port it was given, is not yet), so two it stays.
+# can be left finishing them alone. `make test-only XDIST=` runs serially. Three workers
+# (`XDIST='-n 3 ...'`) ran pytest in 494-589 s against 829 s at two, but each of their runs here
+# met a different race (fixed as found; the last, a gateway's ephemeral gRPC port taking the
+# HTTP port it was given, is not yet), so two it stays.
 XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 test-only: $(STAMP)
