@@ -50,15 +50,14 @@ fmt: $(STAMP)
 
 test: lint docs-build test-only
 
-# Two workers, each with its own Temporal dev server; whole files per worker, so a module's
+# Three workers, each with its own Temporal dev server; whole files per worker, so a module's
 # gateway fixture starts once. In collection order (integration, then the quick unit files),
 # not xdist's default of the files with the most tests first: that leaves the files of a few
 # long tests (fault outcomes, recovery, supervision, `reach up`) for the end, where one worker
-# can be left finishing them alone. `make test-only XDIST=` runs serially. Three workers
-# (`XDIST='-n 3 ...'`) ran pytest in 494-589 s against 829 s at two, but each of their runs here
-# met a different race (fixed as found; the last, a gateway's ephemeral gRPC port taking the
-# HTTP port it was given, is not yet), so two it stays.
-XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
+# can be left finishing them alone. `make test-only XDIST=` runs serially. Each worker hands
+# out ports from its own range below the kernel's ephemeral one (tests/conftest.py), so a
+# port-0 bind never takes a port given to a server that has not bound it yet.
+XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
 test-only: $(STAMP)
 	$(BIN)/pytest $(XDIST) -m "not slow"

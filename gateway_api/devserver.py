@@ -83,11 +83,51 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
+FREE_PORTS_ENV = "REACH_FREE_PORTS"
+_cursor: dict[tuple[int, int], int] = {}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to now, for a server started a moment later.
+
+    By default the kernel picks one from its ephemeral range. With `REACH_FREE_PORTS=LO-HI`
+    (the test suite sets one range per xdist worker, below that range) ports are handed out in
+    turn from LO-HI instead, each checked free: a port picked from the ephemeral range can be
+    taken, before its server binds it, by anything else binding port 0 — a gateway's gRPC front
+    took its own gateway's HTTP port that way — and nothing binds port 0 below that range.
+    """
+    span = os.environ.get(FREE_PORTS_ENV, "")
+    if not span:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port: int = s.getsockname()[1]
+            return port
+    lo, _, hi = span.partition("-")
+    try:
+        first, last = int(lo), int(hi)
+    except ValueError:
+        raise ValueError(f"{FREE_PORTS_ENV}={span!r} is not a port range LO-HI") from None
+    size = last - first + 1
+    if not 0 < first <= last < 65536:
+        raise ValueError(f"{FREE_PORTS_ENV}={span!r} is not a port range LO-HI within 1-65535")
+    # Processes sharing one range (a test and the helpers it spawns) start far apart in it.
+    start = _cursor.get((first, last), (os.getpid() * 7919) % size)
+    for step in range(size):
+        port = first + (start + step) % size
+        if _bindable(port, host):
+            _cursor[(first, last)] = (port - first + 1) % size
+            return port
+    raise OSError(f"no free port left in {FREE_PORTS_ENV}={span}")
+
+
+def _bindable(port: int, host: str) -> bool:
+    # No SO_REUSEADDR: a port still in TIME_WAIT is passed over too.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def require_all_free(wanted: Sequence[tuple[int, str, str, str]]) -> None:

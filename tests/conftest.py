@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -9,8 +10,23 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, settings
 
-from gateway_api.devserver import DevServer, free_port
+from gateway_api.devserver import FREE_PORTS_ENV, DevServer, free_port
 from tests.helpers import SPAWNED, GatewayProcess, Stack, stop_spawned
+
+
+def _ports_for_this_worker() -> str:
+    """4,000 ports for this xdist worker, from 10000 up: below the kernel's ephemeral range
+    (32768-60999 here), so no port-0 bind, in this worker or another, takes a port handed out
+    to a server that has not bound it yet; one range per worker, so workers never hand out the
+    same one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    first = 10000 + (index % 5) * 4000
+    return f"{first}-{first + 3999}"
+
+
+# Set before any fixture runs, so the gateways, agents and servers the tests spawn inherit it.
+os.environ.setdefault(FREE_PORTS_ENV, _ports_for_this_worker())
 
 # `make test-only` runs two pytest-xdist workers on the same cores, so a property test's examples
 # can wait behind the other worker's Temporal server and gateways: Hypothesis' per-example

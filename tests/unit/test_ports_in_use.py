@@ -3,6 +3,7 @@ at a time, a second `reach up` beside another was refused once per port, four ru
 
 from __future__ import annotations
 
+import itertools
 import socket
 from collections.abc import Iterator
 
@@ -47,3 +48,27 @@ def test_every_port_in_use_is_named_in_one_error(held: list[int]) -> None:
 
 def test_free_ports_pass() -> None:
     require_all_free([(free_port(), "gateway", "REACH_LISTEN_PORT", "127.0.0.1")])
+
+
+def test_free_ports_come_from_the_range_given_and_skip_one_in_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With REACH_FREE_PORTS set (the suite sets one range per xdist worker, below the ephemeral
+    range) every port handed out is inside it, none twice in a row, and one in use is passed
+    over: a gateway's gRPC front bound on port 0 once took the HTTP port its gateway was given."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        monkeypatch.setenv("REACH_FREE_PORTS", f"{busy}-{busy + 2}")
+        handed = [free_port() for _ in range(4)]
+    assert busy not in handed
+    assert set(handed) <= {busy + 1, busy + 2}
+    assert all(a != b for a, b in itertools.pairwise(handed))
+
+
+@pytest.mark.parametrize("span", ["10-", "abc", "20-10", "0-5", "60000-70000"])
+def test_a_bad_free_port_range_is_named(monkeypatch: pytest.MonkeyPatch, span: str) -> None:
+    monkeypatch.setenv("REACH_FREE_PORTS", span)
+    with pytest.raises(ValueError, match="REACH_FREE_PORTS"):
+        free_port()
