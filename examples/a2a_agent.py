@@ -70,7 +70,12 @@ if __name__ == "__main__":
     import uvicorn
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--port", type=int, default=8930)
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=8930,
+        help="the port it listens on, on 127.0.0.1 (default: %(default)s)",
+    )
     args = parser.parse_args()
     url = f"http://127.0.0.1:{args.port}/"
     print(f"greeter A2A agent at {url}", flush=True)

@@ -190,26 +190,65 @@ async def amain(args: argparse.Namespace) -> None:
         await stop.wait()
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The agent's options, each with its help text (`--help` listed half of them bare)."""
     p = argparse.ArgumentParser(description="demo knowledge-retriever agent")
     p.add_argument(
         "--reach",
         default=None,
         help="gateway address (default: $REACH_ADDRESS, else 127.0.0.1:7600)",
     )
-    p.add_argument("--capability", default="knowledge-retriever")
-    p.add_argument("--instance-id", default="retriever-01")
-    p.add_argument("--protocol", default="http", choices=["http", "grpc", "websocket", "mqtt"])
-    p.add_argument("--broker", default="127.0.0.1:1883", help="MQTT broker (with --protocol mqtt)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 = any free port")
-    p.add_argument("--heartbeat-interval", type=float, default=5.0)
-    p.add_argument("--delay-ms", type=int, default=0)
-    p.add_argument("--defer", action="store_true")
+    p.add_argument(
+        "--capability",
+        default="knowledge-retriever",
+        help="the capability this agent serves (default: %(default)s)",
+    )
+    p.add_argument(
+        "--instance-id",
+        default="retriever-01",
+        help="this instance's id at Join, one per running agent (default: %(default)s)",
+    )
+    p.add_argument(
+        "--protocol",
+        default="http",
+        choices=["http", "grpc", "websocket", "mqtt"],
+        help="how Reach calls this agent (default: %(default)s)",
+    )
+    p.add_argument(
+        "--broker",
+        default="127.0.0.1:1883",
+        help="MQTT broker, with --protocol mqtt (default: %(default)s)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address this agent listens on (default: %(default)s)",
+    )
+    p.add_argument("--port", type=int, default=0, help="the port it listens on; 0 = any free port")
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=5.0,
+        help="seconds between heartbeats (default: %(default)s)",
+    )
+    p.add_argument(
+        "--delay-ms",
+        type=int,
+        default=0,
+        help="answer query, create and generate this many ms late (with --defer: the late answer)",
+    )
+    p.add_argument(
+        "--defer",
+        action="store_true",
+        help="query answers 202 at once and POSTs its result later (a late answer)",
+    )
     p.add_argument("--late-error", help="with --defer: answer late with this error type")
     p.add_argument("--reply-bytes", type=int, default=0, help="pad each result with N bytes")
     p.add_argument(
-        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="proposed at Join"
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="the largest message it takes, proposed at Join (default: %(default)s)",
     )
     p.add_argument(
         "--weight", type=int, default=1, help="share under weighted routing (1-1000), at Join"
@@ -223,15 +262,39 @@ def main() -> None:
     p.add_argument("--tls-cert", help="mTLS: this instance's certificate (reach certs issue)")
     p.add_argument("--tls-key", help="mTLS: its key")
     p.add_argument("--tls-ca", help="mTLS: the CA that signs Reach's certificate (ca.pem)")
-    p.add_argument("--health-file")
-    p.add_argument("--ledger")
-    p.add_argument("--fail-first", type=int, default=0, help="fail the first N query/create calls")
-    p.add_argument("--fail-status", type=int, default=503)
+    p.add_argument(
+        "--health-file",
+        metavar="PATH",
+        help="read the health status (ok, degraded, unhealthy) from this file at every heartbeat",
+    )
+    p.add_argument(
+        "--ledger",
+        metavar="PATH",
+        help="append every executed RequestID (and this instance's id) to this file",
+    )
+    p.add_argument(
+        "--fail-first",
+        type=int,
+        default=0,
+        metavar="N",
+        help="fail the first N query, create and generate calls, with --fail-status",
+    )
+    p.add_argument(
+        "--fail-status",
+        type=int,
+        default=503,
+        help="the HTTP-style status of the --fail-first failures (default: %(default)s)",
+    )
     p.add_argument(
         "--fail-shared",
         action="store_true",
         help="with --ledger: --fail-first counts the calls of every instance sharing the ledger",
     )
+    return p
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
     install_request_id_logging()
     logging.basicConfig(

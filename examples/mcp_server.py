@@ -35,7 +35,12 @@ if __name__ == "__main__":
     import uvicorn
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--port", type=int, default=8931)
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=8931,
+        help="the port it listens on, on 127.0.0.1 (default: %(default)s)",
+    )
     args = parser.parse_args()
     print(f"units MCP server at http://127.0.0.1:{args.port}/mcp", flush=True)
     uvicorn.run(server.streamable_http_app(), host="127.0.0.1", port=args.port, log_level="warning")
