@@ -150,7 +150,7 @@ class Api:
         if status == 401:
             raise Failed(self._unauthorized(data))
         if status == 403:
-            raise Failed(f"forbidden: {error_text(data)}")
+            raise Failed(error_text(data))  # `forbidden: <why>`, its type said once
         if status not in ok:
             said = error_text(data)
             raise Failed(said + _hint(status, path, said))
@@ -265,13 +265,17 @@ def _tls_context() -> ssl.SSLContext:
 def error_text(data: dict[str, Any]) -> str:
     error = data.get("error")
     if isinstance(error, dict):
-        text = f"{error.get('type', 'error')}: {error.get('message', '')}"
+        kind, message = error.get("type"), str(error.get("message", ""))
+        # The type once: not again when the message starts with it, nor `error:` for none
+        # (the CLI's own `error:` comes before it).
+        bare = not kind or message.startswith(f"{kind}:")
+        text = message if bare else f"{kind}: {message}"
         agent = error.get("agent")
         if isinstance(agent, dict):
             said = str(agent.get("message", ""))
             # Reach's message often quotes the agent's already (an MCP tool's error): its type
             # alone then, not the same text twice.
-            new = bool(said) and said not in str(error.get("message", ""))
+            new = bool(said) and said not in message
             text += f" (agent: {agent.get('type', '?')}" + (f": {said}" if new else "") + ")"
         return clean(text)
     detail = data.get("detail")

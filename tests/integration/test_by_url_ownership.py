@@ -5,7 +5,10 @@ even a token scoped to its capability; its own registrations are (docs/instances
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +19,7 @@ import pytest
 from reach.security.tokens import FileTokenStore, issue
 from tests.a2a_agents import A2AAgentProcess
 from tests.conftest import new_stack
-from tests.helpers import GatewayProcess, wait_until
+from tests.helpers import ROOT, GatewayProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -136,3 +139,33 @@ async def test_a_configured_registration_is_the_configs_and_an_agents_own_is_its
         assert r.status_code == 200, r.text
     r = await http.delete(f"{gw.url}/reach/agents/mine-1", headers=bearer(tokens["worker"]))
     assert r.status_code in (200, 204), r.text
+
+
+async def test_the_cli_says_an_agent_tokens_refusal_once(
+    secured: tuple[GatewayProcess, dict[str, str]], a2a: A2AAgentProcess
+) -> None:
+    """`reach agents add` over an admin's registration printed `forbidden: forbidden: ...`."""
+    gw, tokens = secured
+    made = await register_via(gw, tokens["ops"], "admin-cli-1", a2a.url)
+    assert made.returncode == 0, made.stderr
+    refused = await register_via(gw, tokens["worker"], "admin-cli-1", a2a.url)
+    assert refused.returncode == 1, refused.stdout
+    [line] = refused.stderr.splitlines()
+    assert line.startswith("error: forbidden: instance 'admin-cli-1' was registered by an admin")
+    assert line.count("forbidden") == 1, line
+
+
+async def register_via(
+    gw: GatewayProcess, token: str, instance_id: str, url: str
+) -> subprocess.CompletedProcess[str]:
+    """`reach agents add a2a URL` with `token`, as its own process."""
+    args = ["agents", "add", "a2a", url, "--capability", CAPABILITY, "--instance-id", instance_id]
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "gateway_api", *args, "--gateway", gw.url, "--token", token],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "REACH_CONFIG": str(ROOT / "reach.yaml")},
+    )

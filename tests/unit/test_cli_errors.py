@@ -37,3 +37,14 @@ def test_an_agent_message_reach_did_not_quote_is_said() -> None:
 def test_an_agent_without_a_message_keeps_its_type() -> None:
     text = error_text({"error": {"type": "agent_error", "message": "x", "agent": {"type": "t"}}})
     assert text == "agent_error: x (agent: t)"
+
+
+def test_the_type_is_said_once() -> None:
+    """No `error: error: ...` for an envelope without a type, nor the type twice when the
+    message starts with it (a 403 printed `forbidden: forbidden: ...`)."""
+    assert error_text({"error": {"message": "no such thing"}}) == "no such thing"
+    said = error_text({"error": {"type": "forbidden", "message": "forbidden: not yours"}})
+    assert said == "forbidden: not yours"
+    assert error_text({"error": {"type": "forbidden", "message": "not yours"}}) == (
+        "forbidden: not yours"
+    )
