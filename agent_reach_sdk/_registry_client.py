@@ -12,7 +12,8 @@ a late answer is resent to the next gateway rather than lost.
 
 A gateway that refuses (a 4xx: a loopback address outside `security.allow_networks`, no token
 or one that may not serve this capability, ...) is named in the log with its own message, once
-per change of what it says rather than at every retry, and a 401/403 says how to get a token.
+per change of what it says rather than at every retry; a 401, or a 403 about the token, says how
+to get one, and a 403 about the instance_id (another principal holds it) says to choose another.
 A refused Leave says so (never "left Reach"). Heartbeats that no gateway answers are a WARNING
 at the first failure, then at most once a minute while they go on, and a line when one is
 answered again.
@@ -372,12 +373,28 @@ class RegistryClient:
         line = f"Reach refused the {what} of instance {self.instance_id}: {said}"
         if status not in (401, 403):
             return line
+        if status == 403 and self._about_instance(said):
+            # Its instance_id, not its token: another principal, an admin or reach.yaml holds
+            # it (or it is not registered). Token advice here sent people to issue tokens.
+            held = any(word in said for word in ("held by", "registered by"))
+            return f"{line}. The refusal is about instance_id {self.instance_id!r}, not " + (
+                "the token: this agent may not take that instance_id over. Start it with an "
+                "instance_id of its own (AgentRuntime(instance_id=...))"
+                if held
+                else "the token"
+            )
         whose = "this agent's token" if self.token else "this agent, which has no token"
         return (
             f"{line}. The gateway refused {whose}: issue one with `reach tokens issue "
             f"--principal NAME --agent --capability {self.capability}` and pass token=... to "
             "AgentRuntime (or set $REACH_AGENT_TOKEN)"
         )
+
+    def _about_instance(self, said: str) -> bool:
+        """Whether the gateway's refusal names this instance (it quotes the id as Python does:
+        `instance 'x' ...`, `instance_id 'x' ...`)."""
+        quoted = repr(self.instance_id)
+        return f"instance {quoted}" in said or f"instance_id {quoted}" in said
 
     def _accepted(self) -> None:
         if self._refused is not None:

@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from agent_reach_sdk import AgentRuntime
@@ -199,3 +200,34 @@ async def test_heartbeats_no_gateway_answers_are_a_warning_once_not_at_every_bea
     # Leaving with no gateway to tell: said, and not as a leave that happened.
     assert warnings(caplog, "could not tell Reach that instance", "leaves")
     assert not [r for r in caplog.records if "left Reach" in r.getMessage()]
+
+
+async def test_an_instance_id_another_principal_holds_is_said_so_not_blamed_on_the_token(
+    open_gateway: GatewayProcess, capability: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two agent tokens that may both serve the capability; the second joins the first's
+    instance_id and is refused 403 for the id. Its error advised issuing a token."""
+    caplog.set_level(logging.DEBUG, logger=SDK)
+    store = FileTokenStore(open_gateway.stack.tmp / "tokens.json")
+    first, record = issue("alice", "agent", [capability])
+    store.write(record)
+    second, record = issue("bob", "agent", [capability])
+    store.write(record)
+
+    async def required() -> bool:  # the gateway has read the tokens: alice's Join is hers
+        async with httpx.AsyncClient(trust_env=False) as http:
+            return (await http.get(f"{open_gateway.url}/reach/capabilities")).status_code == 401
+
+    await wait_until(required, 15)
+    holder = agent(open_gateway.url, capability, token=first)
+    async with holder:
+        assert holder.wait_joined(0)
+        taker = agent(open_gateway.url, capability, token=second)  # the same instance_id
+        with pytest.raises(RuntimeError, match="refused the join") as exc:
+            await taker.astart()
+    said = str(exc.value)
+    assert f"403 forbidden: instance_id '{capability}-sdk' is held by another principal" in said
+    assert f"The refusal is about instance_id '{capability}-sdk', not the token" in said
+    assert "AgentRuntime(instance_id=...)" in said
+    assert "reach tokens issue" not in said
+    assert errors(caplog, "403 forbidden") == [said]  # the log says what the error says
