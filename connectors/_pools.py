@@ -134,9 +134,17 @@ class Pools(Generic[T]):
         instance_id: str | None = None,
     ) -> Entry[T]:
         """The entry for `key` (made from `target`, default the key), in flight until
-        `release`. `instance_id`: the one instance it serves (None: shared, like a broker)."""
+        `release`. `instance_id`: the one instance it serves (None: shared, like a broker); an
+        entry made for none becomes the first instance's that acquires it."""
         entry = self._entries.get(key)
         if entry is not None:
+            if entry.instance_id is None and instance_id is not None:
+                # Opened for no instance (an MCP server's discovery, under `discovery`): the
+                # instance's from now on, under its capability, the one the connection sweep
+                # asks the registry about. Left under `discovery`, the sweep found no such
+                # instance there and closed a live one's connections after each call.
+                entry.instance_id = instance_id
+                entry.capability = capability
             self._entries.move_to_end(key)
             entry.in_flight += 1
             self.stats.count(capability, self.protocol, "reused")

@@ -197,8 +197,6 @@ class McpConnector(PooledConnector):
         entry = self._pools.acquire(
             endpoint.address, endpoint.capability, instance_id=endpoint.instance_id
         )
-        if entry.instance_id is None:  # opened by a discovery: this instance's from now on
-            entry.instance_id = endpoint.instance_id
         server = entry.value
         if server.negotiated is None and server.hint is None:
             hint = endpoint.details.get("protocol_version")
