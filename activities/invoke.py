@@ -154,7 +154,11 @@ class ReachActivities:
     @activity.defn(name=ACTIVITY_RESOLVE)
     async def resolve(self, inp: ResolveInput) -> Endpoint:
         try:
-            return await self.resolver.resolve(inp, reserve=bool(inp.attempt) and _runs_local())
+            local = _runs_local()
+            work = self.resolver.resolve(inp, reserve=bool(inp.attempt) and local)
+            # Queue mode: heartbeats, so a worker lost mid-resolve is noticed within the
+            # heartbeat timeout as a lost inline one is within the workflow task's.
+            return await (work if local else heartbeating(work))
         except ReachError as err:
             raise to_application_error(err) from err
         except Exception as exc:

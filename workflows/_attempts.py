@@ -447,7 +447,10 @@ class AttemptLoop(TaskFollowing):
                     result_type=result_type,
                     task_queue=capability_queue(inp.target),
                     schedule_to_close_timeout=budget,
-                    heartbeat_timeout=timedelta(seconds=10) if name == ACTIVITY_CALL else None,
+                    # Both heartbeat (`activities._heartbeats`): a lost worker is noticed.
+                    heartbeat_timeout=timedelta(seconds=10)
+                    if name in (ACTIVITY_CALL, ACTIVITY_RESOLVE)
+                    else None,
                     retry_policy=ONE_ATTEMPT,
                 )
             return await workflow.execute_local_activity(
@@ -463,7 +466,7 @@ class AttemptLoop(TaskFollowing):
                 self._sent, self._in_flight = sent_before, False  # nothing was sent
                 forget_unsent(self._sent_to, arg, queue=inp.plan.mode == "queue")
                 raise StaleRoute.of(cause) from exc
-            raise error_of(exc, instance_id) from exc
+            raise error_of(exc, instance_id, routing=name == ACTIVITY_RESOLVE) from exc
 
     async def _await_late_answer(self, inp: InvokeInput, instance_id: str) -> InvokeResponse:
         remaining = self._deadline_ms - self._now_ms()

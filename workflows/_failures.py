@@ -105,7 +105,8 @@ def cancel_requested() -> bool:
     return workflow.cancellation_reason() is not None and workflow.patched(PATCH_CALLER_CANCEL)
 
 
-def error_of(exc: FailureError, instance_id: str | None) -> Failed:
+def error_of(exc: FailureError, instance_id: str | None, *, routing: bool = False) -> Failed:
+    """`routing`: the failed step is a resolve (queue mode's heartbeats as a call does)."""
     if is_cancelled_exception(exc) and cancel_requested():
         # The workflow's cancel cancelled the activity: the request ends canceled.
         raise asyncio.CancelledError(workflow.cancellation_reason()) from exc
@@ -113,7 +114,16 @@ def error_of(exc: FailureError, instance_id: str | None) -> Failed:
     cause = exc.cause if isinstance(exc, ActivityError) else exc
     not_sent = claimed = before = False
     if isinstance(cause, TimeoutError):
-        if cause.type == TimeoutType.HEARTBEAT:
+        if cause.type == TimeoutType.HEARTBEAT and routing:
+            # Lost while choosing an instance: nothing was sent, so the same attempt is
+            # routed again after a wait (as after a store outage), no retry spent on it.
+            info = ErrorInfo(
+                type="unavailable",
+                message="the worker was lost while routing the request; nothing was sent",
+                retryable=True,
+            )
+            not_sent = True
+        elif cause.type == TimeoutType.HEARTBEAT:
             info = ErrorInfo(
                 type="transport_error",
                 message="the worker was lost mid-call",
