@@ -240,7 +240,7 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
     import signal
     from pathlib import Path
 
-    from gateway_api.devserver import DevServer, require_all_free
+    from gateway_api.devserver import DevServer, InUse, require_all_free
     from reach.process import run
 
     dev = settings.temporal.dev_server
@@ -263,7 +263,27 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
                 "127.0.0.1",
             )
         )
-    require_all_free(wanted)  # every port in use at once, not one per attempt
+    server = DevServer(
+        dev.db_filename,
+        dev.port,
+        ui_port,
+        log_file=Path(dev.db_filename).parent / "logs" / "temporal.log",
+        retention_hours=dev.retention_hours,
+    )
+    # Every port in use and the database at once, not one per attempt; the database's lock is
+    # held from here until this process ends (and by the dev server it starts).
+    refused: list[str] = []
+    try:
+        require_all_free(wanted)
+    except InUse as exc:
+        refused.append(str(exc))
+    try:
+        server.hold_database()
+    except InUse as exc:
+        refused.append(str(exc))
+    if refused:
+        server.release_database()
+        raise InUse("\n".join(refused))
     state = Path(dev.db_filename).parent
     log_dir = state / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -279,13 +299,6 @@ def cmd_up(settings: ReachSettings, *, demo: bool) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     from gateway_api.supervisor import Up
 
-    server = DevServer(
-        dev.db_filename,
-        dev.port,
-        ui_port,
-        log_file=log_dir / "temporal.log",
-        retention_hours=dev.retention_hours,
-    )
     print(
         f"starting Temporal dev server on 127.0.0.1:{dev.port} ({dev.db_filename}) ...", flush=True
     )
@@ -417,10 +430,10 @@ def _start_up_error(exc: Exception) -> bool:
         return True
     # Loaded already when one of theirs was raised; imported here so that the light commands
     # do not load them up front.
-    from gateway_api.devserver import PortInUse
+    from gateway_api.devserver import InUse
     from reach.config import ConfigError
 
-    return isinstance(exc, ConfigError | PortInUse)
+    return isinstance(exc, ConfigError | InUse)
 
 
 def _exit(code: int, message: str | None = None) -> NoReturn:

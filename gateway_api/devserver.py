@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -42,8 +43,55 @@ port opens before the namespace is served, and the first `temporal operator name
 exits 1 (seen at load 7 on 2 cores: the test session's server and `reach up` failed to start)."""
 
 
-class PortInUse(RuntimeError):
+class InUse(RuntimeError):
+    """Something this stack needs is another's: a port, the dev server's database."""
+
+
+class PortInUse(InUse):
     pass
+
+
+class DatabaseInUse(InUse):
+    pass
+
+
+DB_SETTING = "reach.temporal.dev_server.db_filename / REACH_TEMPORAL__DEV_SERVER__DB_FILENAME"
+
+
+def database_lock(db_filename: str) -> Path:
+    """The file whose lock says that a running dev server uses `db_filename`."""
+    return Path(f"{db_filename}.lock")
+
+
+def hold_database(db_filename: str) -> int:
+    """An open descriptor of `database_lock(db_filename)`, exclusively flock()ed, else
+    DatabaseInUse naming the file, the process that holds it and the setting that moves it.
+
+    Two dev servers on one SQLite file fight for it (`Shard is owned by ...`, SQLITE_BUSY) and
+    nothing refused the second. The lock goes with the last process that holds the descriptor
+    (the stack that took it, and the dev server it hands it to), however it ends: a crashed
+    stack leaves the file behind, never the lock.
+    """
+    path = database_lock(db_filename)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        os.close(fd)
+        by = f" (pid {holder})" if holder.isdigit() else ""
+        raise DatabaseInUse(
+            f"the Temporal dev server database {db_filename} is in use by another running "
+            f"stack{by}: two dev servers on one database corrupt each other. Stop that stack, "
+            f"or give this one its own database with {DB_SETTING}."
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def dies_with_parent(cmd: list[str]) -> list[str]:
@@ -222,6 +270,18 @@ class DevServer:
         self.namespace = namespace
         self.log_file = log_file
         self.process: subprocess.Popen[bytes] | None = None
+        self._lock: int | None = None  # `hold_database`'s descriptor, from the first launch
+
+    def hold_database(self) -> None:
+        """Take the database's lock (DatabaseInUse when another stack holds it) and keep it
+        until `stop`: a restart of the server (`reach up` supervises it) keeps it held."""
+        if self._lock is None:
+            self._lock = hold_database(self.db_filename)
+
+    def release_database(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            os.close(lock)
 
     @property
     def address(self) -> str:
@@ -232,10 +292,14 @@ class DevServer:
 
         Call it on the thread that outlives the child (the main one): `dies_with_parent` ties
         the child to the thread that forked it, not to the process."""
-        Path(self.db_filename).parent.mkdir(parents=True, exist_ok=True)
+        self.hold_database()
+        assert self._lock is not None
         cmd = dies_with_parent(
             command(self.db_filename, self.port, self.ui_port, namespace=self.namespace)
         )
+        # The server holds the lock too: one that outlives whoever started it (killed outright,
+        # its SIGTERM not yet obeyed) still writes the database.
+        held = (self._lock,)
         if self.log_file:
             with open(self.log_file, "ab") as out:  # the child keeps its own descriptor
                 self.process = subprocess.Popen(
@@ -243,6 +307,7 @@ class DevServer:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    pass_fds=held,
                 )
         else:
             self.process = subprocess.Popen(
@@ -250,6 +315,7 @@ class DevServer:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                pass_fds=held,
             )
         return self.process
 
@@ -274,7 +340,7 @@ class DevServer:
                 self.process = None
                 raise RuntimeError(f"the Temporal dev server exited with code {process.returncode}")
             if time.monotonic() > deadline:
-                self.stop()
+                self.end_process()  # the database stays held: the supervisor tries again
                 raise TimeoutError(f"nothing listens on {self.address} after {timeout_s:.0f}s")
             await asyncio.sleep(0.05)
         if self.retention_hours is not None:
@@ -330,6 +396,15 @@ class DevServer:
             time.sleep(0.2)
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server, then let the database go (`hold_database`)."""
+        try:
+            self.end_process(timeout_s)
+        finally:
+            self.release_database()
+
+    def end_process(self, timeout_s: float = 10.0) -> None:
+        """Stop the server process (SIGTERM, then SIGKILL after `timeout_s`); the database's
+        lock stays held."""
         proc, self.process = self.process, None
         if proc is None or proc.poll() is not None:
             return
