@@ -64,6 +64,7 @@ from reach.registry.models import (
     OperationEntry,
     declared_policy,
 )
+from reach.registry.sweeps import SweepPlan
 from reach.store import Record, Store
 
 log = logging.getLogger("reach.registry")
@@ -436,12 +437,11 @@ class Registry:
     def parse(self, stored: Record | None) -> InstanceRecord | None:
         return self._parse(stored)
 
-    async def sweep(self) -> None:
+    async def sweep(self, plan: SweepPlan | None = None) -> None:
         """Prune every capability's index (logging evictions), then forget the capabilities
-        idle past their retention."""
-        for capability in await self.capabilities():
-            await self._evicted(capability, await self.store.prune_group(capability))
-        for capability in await self.store.expire():
+        idle past their retention; with `plan` (the background sweep's), only its due steps."""
+        sweeping = plan or SweepPlan()
+        for capability in await sweeping.run(self.store, self.capabilities, self._evicted):
             log.info(
                 "forgot capability=%s: no join or heartbeat for %.0fs",
                 capability,

@@ -45,6 +45,7 @@ from reach.registry import (
     Registry,
 )
 from reach.registry.snapshot import CapabilitySnapshot, RouteEntry
+from reach.registry.sweeps import SweepPlan
 from reach.store.base import Record, Subscription
 
 log = logging.getLogger("reach.registry.view")
@@ -262,10 +263,12 @@ class RegistryView:
 
     async def _sweep(self) -> None:
         assert self.sweep_s is not None
+        # Each tick runs only the store steps due (reach/registry/sweeps.py).
+        plan = SweepPlan(self.registry.settings.heartbeat_timeout)
         while True:
             await asyncio.sleep(self.sweep_s)
             try:
-                await self.registry.sweep()
+                await self.registry.sweep(plan)
             except ReachError as exc:
                 log.warning("registry sweep skipped: %s", exc)
             except Exception:

@@ -84,11 +84,12 @@ return {page[1], live, evicted}
 )
 
 # A page of a group, as _SCAN. KEYS: the group's index. ARGV: record-key prefix, group, cursor,
-# count. Returns {next cursor, the ids pruned}.
+# count. Returns {next cursor, the ids pruned, the shortest TTL in ms of the page's live members
+# (-1: none)}: no member of the page can expire sooner.
 PRUNE = (
     HELPERS
     + """
-local evicted = {}
+local evicted, soonest = {}, -1
 local page = redis.call('SSCAN', KEYS[1], ARGV[3], 'COUNT', ARGV[4])
 for _, id in ipairs(page[2]) do
   local group = redis.call('HGET', ARGV[1] .. id, '_group')
@@ -96,9 +97,12 @@ for _, id in ipairs(page[2]) do
     if redis.call('SREM', KEYS[1], id) == 1 then table.insert(evicted, id) end
   elseif group ~= ARGV[2] then
     redis.call('SREM', KEYS[1], id)
+  else
+    local ttl = redis.call('PTTL', ARGV[1] .. id)
+    if ttl >= 0 and (soonest < 0 or ttl < soonest) then soonest = ttl end
   end
 end
-return {page[1], evicted}
+return {page[1], evicted, soonest}
 """
 )
 

@@ -132,6 +132,12 @@ class Store(ABC):
         (what `scan_group` prunes, without reading the live records)."""
         return (await self.scan_group(group)).evicted
 
+    async def prune_group_soonest(self, group: str) -> tuple[list[str], float | None]:
+        """`prune_group`, and the seconds before the first of the group's live records can
+        expire (inf: it has none that can; None: not known). Heartbeats only push a record's
+        expiry back, so no member there now is gone sooner. This store does not know: None."""
+        return await self.prune_group(group), None
+
     @abstractmethod
     async def group_known(self, group: str) -> bool: ...
 

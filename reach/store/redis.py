@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -228,15 +229,21 @@ class RedisStore(Store):
                 return scan
 
     async def prune_group(self, group: str) -> list[str]:
+        return (await self.prune_group_soonest(group))[0]
+
+    async def prune_group_soonest(self, group: str) -> tuple[list[str], float | None]:
         pruned: list[str] = []
-        keys, cursor = [self._grp(group)], "0"
+        keys, cursor, soonest_ms = [self._grp(group)], "0", -1
         while True:
-            cursor, evicted = await self._run(
+            cursor, evicted, page_ms = await self._run(
                 self._prune, keys, [self._rec(""), group, cursor, PRUNE_COUNT]
             )
             pruned.extend(evicted)
+            if int(page_ms) >= 0 and (soonest_ms < 0 or int(page_ms) < soonest_ms):
+                soonest_ms = int(page_ms)
             if str(cursor) == "0":
-                return pruned
+                # No live record with a TTL: none can expire before one is written.
+                return pruned, (soonest_ms / 1000 if soonest_ms >= 0 else math.inf)
 
     async def group_known(self, group: str) -> bool:
         return bool(await self._run(self._known, [self._groups], [group]))
@@ -302,16 +309,13 @@ class _RedisSubscription(Subscription):
                 await pubsub.subscribe(self._channel)
                 self._listener(None)
                 delay_s = 0.1
-                quiet_s = 0.0
                 while True:
-                    message = await pubsub.get_message(timeout=1.0)
+                    # One wait for the whole quiet spell (not a wake-up a second: three
+                    # subscriptions a gateway woke its loop three times a second for nothing).
+                    message = await pubsub.get_message(timeout=self.PING_AFTER_S)
                     if message is None:
-                        quiet_s += 1.0
-                        if quiet_s >= self.PING_AFTER_S:
-                            await pubsub.ping()
-                            quiet_s = 0.0
+                        await pubsub.ping()
                         continue
-                    quiet_s = 0.0
                     if message.get("type") == "message":
                         self._listener(str(message["data"]))
             except asyncio.CancelledError:

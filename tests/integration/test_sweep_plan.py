@@ -1,0 +1,99 @@
+"""The background sweep runs the store only when it can find something (reach/registry/
+sweeps.py), and still evicts a silent instance as soon after its expiry as a sweep every
+tick did: on a real Redis, and on the memory store (which cannot say when records expire)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from reach.config import RegistrySettings
+from reach.registry import HealthReport, JoinRequest, Registry
+from reach.registry.sweeps import SweepPlan
+from reach.store import MemoryStore, Store
+from reach.store.redis import RedisStore
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 1.0
+SETTINGS = RegistrySettings(heartbeat_timeout=TIMEOUT_S, heartbeat_interval=0.2)
+TICK_S = 0.05
+
+
+def join(instance_id: str, capability: str) -> JoinRequest:
+    return JoinRequest(capability=capability, instance_id=instance_id, service_address="a:1")
+
+
+@pytest.fixture
+async def redis_store(redis_url: str, redis_prefix: str) -> AsyncIterator[RedisStore]:
+    s = RedisStore.from_url(redis_url, prefix=redis_prefix)
+    try:
+        yield s
+    finally:
+        await s.aclose()
+
+
+async def ticks_until_evicted(
+    reg: Registry, plan: SweepPlan, evicted: list[str], instance_id: str, within_s: float
+) -> float:
+    """Sweep with `plan` every tick until `instance_id` is evicted; when (monotonic)."""
+    deadline = time.monotonic() + within_s
+    while instance_id not in evicted:
+        assert time.monotonic() < deadline, f"{instance_id} not evicted within {within_s}s"
+        await reg.sweep(plan)
+        await asyncio.sleep(TICK_S)
+    return time.monotonic()
+
+
+async def test_redis_prunes_only_when_a_record_can_have_expired(redis_store: Store) -> None:
+    reg = Registry(redis_store, SETTINGS)
+    evicted: list[str] = []
+    reg.on_evicted(lambda _capability, instance_id: evicted.append(instance_id))
+    await reg.join(join("kept", "swept"))
+    await reg.join(join("silent", "swept"))
+    plan = SweepPlan(TIMEOUT_S)
+    for _ in range(8):  # 0.4 s of ticks: every record has most of its TTL left
+        await reg.sweep(plan)
+        await asyncio.sleep(TICK_S)
+    assert plan.pruned == 1
+    # One instance goes silent; the other heartbeats: the silent one is evicted within a tick
+    # or two of its expiry, and the heartbeating one never.
+    silent_since = time.monotonic()
+    deadline = silent_since + TIMEOUT_S + 1.0
+    while "silent" not in evicted:
+        assert time.monotonic() < deadline, "the silent instance was not evicted in time"
+        await reg.heartbeat("kept", HealthReport())
+        await reg.sweep(plan)
+        await asyncio.sleep(TICK_S)
+    assert time.monotonic() - silent_since >= TIMEOUT_S - 0.5  # not before its record expired
+    assert evicted == ["silent"]
+    assert [i.instance_id for i in await reg.instances("swept")] == ["kept"]
+    assert plan.pruned < 12  # against ~25 ticks: a prune every tick before
+
+
+async def test_a_capability_new_since_the_listing_is_swept_in_time(redis_store: Store) -> None:
+    reg = Registry(redis_store, SETTINGS)
+    evicted: list[str] = []
+    reg.on_evicted(lambda _capability, instance_id: evicted.append(instance_id))
+    plan = SweepPlan(TIMEOUT_S)
+    await reg.sweep(plan)  # lists no capability
+    await reg.join(join("late", "newcomer"))
+    joined = time.monotonic()
+    evicted_at = await ticks_until_evicted(reg, plan, evicted, "late", TIMEOUT_S + 1.0)
+    assert evicted_at - joined >= TIMEOUT_S - 0.5
+
+
+async def test_a_store_that_cannot_say_is_pruned_every_tick() -> None:
+    store = MemoryStore()
+    reg = Registry(store, SETTINGS)
+    evicted: list[str] = []
+    reg.on_evicted(lambda _capability, instance_id: evicted.append(instance_id))
+    await reg.join(join("m", "memory"))
+    plan = SweepPlan(TIMEOUT_S)
+    for _ in range(3):
+        await reg.sweep(plan)
+    assert plan.pruned == 3
+    await ticks_until_evicted(reg, plan, evicted, "m", TIMEOUT_S + 1.0)
