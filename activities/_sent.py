@@ -65,9 +65,12 @@ def idempotent(policy: PolicySettings, inp: CallInput) -> bool:
 def _may_follow_a_send(inp: CallInput) -> bool:
     """Whether an earlier run of this very call may have sent it: a local activity is run again,
     silently, when the workflow task that ran it was lost (its process stopped, or its
-    completion was refused), unless the workflow says this is its first task. A regular
-    activity runs once per scheduling, unless Temporal retried it (`attempt` > 1: the one
-    before timed out without reporting, and may have sent it)."""
+    completion was refused), unless the workflow says nothing can have been sent before: this
+    is its first task (the door's route), or the attempt was routed in this very task by a
+    resolve that found no other run's pin (`routed_here`: every run that sends a routed
+    attempt pins it first, so a lost one would have left its pin). A regular activity runs
+    once per scheduling, unless Temporal retried it (`attempt` > 1: the one before timed out
+    without reporting, and may have sent it)."""
     try:
         info = activity.info()
     except RuntimeError:  # called outside an activity (tests)
@@ -76,7 +79,7 @@ def _may_follow_a_send(inp: CallInput) -> bool:
         return True
     if inp.check_first and inp.first_run:
         return False
-    return info.is_local
+    return info.is_local and not inp.routed_here
 
 
 async def claim_send(state: PolicyState, inp: CallInput) -> None:

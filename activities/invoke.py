@@ -181,7 +181,8 @@ class ReachActivities:
     async def pinned_attempt(self, query: PinQuery) -> str:
         """The instance attempt `query.attempt` was pinned to ("" when none is recorded)."""
         try:
-            return await pinned_instance(self.policy, query.request_id, query.attempt) or ""
+            pinned = await pinned_instance(self.policy, query.request_id, query.attempt, query.made)
+            return pinned or ""
         except ReachError as err:
             raise to_application_error(err) from err
 
@@ -265,6 +266,7 @@ class ReachActivities:
                     inp.movable,
                     fresh=inp.first_run or not _runs_local(),
                     deadline_ms=header.deadline_ms,
+                    token=inp.pin_token,
                 )
             connector = self.connectors.get(endpoint.protocol)
             if connector.continues(inp.message):  # a follow-up: only to its own caller

@@ -188,6 +188,11 @@ class PinQuery(BaseModel):
 
     request_id: str
     attempt: int
+    made: int = Field(
+        default=0,
+        description="How many claims of the attempt's pin the asking run made itself: only a "
+        "claim another run made after them names an instance (`reach.resolve.pin_key`).",
+    )
 
 
 class ResolveInput(BaseModel):
@@ -211,6 +216,17 @@ class ResolveInput(BaseModel):
         default=None,
         description="The instance (`pin_of`) that got this attempt first, when the workflow "
         "knows it (chosen at the door): a re-run goes back to it.",
+    )
+    token: str | None = Field(
+        default=None,
+        description="The token this resolve's pin claim carries (the workflow's: it tells "
+        "this run's claims from a lost task's, `workflows._pins`); None: a random one.",
+    )
+    again: int = Field(
+        default=0,
+        description="How many times this run claimed the attempt's pin before (a resolve "
+        "again after a wait, a re-delivery): its claim then goes on a key of its own "
+        "(`reach.resolve.pin_key`), and only that key found taken is another run's.",
     )
 
 
@@ -267,6 +283,17 @@ class CallInput(BaseModel):
         default=False,
         description="With check_first: the workflow's first task is running it, so nothing "
         "can have been sent before (a re-run after a crash is a later task).",
+    )
+    pin_token: str | None = Field(
+        default=None,
+        description="With check_first: the token a pin of the door's route carries "
+        "(`ResolveInput.token`); None: a random one.",
+    )
+    routed_here: bool = Field(
+        default=False,
+        description="Resolve routed this attempt in the workflow task that runs this call, "
+        "found no other run's pin, and no earlier run of the attempt may have sent it: a "
+        "send-once claim the store cannot check then means nothing was sent.",
     )
 
 

@@ -135,6 +135,7 @@ class Resolver:
         *,
         fresh: bool,
         deadline_ms: int | None = None,
+        token: str | None = None,
     ) -> bool:
         """Before calling the endpoint chosen at the door: go on if its instance is still the
         one chosen (alive, routable, not restarted); else `StaleRoute` when nothing can have
@@ -156,7 +157,7 @@ class Resolver:
                     request_id,
                     endpoint.instance_id,
                 )
-                return await self._pin_door_route(endpoint, request_id, deadline_ms)
+                return await self._pin_door_route(endpoint, request_id, deadline_ms, token)
             return False
         if fresh or movable:
             raise StaleRoute(
@@ -280,27 +281,35 @@ class Resolver:
         back to the instance that got it first while it is alive: that instance answers a
         re-delivered RequestID from its memory instead of running it a second time. The
         workflow names that instance itself (`inp.pin`) when the door chose it. Also whether
-        another run pinned it first (each claim carries a token of its own): that run was
-        lost, and may have sent it."""
+        another run pinned it (each claim carries a token of its own, the workflow's: a run's
+        claim again of the same attempt, `inp.again`, is checked on a key of its own, so that
+        its own earlier claim never reads as another run's): that run was lost, and may have
+        sent it."""
         ttl_s = max(1.0, (inp.deadline_ms - time.time() * 1000) / 1000) + PIN_MARGIN_S
         key = pin_key(inp.request_id, inp.attempt)
         # The join time tells a restarted process (same instance id, empty memory) apart.
-        mine = f"{inp.pin or _pin(chosen)} {uuid.uuid4().hex[:16]}"
-        held = await self.policy.state.claim(key, mine, ttl_s)
-        before = held != mine
-        held = " ".join(held.split(" ")[:2])  # without its claim's token (none before them)
+        mine = f"{inp.pin or _pin(chosen)} {inp.token or uuid.uuid4().hex[:16]}"
+        first = await self.policy.state.claim(key, mine, ttl_s)
+        before = first != mine
+        held = " ".join(first.split(" ")[:2])  # without its claim's token (none before them)
+        if inp.again and inp.token:
+            # This run claimed the attempt before (the first key holds its own claim, or one it
+            # was told of then): only its claim number `again` found taken is another run's.
+            again = f"{held} {inp.token}"
+            key = pin_key(inp.request_id, inp.attempt, inp.again)
+            before = await self.policy.state.claim(key, again, ttl_s) != again
         if held == _pin(chosen):
             return chosen, before
         owner = held.partition(" ")[0]
-        first = snap.by_id.get(owner)
-        if first is not None and first.routable and _pin(first) == held:
+        owned = snap.by_id.get(owner)
+        if owned is not None and owned.routable and _pin(owned) == held:
             log.info(
                 "request=%s attempt=%d goes back to %s, which got it first",
                 inp.request_id,
                 inp.attempt,
                 owner,
             )
-            return first, before
+            return owned, before
         if movable:
             return chosen, before
         # Not idempotent, no key, and the instance that got it is gone (or restarted): sending
@@ -308,13 +317,13 @@ class Resolver:
         raise _lost(owner)
 
     async def _pin_door_route(
-        self, endpoint: Endpoint, request_id: str, deadline_ms: int | None
+        self, endpoint: Endpoint, request_id: str, deadline_ms: int | None, token: str | None
     ) -> bool:
         left_s = ((deadline_ms or 0) - time.time() * 1000) / 1000
         # A token of this claim's own, as `_pinned`'s: a lost task that called this route
         # after the same wait pinned it first (the gateway killed with its agent: this run's
         # call then meets a refused connection, and only the pin says the lost one ran).
-        mine = f"{endpoint_pin(endpoint)} {uuid.uuid4().hex[:16]}"
+        mine = f"{endpoint_pin(endpoint)} {token or uuid.uuid4().hex[:16]}"
         try:
             held = await self.policy.state.claim(
                 pin_key(request_id, 1), mine, max(1.0, left_s) + PIN_MARGIN_S
@@ -333,14 +342,19 @@ class Resolver:
             return False
 
 
-def pin_key(request_id: str, attempt: int) -> str:
-    """The policy-state claim naming the instance (and its join) an attempt was sent to."""
-    return f"pin:{request_id}:{attempt}"
+def pin_key(request_id: str, attempt: int, again: int = 0) -> str:
+    """The policy-state claim naming the instance (and its join) an attempt was sent to; with
+    `again` > 0, a run's claim number `again` of it (`ResolveInput.again`)."""
+    return f"pin:{request_id}:{attempt}" + (f":{again}" if again else "")
 
 
-async def pinned_instance(policy: PolicyEngine, request_id: str, attempt: int) -> str | None:
-    """The instance attempt `attempt` was pinned to, if the store still has it."""
-    held = await policy.state.peek(pin_key(request_id, attempt))
+async def pinned_instance(
+    policy: PolicyEngine, request_id: str, attempt: int, made: int = 0
+) -> str | None:
+    """The instance attempt `attempt` was pinned to, if the store still has it; when the asking
+    run made `made` claims of it itself, only one another run made after them (its number
+    `made` taken) names one: the run knows where it sent the attempt itself."""
+    held = await policy.state.peek(pin_key(request_id, attempt, made))
     return held.partition(" ")[0] if held else None
 
 

@@ -58,7 +58,6 @@ with workflow.unsafe.imports_passed_through():
         Rule,
         WaitForStore,
         after_failure,
-        after_store_failure,
         refine_plan,
         timed_out,
     )
@@ -67,7 +66,6 @@ with workflow.unsafe.imports_passed_through():
         KEY_IT,
         ONE_ATTEMPT,
         SAFE_AGAIN,
-        STORE_STEP,
         Failed,
         StaleRoute,
         cancelled,
@@ -79,6 +77,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows._following import TaskFollowing
     from workflows._following import capability_queue as capability_queue  # invoke.py's
+    from workflows._pins import RunPins, current_history
+    from workflows._store_steps import store_step
 
 # Requests accepted before a broken call was re-delivered to its instance retried elsewhere;
 # those accepted before a store outage at routing was waited out gave up as they did then.
@@ -128,6 +128,7 @@ class AttemptLoop(TaskFollowing):
         self._slept = False  # whether this request has waited on a durable timer
         self._history_at_attempt = 0  # the history's length when the current attempt began
         self._pinned_before = False  # resolve found this attempt pinned by another (lost) run
+        self._pins = RunPins()  # this run's pin claims of each attempt
         self._calling: str | None = None  # the instance the current attempt's call went to
         self._cancel_said: str | None = None  # set when a cancel asked an agent's task to stop
 
@@ -212,15 +213,16 @@ class AttemptLoop(TaskFollowing):
             except StaleRoute as stale:
                 workflow.logger.info("attempt 1 is routed again: %s", stale)
                 error = ErrorInfo(type="no_instance", message=str(stale), retryable=True)
-                lost = self._lost_before() or stale.pinned_before  # a lost task's may have sent it
+                # A lost task's may have sent it (remembered for the attempt: `RunPins.saw`).
+                lost = self._pins.saw(tries.number, stale.pinned_before) or self._lost_before()
                 failure = Failure(error, stale_route=True, lost_run=lost)
             except Failed as failed:
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)
-                lost = self._lost_before() or failed.pinned_before  # and claimed nothing
+                lost = self._pins.saw(tries.number, failed.pinned_before) or self._lost_before()
                 named = None  # the instance a lost task sent it to, after a wait
                 if failed.unrouted and not lost:
-                    named = await sent_by_lost_run(inp, tries.number)
+                    named = await sent_by_lost_run(inp, tries.number, self._pins.made(tries.number))
                 failure = Failure(
                     failed.error,
                     failed.instance_id or named,
@@ -277,6 +279,10 @@ class AttemptLoop(TaskFollowing):
         self._in_flight = False
         self._history_at_attempt = workflow.info().get_current_history_length()
         self._pinned_before = False
+        first_run = current_history() <= FIRST_TASK_EVENTS  # with a door's route
+        resolved_at, token, again = current_history(), None, 0
+        if door is None or not first_run:  # a pin is claimed: resolve's, or the door route's
+            token, again = self._pins.claim(attempt)
         try:
             if door is not None:
                 endpoint = door
@@ -295,11 +301,14 @@ class AttemptLoop(TaskFollowing):
                         deadline_ms=self._deadline_ms,
                         movable=self._movable(inp),
                         pin=pin,
+                        token=token,
+                        again=again,
                     ),
                     Endpoint,
                     None,
                 )
-            instance_id, self._pinned_before = endpoint.instance_id, endpoint.pinned_before
+            instance_id = endpoint.instance_id
+            self._pinned_before = self._pins.saw(attempt, endpoint.pinned_before)
             self._sent_to[instance_id] = endpoint.principal
             breaker = endpoint.breaker
             self._plan, self._deadline_ms = refine_plan(
@@ -335,14 +344,17 @@ class AttemptLoop(TaskFollowing):
                     timeout_ms=max(1, remaining),
                     judge_timeouts=self._plan.judge_timeouts,
                     check_first=door is not None,
-                    first_run=door is not None
-                    and workflow.info().get_current_history_length() <= FIRST_TASK_EVENTS,
+                    first_run=door is not None and first_run,
                     movable=movable if movable is not None else bool(endpoint.declared_idempotent),
+                    pin_token=token if door is not None else None,
+                    routed_here=door is None and self._routed_here(attempt, resolved_at),
                 ),
                 Reply,
                 instance_id,
             )
         except Failed as failed:
+            if failed.unrouted and token is not None:  # never scheduled: claimed nothing
+                self._pins.forget(attempt)
             self._note(attempt, failed.instance_id, failed.error.type, started, breaker)
             raise
         # "accepted", or an agent's task that ended asking (input_required) or canceled.
@@ -356,6 +368,12 @@ class AttemptLoop(TaskFollowing):
         if reply.status != "accepted":
             return self._final_reply(inp, reply, instance_id)
         return await self._await_late_answer(inp, instance_id)
+
+    def _routed_here(self, attempt: int, resolved_at: int) -> bool:
+        """Whether the call of the attempt just resolved can follow no send of it (`RunPins`)."""
+        tries = self._tries
+        settled = tries.unknown is None and not tries.redeliveries and not self._lost_before()
+        return self._pins.routed_here(attempt, resolved_at, settled=settled)
 
     def _movable(self, inp: InvokeInput) -> bool | None:
         """Whether a re-run of an attempt may go elsewhere when its instance is gone."""
@@ -384,39 +402,11 @@ class AttemptLoop(TaskFollowing):
     async def _store_step(
         self, inp: InvokeInput, name: str, arg: Any, result_type: type[Any], until_ms: int
     ) -> Any:
-        """A quick store step (claim, token, release): a local activity, tried again on durable
-        timers while the store is away, until `until_ms`."""
-        waits = 0
-        while True:
-            try:
-                return await workflow.execute_local_activity(
-                    name,
-                    arg,
-                    result_type=result_type,
-                    schedule_to_close_timeout=STORE_STEP,
-                    retry_policy=ONE_ATTEMPT,
-                )
-            except (ActivityError, ApplicationError, TimeoutError) as exc:
-                failed = error_of(exc, None)
-                if failed.error.type == "timeout":
-                    failed.error = ErrorInfo(
-                        type="unavailable",
-                        message=f"the policy store did not answer ({name})",
-                        retryable=True,
-                    )
-                step = after_store_failure(
-                    waits, Failure(failed.error), now_ms=self._now_ms(), until_ms=until_ms
-                )
-                if isinstance(step, GiveUp):
-                    raise failed from exc
-                workflow.logger.warning(
-                    "%s failed (%s); trying again in %.1fs",
-                    name,
-                    failed.error.message,
-                    step.delay_s,
-                )
-                waits += 1
-                await self._sleep(step.delay_s)
+        """A quick store step (claim, token, release), waiting for the store until `until_ms`."""
+        del inp
+        return await store_step(
+            name, arg, result_type, until_ms, now_ms=self._now_ms, sleep=self._sleep
+        )
 
     async def _run(
         self,

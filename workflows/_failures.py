@@ -194,18 +194,19 @@ async def name_lost_attempt(inp: InvokeInput, report: Failure) -> Failure:
     return replace(report, instance_id=pinned or None)
 
 
-async def sent_by_lost_run(inp: InvokeInput, attempt: int) -> str | None:
+async def sent_by_lost_run(inp: InvokeInput, attempt: int, made: int = 0) -> str | None:
     """The instance a lost workflow task sent attempt `attempt` to, when this run met the
     deadline before routing it: a task that ran the attempt after a wait (its timer fired in
     that task) and was lost with its worker leaves no trace in the history, only the pin its
     resolve claimed in the store before the call. None: no pin (nothing was routed), or the
-    store could not say."""
+    store could not say. `made`: this run's own claims of the pin (`workflows._pins`), which
+    say nothing of a lost run."""
     if not workflow.patched(PATCH_LOST_AFTER_WAIT):
         return None
     try:
         pinned: str = await workflow.execute_local_activity(
             ACTIVITY_PINNED_ATTEMPT,
-            PinQuery(request_id=inp.request_id, attempt=attempt),
+            PinQuery(request_id=inp.request_id, attempt=attempt, made=made),
             result_type=str,
             schedule_to_close_timeout=STORE_STEP,
             retry_policy=ONE_ATTEMPT,

@@ -1,0 +1,176 @@
+"""A write to an agent that would run it twice (here an MCP server) whose send-once claim meets
+the store away was never sent: it must not be reported as one that may have run (issue 25:
+false alarms make callers give up on requests that never started).
+
+The store is a real Redis behind a proxy in this process that drops every connection carrying
+a command on a send-once claim (`sent:` keys): to the gateway the store is away exactly when the
+call activity claims the send, and there for everything else (registry, routing, the attempt's
+pin). Two stories through one real gateway (Temporal dev server, MCP server):
+
+- the store comes back while the request waits for it: the request is then sent, runs once and
+  succeeds. Before, the second run of the call (routed by the workflow's resolve, a local
+  activity) answered `outcome_unknown` at once, the server never called;
+- the store never comes back before the deadline: the request ends a retryable `unavailable`,
+  not `outcome_unknown`, and the server was never called. Before, each wait re-routed the same
+  attempt and resolve read this run's own pin as a lost run's (`pinned_before`), so the request
+  ended "an earlier run ... may have sent it".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway_api.devserver import free_port
+from tests.conftest import new_stack
+from tests.helpers import GatewayProcess, invoke, rid, wait_until
+from tests.integration.test_connector_mcp import registered
+from tests.integration.test_redis_outages import RedisServer
+from tests.mcp_servers import McpServerProcess
+
+pytestmark = pytest.mark.integration
+
+SENT = b"claim:sent:"  # the send-once claims' keys (activities._sent.sent_key, in the claim space)
+
+
+class ClaimBlocker:
+    """A TCP proxy to a Redis that drops a connection as soon as a command on a send-once claim
+    comes through it, while `blocking`; everything else passes."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.blocking = True
+        self.dropped = 0
+        self._server: asyncio.Server | None = None
+        self._pumps: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> ClaimBlocker:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._pumps):
+            task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        both = [
+            asyncio.create_task(self._pump(reader, up_writer, check=True)),
+            asyncio.create_task(self._pump(up_reader, writer, check=False)),
+        ]
+        self._pumps.update(both)
+        try:
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in both:
+                task.cancel()
+            for w in (writer, up_writer):
+                with contextlib.suppress(Exception):
+                    w.close()
+            self._pumps.difference_update(both)
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, check: bool
+    ) -> None:
+        while chunk := await reader.read(65536):
+            if check and self.blocking and SENT in chunk:
+                self.dropped += 1
+                return  # never forwarded: the claim is not made
+            writer.write(chunk)
+            await writer.drain()
+
+
+@pytest.fixture
+async def stack(
+    temporal_server: str, tmp_path: Path
+) -> AsyncIterator[tuple[GatewayProcess, McpServerProcess, ClaimBlocker]]:
+    redis = RedisServer()
+    redis.start()
+    server = McpServerProcess(tmp_path, "stateless").start()
+    try:
+        async with ClaimBlocker(redis.port) as blocker:
+            stack = new_stack(
+                temporal_server,
+                tmp_path,
+                registry="redis",
+                heartbeat_timeout=60.0,
+                extra={"REACH_REGISTRY__REDIS_URL": blocker.url},
+            )
+            async with GatewayProcess(stack) as gateway:
+                await server.ready()
+                yield gateway, server, blocker
+    finally:
+        server.stop()
+        redis.stop()
+
+
+def runs(server: McpServerProcess, tag: str) -> int:
+    return server.calls.read_text().splitlines().count(tag)
+
+
+async def test_a_write_that_waited_for_its_send_claim_runs_once_when_the_store_is_back(
+    stack: tuple[GatewayProcess, McpServerProcess, ClaimBlocker], http: httpx.AsyncClient
+) -> None:
+    gateway, server, blocker = stack
+    async with registered(http, gateway, server, "tools-away"):
+        tag = rid()
+        call = asyncio.create_task(
+            invoke(
+                http,
+                gateway,
+                "tools-away",
+                "count",
+                request_id=rid(),
+                payload={"tag": tag},
+                timeout_ms=40_000,
+            )
+        )
+        # Refused unsent twice (the door's route, then the workflow's own): it waits again.
+        await wait_until(lambda: call.done() or blocker.dropped >= 2, 30)
+        await wait_until(
+            lambda: call.done() or gateway.proc.output().count("waiting for the store") >= 2, 30
+        )
+        blocker.blocking = False
+        r = await call
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "success", r.text
+        assert runs(server, tag) == 1
+
+
+async def test_a_write_whose_send_claim_never_met_the_store_is_retryable_not_unknown(
+    stack: tuple[GatewayProcess, McpServerProcess, ClaimBlocker], http: httpx.AsyncClient
+) -> None:
+    gateway, server, blocker = stack
+    async with registered(http, gateway, server, "tools-away"):
+        tag = rid()
+        r = await invoke(
+            http,
+            gateway,
+            "tools-away",
+            "count",
+            request_id=rid(),
+            payload={"tag": tag},
+            timeout_ms=8_000,
+        )
+        assert blocker.dropped >= 3, blocker.dropped  # re-routed after each wait for the store
+        body = r.json()
+        error = body["error"]
+        assert not error.get("outcome_unknown"), body  # nothing was sent, by any run
+        assert error["type"] in ("unavailable", "timeout"), body
+        assert runs(server, tag) == 0
+        if error["type"] == "unavailable":
+            assert error["retryable"] is True, body
