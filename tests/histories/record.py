@@ -117,6 +117,13 @@ async def call(inp: CallInput) -> Reply:
             type="transport_error",
             non_retryable=True,
         )
+    if op == "unsent" and first_time(f"call-{inp.message.header.request_id}"):
+        raise ApplicationError(  # the send-once claim met the store away: nothing was sent
+            "attempt 1 was not sent to i0: the store is away",
+            {"retryable": True, "not_sent": True},
+            type="unavailable",
+            non_retryable=True,
+        )
     if op == "claimed":  # another run holds the attempt's send-once claim: refused unsent
         raise ApplicationError(
             "attempt 1 was sent to i0 by a run whose Reach process stopped",
@@ -223,6 +230,9 @@ CASES = {
     # A call refused unsent (another run's send-once claim): reported, not re-delivered
     # (PATCH_NOT_SENT).
     "not-sent": ("claimed", {}),
+    # A call refused unsent (its send-once claim met the store away): waited for, and the same
+    # attempt resolved again, its pin claimed again on a key of its own (PATCH_PIN_CLAIMS).
+    "unsent-again": ("unsent", {}),
     # Attempt 1 after a lost run (its first task's history longer than a first task's: here a
     # signal came with the start): the store away until the deadline; the lost run is
     # remembered (PATCH_LOST_RUN) and named from the pin at the end (PATCH_NAME_LOST_LATER).
