@@ -309,13 +309,20 @@ class _RedisSubscription(Subscription):
                 await pubsub.subscribe(self._channel)
                 self._listener(None)
                 delay_s = 0.1
+                clock = asyncio.get_running_loop().time
+                quiet_since = clock()
                 while True:
                     # One wait for the whole quiet spell (not a wake-up a second: three
                     # subscriptions a gateway woke its loop three times a second for nothing).
+                    # None also comes at once for what is not a message (the subscribe's
+                    # confirmation, a ping's pong): only a spell that lasted is pinged.
                     message = await pubsub.get_message(timeout=self.PING_AFTER_S)
                     if message is None:
-                        await pubsub.ping()
+                        if clock() - quiet_since >= self.PING_AFTER_S:
+                            await pubsub.ping()
+                            quiet_since = clock()
                         continue
+                    quiet_since = clock()
                     if message.get("type") == "message":
                         self._listener(str(message["data"]))
             except asyncio.CancelledError:

@@ -1,14 +1,17 @@
 """The background sweep runs the store only when it can find something (reach/registry/
 sweeps.py), and still evicts a silent instance as soon after its expiry as a sweep every
-tick did: on a real Redis, and on the memory store (which cannot say when records expire)."""
+tick did: on a real Redis, and on the memory store (which cannot say when records expire).
+A quiet Redis subscription wakes once a spell, not once a round trip."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+from redis.asyncio.client import PubSub
 
 from reach.config import RegistrySettings
 from reach.registry import HealthReport, JoinRequest, Registry
@@ -97,3 +100,33 @@ async def test_a_store_that_cannot_say_is_pruned_every_tick() -> None:
         await reg.sweep(plan)
     assert plan.pruned == 3
     await ticks_until_evicted(reg, plan, evicted, "m", TIMEOUT_S + 1.0)
+
+
+async def test_a_quiet_subscription_pings_once_a_spell_and_still_hears(
+    redis_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The reader waits out a whole quiet spell in one read; a None that comes at once (the
+    # subscribe's confirmation, a ping's pong) must not start another ping: that spun the
+    # loop at a ping per round trip.
+    pings: list[float] = []
+    real_ping = PubSub.ping
+
+    def counting_ping(self: PubSub, message: object = None) -> Any:
+        pings.append(time.monotonic())
+        return real_ping(self, message)
+
+    monkeypatch.setattr(PubSub, "ping", counting_ping)
+    heard: list[str | None] = []
+    subscription = await redis_store.subscribe("quiet", heard.append)
+    subscription.PING_AFTER_S = 0.2  # type: ignore[attr-defined]  # its first read not yet made
+    try:
+        await asyncio.sleep(1.3)
+        assert 3 <= len(pings) <= 9, f"{len(pings)} pings in 1.3 s, one per 0.2 s spell"
+        await redis_store.publish("quiet", "still here")
+        deadline = time.monotonic() + 5
+        while "still here" not in heard:
+            assert time.monotonic() < deadline, "the message after the quiet spell was lost"
+            await asyncio.sleep(0.02)
+        assert heard[0] is None  # told on (re)connecting that it may have missed some
+    finally:
+        await subscription.aclose()
