@@ -264,9 +264,17 @@ def cmd_invoke(api: Api, args: argparse.Namespace) -> int:
     print(line, file=sys.stderr)
     # 504 with status running: the deadline passed without a verdict; the request goes on.
     hint = f" — no verdict yet; look later: reach trace {rid}" if outcome == "running" else ""
-    if outcome == "timeout":
+    error = data.get("error")
+    if outcome == "timeout" and isinstance(error, dict) and error.get("outcome_unknown"):
+        # Sent and never answered: it may have run, and a repeat may run it again; the
+        # envelope's own words say when one is harmless (its key, its operation).
+        hint = (
+            f" — it may have run: look (reach trace {rid}) before sending it again; to wait "
+            "longer: --timeout-ms MS"
+        )
+    elif outcome == "timeout":
         # Without --timeout-ms the deadline is the operation's or policy.default_timeout_ms (5 s).
-        hint = " — to wait longer: --timeout-ms MS"
+        hint = " — never sent; to wait longer: --timeout-ms MS"
     print(f"error: {error_text(data)} (HTTP {status}){hint}", file=sys.stderr)
     return EXIT_FAILED
 

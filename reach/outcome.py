@@ -27,6 +27,30 @@ FAILING = frozenset({"error", "timeout"})
 MESSAGE_MAX = 300
 
 
+def may_have_run(who: str, *, idempotent: bool, keyed: bool) -> str:
+    """What a request that timed out after it was (or may have been) sent tells its caller, in
+    words that agree with its `retryable: false`: it may have run, so Reach does not invite a
+    repeat. Said before: "the operation is idempotent or the request keyed, so repeating it is
+    safe" beside `retryable: false`; and to a keyless write, "repeat it with an
+    idempotency_key", whose new key would let it run a second time."""
+    said = f"{who} may have run it, so it is not retryable"
+    if keyed:
+        # Its key keeps the timeout (workflows.invoke `_frees_key`): a repeat runs nothing.
+        return (
+            f"{said}; sent again with the same idempotency_key it is not run again and gets "
+            "this answer back"
+        )
+    if idempotent:
+        return (
+            f"{said}; the operation is declared idempotent, so a second run does no harm if "
+            "that holds: yours to judge before sending it again"
+        )
+    return (
+        f"{said}: sent again, it may run twice. Find out whether it ran first; a request "
+        "sent with an idempotency_key runs at most once, however often it is sent with that key"
+    )
+
+
 def fails(response: InvokeResponse) -> bool:
     return response.status in FAILING
 

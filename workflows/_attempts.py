@@ -42,6 +42,7 @@ with workflow.unsafe.imports_passed_through():
         Reply,
         RequestStatus,
     )
+    from reach.outcome import may_have_run
     from reach.policy import (
         KNOWN_CAPABILITY,
         LOST_RUN,
@@ -63,9 +64,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows._failures import (
         FIRST_TASK_EVENTS,
-        KEY_IT,
         ONE_ATTEMPT,
-        SAFE_AGAIN,
         Failed,
         StaleRoute,
         cancelled,
@@ -163,8 +162,8 @@ class AttemptLoop(TaskFollowing):
         if unknown:
             # It was (or may have been) sent and never answered: nobody knows whether it ran.
             who = f"agent {instance_id}" if instance_id else "the agent it was sent to"
-            safe = self._plan.idempotent or inp.idempotency_key
-            message += f"; {who} may have run it: " + (SAFE_AGAIN if safe else KEY_IT)
+            keyed = bool(inp.idempotency_key)
+            message += "; " + may_have_run(who, idempotent=self._plan.idempotent, keyed=keyed)
         return self._envelope(
             inp,
             "timeout",

@@ -94,11 +94,6 @@ class StaleRoute(Exception):
 PATCH_CALLER_CANCEL = "caller-cancel-ends-canceled"
 
 
-# What a timed-out request that may have run tells its caller to do about it.
-KEY_IT = "repeat it with an idempotency_key so that it runs at most once"
-SAFE_AGAIN = "the operation is idempotent or the request keyed, so repeating it is safe"
-
-
 def cancel_requested() -> bool:
     """Whether the request's workflow was asked to stop and follows the rule that ends it
     `canceled` (its patch marker is recorded the first time a cancel is seen)."""

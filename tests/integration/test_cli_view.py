@@ -256,6 +256,9 @@ async def test_invoke_timeout_says_how_to_wait_longer(gateway: GatewayProcess) -
     assert done.returncode == 1
     assert done.stderr.startswith("timeout ")
     assert "--timeout-ms MS" in done.stderr
+    # It was sent: no invitation to send it again without looking (it said only how to wait).
+    assert "it may have run: look (reach trace " in done.stderr
+    assert "safe" not in done.stderr
 
 
 async def test_invoke_with_a_callback_is_accepted(

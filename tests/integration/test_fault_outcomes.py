@@ -173,8 +173,15 @@ async def test_a_read_or_keyed_write_past_its_deadline_says_it_may_have_run_and_
         assert error.get("outcome_unknown") is True, (operation, error)
         assert envelope["instance_id"] == agent.instance_id, envelope
         assert agent.instance_id in error["message"], error
-        # Repeating it is safe here, so no advice to add a key.
+        # No advice to add a key, nor "repeating it is safe" beside retryable: false; what a
+        # repeat would do instead: the key keeps this answer, the read is the caller's to judge.
         assert "with an idempotency_key" not in error["message"], error
+        assert "safe" not in error["message"], error
+        assert (
+            "sent again with the same idempotency_key it is not run again"
+            if extra
+            else "the operation is declared idempotent"
+        ) in error["message"], error
         assert executions(ledger, request_id) == [agent.instance_id]  # it ran (it starts so)
     # The agent leaves: a request now is refused before anything is sent, and says so.
     agent.proc.stop()
