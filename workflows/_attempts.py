@@ -281,7 +281,7 @@ class AttemptLoop(TaskFollowing):
         first_run = current_history() <= FIRST_TASK_EVENTS  # with a door's route
         resolved_at, token, again = current_history(), None, 0
         if door is None or not first_run:  # a pin is claimed: resolve's, or the door route's
-            token, again = self._pins.claim(attempt)
+            token, again = self._pins.claim(attempt, door=door is not None)
         try:
             if door is not None:
                 endpoint = door

@@ -27,10 +27,16 @@ class RunPins:
         self._claims: dict[int, int] = {}  # attempt -> this run's claims of its pin so far
         self._counted: dict[int, bool] = {}  # attempt -> its claims are counted (PATCH_...)
         self._lost: set[int] = set()  # attempts a resolve found pinned by another run
+        # Attempts whose door route was called after the first task: a lost task may have
+        # called it too, and its pin there is only kept when the store took it.
+        self._door_later: set[int] = set()
 
-    def claim(self, attempt: int) -> tuple[str | None, int]:
+    def claim(self, attempt: int, *, door: bool = False) -> tuple[str | None, int]:
         """The token of a new pin claim of `attempt` and its number k in this run; (None, 0)
-        for an attempt whose claims are not counted (its request predates the rule)."""
+        for an attempt whose claims are not counted (its request predates the rule). `door`:
+        the claim is the door route's, after the first task."""
+        if door:
+            self._door_later.add(attempt)
         if attempt not in self._counted:
             self._counted[attempt] = workflow.patched(PATCH_PIN_CLAIMS)
         if not self._counted[attempt]:
@@ -60,6 +66,7 @@ class RunPins:
         resolve (counted) ran in this very task (no replay, the history as it was then) and
         found no other run's pin, and `settled`: no earlier run or send of it is suspected."""
         counted = self._counted.get(attempt, False) and attempt not in self._lost
+        counted = counted and attempt not in self._door_later
         live = not workflow.unsafe.is_replaying()
         return counted and live and settled and resolved_at == current_history()
 
