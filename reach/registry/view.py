@@ -12,8 +12,9 @@ The store stays the truth; the view is what this process last read of it, kept f
   (read-your-writes: a join answered here is routable here at once);
 - a resync that re-reads everything every `resync_s`, and at once whenever the subscription
   (re)connects, for events missed while it was away;
-- a sweep every `sweep_s` that prunes instances whose record expired and announces each
-  eviction (only the process whose prune removed it announces it).
+- a sweep tick every `sweep_s` that prunes instances whose record expired and announces each
+  eviction (only the process whose prune removed it announces it), going to the store only
+  when a record can have expired since its last prune (`reach.registry.sweeps`).
 
 What routing needs of an instance is kept in a slim `RouteEntry` (no checks, no labels), and
 identical operation declarations are shared, so an instance costs a few hundred bytes here.

@@ -101,11 +101,13 @@ def build_provider(
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
 
+    # Every trace at 1.0 (the default): the same decisions as the ratio's, without its sums.
+    root = ALWAYS_ON if sample_ratio >= 1.0 else TraceIdRatioBased(sample_ratio)
     result = TracerProvider(
         resource=Resource.create({"service.name": service_name}),
-        sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+        sampler=ParentBased(root),
         # Flushed by `shutdown` (reach.process.exit_now leaves without the interpreter's atexit).
         shutdown_on_exit=True,
     )
@@ -126,14 +128,26 @@ def shutdown(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
 # -- spans at Reach's edges ------------------------------------------------------------------
 
 
+def _propagator() -> Any:
+    """The W3C trace-context propagator, made once (a call makes it two or three times)."""
+    global _PROPAGATOR
+    if _PROPAGATOR is None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        _PROPAGATOR = TraceContextTextMapPropagator()
+    return _PROPAGATOR
+
+
+_PROPAGATOR: Any = None
+
+
 def context_of(traceparent: str | None) -> Any:
     """The OpenTelemetry context a W3C `traceparent` names (None: none, or not valid)."""
     if not traceparent:
         return None
     from opentelemetry.trace import get_current_span
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    context = TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent})
+    context = _propagator().extract({TRACEPARENT: traceparent})
     return context if get_current_span(context).get_span_context().is_valid else None
 
 
@@ -170,10 +184,8 @@ def client_span(
 
 def current_traceparent() -> str | None:
     """The W3C traceparent of the current span (what the next hop continues), or None."""
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
     carrier: dict[str, str] = {}
-    TraceContextTextMapPropagator().inject(carrier)
+    _propagator().inject(carrier)
     return carrier.get(TRACEPARENT)
 
 
