@@ -282,6 +282,7 @@ class AttemptLoop(TaskFollowing):
         resolved_at, token, again = current_history(), None, 0
         if door is None or not first_run:  # a pin is claimed: resolve's, or the door route's
             token, again = self._pins.claim(attempt, door=door is not None)
+        resolving = door is None  # until resolve answers: a failure then leaves its claim unsure
         try:
             if door is not None:
                 endpoint = door
@@ -306,6 +307,7 @@ class AttemptLoop(TaskFollowing):
                     Endpoint,
                     None,
                 )
+                resolving = False
             instance_id = endpoint.instance_id
             self._pinned_before = self._pins.saw(attempt, endpoint.pinned_before)
             self._sent_to[instance_id] = endpoint.principal
@@ -352,8 +354,9 @@ class AttemptLoop(TaskFollowing):
                 instance_id,
             )
         except Failed as failed:
-            if failed.unrouted and token is not None:  # never scheduled: claimed nothing
-                self._pins.forget(attempt)
+            if token is not None:
+                inline = resolving and inp.plan.mode != "queue"
+                self._pins.failed(attempt, unrouted=failed.unrouted, inline_resolve=inline)
             self._note(attempt, failed.instance_id, failed.error.type, started, breaker)
             raise
         # "accepted", or an agent's task that ended asking (input_required) or canceled.

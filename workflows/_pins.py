@@ -20,6 +20,9 @@ from temporalio import workflow
 # Requests accepted before this run's pin claims were counted made every claim of an attempt on
 # its first key, with a random token: a resolve again read the run's own pin as another run's.
 PATCH_PIN_CLAIMS = "pin-claims-counted"
+# Those accepted before an inline resolve's failure left its claim unsure made the run's next
+# claim on a key of its own: a lost task's claim on the failed one's key was never read.
+PATCH_PIN_UNSURE = "pin-claim-unsure-made-again"
 
 
 class RunPins:
@@ -49,6 +52,16 @@ class RunPins:
     def forget(self, attempt: int) -> None:
         """The claim `claim` just counted was never made (its step was never scheduled)."""
         self._claims[attempt] -= 1
+
+    def failed(self, attempt: int, *, unrouted: bool, inline_resolve: bool) -> None:
+        """The step of `claim`'s claim failed: never scheduled (`unrouted`: nothing claimed), or
+        an inline resolve (`inline_resolve`) whose claim may or may not have reached the store.
+        A lost task that sent the attempt made the same claim (the same number, on the same
+        key) first, so the next claim goes on that key again: whatever holds it is read, and
+        only its own new token is this run's (a claim written whose answer was lost then reads
+        as another run's: an unknown outcome at worst, never a send hidden)."""
+        if unrouted or (inline_resolve and workflow.patched(PATCH_PIN_UNSURE)):
+            self.forget(attempt)
 
     def made(self, attempt: int) -> int:
         """How many pin claims of `attempt` this run has counted (a pin read looks past them)."""

@@ -1,0 +1,160 @@
+"""Hostile review of the pin claims that tell a run's own claims from a lost task's (88bb2ee,
+c52b743), on real processes: a gateway SIGKILLed while an MCP server runs a keyless write, a
+second worker taking the request over, and a Redis behind a proxy in this process that drops
+the connection of any command on the keys it is told to (`claim:pin:`, `claim:sent:`). The MCP
+server's ledger (a line per run of `count`) says what ran; the callback what the caller was told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway_api.devserver import free_port
+from tests.conftest import new_stack
+from tests.helpers import CallbackReceiver, GatewayProcess, Worker, invoke, rid, wait_until
+from tests.integration.test_connector_mcp import registered
+from tests.integration.test_redis_outages import RedisServer
+from tests.mcp_servers import McpServerProcess
+
+pytestmark = pytest.mark.integration
+
+SENT = b"claim:sent:"  # send-once claims (activities._sent.sent_key)
+PIN = b"claim:pin:"  # an attempt's pin claims (reach.resolve.pin_key)
+
+
+class KeyBlocker:
+    """A TCP proxy to a Redis that drops a connection as soon as a command naming one of the
+    `blocked` key prefixes comes through it; everything else passes."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.blocked: set[bytes] = set()
+        self.dropped: dict[bytes, int] = {SENT: 0, PIN: 0}
+        self._server: asyncio.Server | None = None
+        self._pumps: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> KeyBlocker:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._pumps):
+            task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        both = [
+            asyncio.create_task(self._pump(reader, up_writer, check=True)),
+            asyncio.create_task(self._pump(up_reader, writer, check=False)),
+        ]
+        self._pumps.update(both)
+        try:
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in both:
+                task.cancel()
+            for w in (writer, up_writer):
+                with contextlib.suppress(Exception):
+                    w.close()
+            self._pumps.difference_update(both)
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, check: bool
+    ) -> None:
+        while chunk := await reader.read(65536):
+            if check:
+                hit = next((key for key in self.blocked if key in chunk), None)
+                if hit is not None:
+                    self.dropped[hit] += 1
+                    return  # never forwarded: the command is not run
+            writer.write(chunk)
+            await writer.drain()
+
+
+def runs(server: McpServerProcess, tag: str) -> int:
+    return server.calls.read_text().splitlines().count(tag)
+
+
+async def test_a_write_sent_by_a_lost_task_stays_unknown_when_the_next_run_s_pin_met_the_store_away(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """A keyless write to an MCP server is refused unsent while send-once claims cannot be
+    made, so the workflow resolves it again (pinning attempt 1, claim k on a key of its own)
+    after each wait. Then the claims pass: the task that fires the wait's timer pins the
+    attempt, claims its send and sends it; the server runs it (ledger), and that task's
+    gateway is SIGKILLed. The worker that takes it over resolves the attempt while pin claims
+    are dropped: its claim k+1 is counted but its fate unknown, and it waits for the store. Pin
+    claims pass again, send-once claims do not: its claim k+2 goes on a key nobody took, so
+    resolve says nobody pinned it before (the lost task's pin sits on key k+1, unread), the call
+    is 'routed here', and its refused send-once claim reads as 'nothing was sent' until the
+    deadline. The server had run it: the caller must be told it may have run (issue 25), not a
+    retryable refusal or a plain timeout, which a retry would run a second time."""
+    redis = RedisServer()
+    redis.start()
+    server = McpServerProcess(tmp_path, "stateless").start()
+    other: Worker | None = None
+    try:
+        async with KeyBlocker(redis.port) as blocker:
+            stack = new_stack(
+                temporal_server,
+                tmp_path,
+                registry="redis",
+                heartbeat_timeout=90.0,
+                extra={"REACH_REGISTRY__REDIS_URL": blocker.url},
+            )
+            doomed = await GatewayProcess(stack, "doomed").ready()
+            await server.ready()
+            async with registered(http, doomed, server, "tools-lost"), CallbackReceiver() as cb:
+                tag = rid()
+                blocker.blocked = {SENT}
+                r = await invoke(
+                    http,
+                    doomed,
+                    "tools-lost",
+                    "count",
+                    request_id=rid(),
+                    payload={"tag": tag, "sleep_s": 120},
+                    timeout_ms=60_000,
+                    callback=cb.url,
+                )
+                assert r.status_code == 202, r.text
+                # Refused unsent after the workflow's own resolve pinned it: it waits again.
+                await wait_until(lambda: blocker.dropped[SENT] >= 2, 30)
+                await wait_until(
+                    lambda: doomed.proc.output().count("waiting for the store") >= 2, 30
+                )
+                blocker.blocked = set()
+                await wait_until(lambda: runs(server, tag) == 1, 30)  # sent by this task
+                blocker.blocked = {SENT, PIN}
+                doomed.proc.kill()
+                other = await Worker(stack).ready()
+                pins = blocker.dropped[PIN]
+                await wait_until(lambda: blocker.dropped[PIN] > pins, 60)  # its resolve: lost
+                blocker.blocked = {SENT}
+                await cb.wait(1, timeout_s=90)
+                envelope = cb.received[0][1]
+    finally:
+        if other is not None:
+            other.proc.stop()
+        server.stop()
+        redis.stop()
+    log = other.proc.output()[-3000:] if other is not None else ""
+    assert runs(server, tag) == 1, log  # it ran, once
+    error = envelope.get("error") or {}
+    assert error.get("retryable") is not True, (envelope, log)
+    assert error.get("outcome_unknown") is True, (envelope, log)
+    assert envelope.get("instance_id", "").startswith("mcp-"), envelope  # and where it went
