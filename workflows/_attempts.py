@@ -189,11 +189,13 @@ class AttemptLoop(TaskFollowing):
         self._slept = True
         await workflow.sleep(delay_s)
 
-    def _cancelled(self, inp: InvokeInput) -> InvokeResponse:
-        """The envelope of a request its caller cancelled (`workflows._failures.cancelled`)."""
+    def _cancelled(self, inp: InvokeInput, lost_to: str | None = None) -> InvokeResponse:
+        """The envelope of a request its caller cancelled (`workflows._failures.cancelled`);
+        `lost_to`: the instance a lost task sent the current attempt to (its pin)."""
         earlier = self._tries.unknown  # an earlier attempt whose outcome nobody knows
         instance_id = self._calling if self._in_flight else getattr(earlier, "instance_id", None)
-        error = cancelled(self._in_flight, earlier is not None, instance_id, self._cancel_said)
+        instance_id, unknown = instance_id or lost_to, earlier is not None or lost_to is not None
+        error = cancelled(self._in_flight, unknown, instance_id, self._cancel_said)
         return self._envelope(inp, "canceled", error=error, instance_id=instance_id)
 
     async def _attempts_until_done(self, inp: InvokeInput) -> InvokeResponse:

@@ -58,7 +58,13 @@ with workflow.unsafe.imports_passed_through():
     from reach.policy import GiveUp, after_no_token
     from workflows._attempts import AttemptLoop, follows
     from workflows._attempts import capability_queue as capability_queue  # worker.py's
-    from workflows._failures import ONE_ATTEMPT, STORE_STEP, Failed, cancel_requested
+    from workflows._failures import (
+        ONE_ATTEMPT,
+        STORE_STEP,
+        Failed,
+        cancel_requested,
+        sent_by_lost_run,
+    )
     from workflows.callback import DeliverCallbackWorkflow, deliver
 
 SA_CALLER = SearchAttributeKey.for_keyword("ReachCaller")
@@ -73,6 +79,9 @@ PATCH_DELIVERY_WORKFLOW = "callback-delivery-workflow"
 QUERY_ATTEMPTS = "attempts"
 # Requests accepted before idempotency keys were claimed in the store skip the claim (replay).
 PATCH_IDEMPOTENCY_CLAIM = "idempotency-key-claim"
+# Requests accepted before a cancel read the current attempt's pin ended canceled as if nothing
+# ran when a lost task (its timer fired there) had sent it.
+PATCH_CANCEL_READS_PIN = "cancel-reads-lost-pin"
 # Errors that end a request before any agent was sent it: its idempotency key is freed.
 NOTHING_SENT = frozenset(
     {"no_instance", "circuit_open", "rate_limited", "payload_too_large", "unknown_capability"}
@@ -188,7 +197,7 @@ class InvokeWorkflow(AttemptLoop):
             # rule end cancelled, without a result, as they did (workflows._failures).
             if not cancel_requested():
                 raise
-            response = self._cancelled(inp)
+            response = self._cancelled(inp, await self._sent_by_lost_task(inp))
         except Exception as exc:
             # A bug, or an input no check foresaw: end with a typed result, never a workflow
             # task that fails and is retried forever.
@@ -224,6 +233,18 @@ class InvokeWorkflow(AttemptLoop):
                 failure_message(response), response, type=FAILED_OUTCOME, non_retryable=True
             )
         return response
+
+    async def _sent_by_lost_task(self, inp: InvokeInput) -> str | None:
+        """Cancelled with no call in flight nor an attempt known unknown: the instance a lost
+        task sent the current attempt to, if its pin says so (a task that fired a wait's timer,
+        routed and sent the attempt and was lost leaves nothing else; the cancel then came
+        before this run got that far)."""
+        if self._in_flight or self._tries.unknown is not None:
+            return None
+        if not workflow.patched(PATCH_CANCEL_READS_PIN):
+            return None
+        attempt = self._tries.number
+        return await sent_by_lost_run(inp, attempt, self._pins.made(attempt))
 
     async def _release_door_route(self, inp: InvokeInput) -> None:
         """The door counted attempt 1 in flight on its instance until the call begins; this

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 
 import httpx
 import pytest
+from temporalio.client import Client
 
 from gateway_api.devserver import free_port
 from tests.conftest import new_stack
@@ -158,3 +160,125 @@ async def test_a_write_sent_by_a_lost_task_stays_unknown_when_the_next_run_s_pin
     assert error.get("retryable") is not True, (envelope, log)
     assert error.get("outcome_unknown") is True, (envelope, log)
     assert envelope.get("instance_id", "").startswith("mcp-"), envelope  # and where it went
+
+
+async def test_a_write_a_lost_task_sent_then_cancelled_says_it_may_have_run(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """A keyless write routed at the door is sent to an MCP server in the request's first task
+    (the server's ledger has it); that task's gateway is SIGKILLed and the caller cancels the
+    request before any worker takes it over. The worker that does finds the cancel in its first
+    task: the request ends canceled, and the caller must be told the server may have run it
+    (the lost task sent it), not a cancel of a request nothing ran."""
+    redis = RedisServer()
+    redis.start()
+    server = McpServerProcess(tmp_path, "stateless").start()
+    other: Worker | None = None
+    capability = "tools-cancel"
+    unread = {"circuit_breaker": {"enabled": False}, "outlier": {"enabled": False}}
+    try:
+        stack = new_stack(
+            temporal_server,
+            tmp_path,
+            registry="redis",
+            heartbeat_timeout=90.0,
+            extra={
+                "REACH_REGISTRY__REDIS_URL": redis.url,
+                "REACH_POLICY__CAPABILITIES": json.dumps({capability: unread}),
+            },
+        )
+        doomed = await GatewayProcess(stack, "doomed").ready()
+        await server.ready()
+        async with registered(http, doomed, server, capability), CallbackReceiver() as cb:
+            warm = await invoke(
+                http, doomed, capability, "echo", payload={"text": "x"}, timeout_ms=20_000
+            )
+            assert warm.status_code == 200, warm.text
+            tag, request_id = rid(), rid()
+            r = await invoke(
+                http,
+                doomed,
+                capability,
+                "count",
+                request_id=request_id,
+                payload={"tag": tag, "sleep_s": 120},
+                timeout_ms=40_000,
+                callback=cb.url,
+            )
+            assert r.status_code == 202, r.text
+            await wait_until(lambda: runs(server, tag) == 1, 30)
+            doomed.proc.kill()
+            client = await Client.connect(temporal_server)
+            await client.get_workflow_handle(request_id).cancel()
+            other = await Worker(stack).ready()
+            await cb.wait(1, timeout_s=60)
+            envelope = cb.received[0][1]
+    finally:
+        if other is not None:
+            other.proc.stop()
+        server.stop()
+        redis.stop()
+    log = other.proc.output()[-3000:] if other is not None else ""
+    assert runs(server, tag) == 1, log  # it ran, once
+    error = envelope.get("error") or {}
+    assert error.get("outcome_unknown") is True, (envelope, log)
+
+
+async def test_a_write_a_lost_task_sent_after_a_wait_then_cancelled_says_it_may_have_run(
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """As above, but the write was sent by the task that fired a wait's timer (its send-once
+    claims were refused while the store was away, then passed): the lost task's only trace is
+    its pin and send-once claim. The cancel comes before another worker takes the request
+    over: it must still say the server may have run it."""
+    redis = RedisServer()
+    redis.start()
+    server = McpServerProcess(tmp_path, "stateless").start()
+    other: Worker | None = None
+    try:
+        async with KeyBlocker(redis.port) as blocker:
+            stack = new_stack(
+                temporal_server,
+                tmp_path,
+                registry="redis",
+                heartbeat_timeout=90.0,
+                extra={"REACH_REGISTRY__REDIS_URL": blocker.url},
+            )
+            doomed = await GatewayProcess(stack, "doomed").ready()
+            await server.ready()
+            async with registered(http, doomed, server, "tools-lc"), CallbackReceiver() as cb:
+                tag, request_id = rid(), rid()
+                blocker.blocked = {SENT}
+                r = await invoke(
+                    http,
+                    doomed,
+                    "tools-lc",
+                    "count",
+                    request_id=request_id,
+                    payload={"tag": tag, "sleep_s": 120},
+                    timeout_ms=60_000,
+                    callback=cb.url,
+                )
+                assert r.status_code == 202, r.text
+                await wait_until(lambda: blocker.dropped[SENT] >= 2, 30)
+                await wait_until(
+                    lambda: doomed.proc.output().count("waiting for the store") >= 2, 30
+                )
+                blocker.blocked = set()
+                await wait_until(lambda: runs(server, tag) == 1, 30)  # sent by this task
+                doomed.proc.kill()
+                client = await Client.connect(temporal_server)
+                await client.get_workflow_handle(request_id).cancel()
+                other = await Worker(stack).ready()
+                await cb.wait(1, timeout_s=60)
+                envelope = cb.received[0][1]
+    finally:
+        if other is not None:
+            other.proc.stop()
+        server.stop()
+        redis.stop()
+    log = other.proc.output()[-3000:] if other is not None else ""
+    assert runs(server, tag) == 1, log  # it ran, once
+    error = envelope.get("error") or {}
+    assert error.get("outcome_unknown") is True, (envelope, log)
+    assert str(envelope.get("instance_id")).startswith("mcp-"), envelope  # and where it went
