@@ -15,6 +15,7 @@ import argparse
 from mcp.server.mcpserver import MCPServer
 from mcp_types import ToolAnnotations
 
+GRACE_S = 3  # how long SIGTERM waits for open streams (a gateway's listening one) to end
 TO_METRES = {"m": 1.0, "km": 1000.0, "mi": 1609.344, "ft": 0.3048}
 
 server = MCPServer(name="units", version="1.0.0")
@@ -43,4 +44,11 @@ if __name__ == "__main__":
     )
     args = parser.parse_args()
     print(f"units MCP server at http://127.0.0.1:{args.port}/mcp", flush=True)
-    uvicorn.run(server.streamable_http_app(), host="127.0.0.1", port=args.port, log_level="warning")
+    # A client (a gateway) holds a listening stream open: without a bound, SIGTERM waits for it.
+    uvicorn.run(
+        server.streamable_http_app(),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=GRACE_S,
+    )
