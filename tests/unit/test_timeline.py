@@ -117,6 +117,9 @@ EXPECTED = {
     # An attempt refused unsent (another run holds its send-once claim): reported at once with
     # that run's unknown outcome, never re-delivered (patch not-sent-not-redelivered).
     "not-sent": [*SUCCESS[:3], "attempt_failed", "result"],
+    # A call refused unsent (its send-once claim met the store away), waited for and routed
+    # again, its pin claimed again on a key of its own (patch pin-claims-counted).
+    "unsent-again": RETRY,
     # Attempt 1 after a lost run of it: the store away until the deadline; the result says the
     # lost run may have sent it, naming its pin (patches lost-run-remembered and
     # name-lost-attempt-later).
