@@ -59,8 +59,10 @@ DB_SETTING = "reach.temporal.dev_server.db_filename / REACH_TEMPORAL__DEV_SERVER
 
 
 def database_lock(db_filename: str) -> Path:
-    """The file whose lock says that a running dev server uses `db_filename`."""
-    return Path(f"{db_filename}.lock")
+    """The file whose lock says that a running dev server uses `db_filename`: named from its
+    real path, so a relative path or a symlink to a database another stack holds finds the
+    same lock."""
+    return Path(f"{os.path.realpath(db_filename)}.lock")
 
 
 def hold_database(db_filename: str) -> int:

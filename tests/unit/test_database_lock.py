@@ -60,3 +60,17 @@ def test_a_killed_holders_lock_file_does_not_block(tmp_path: Path) -> None:
         except DatabaseInUse:
             assert time.monotonic() < deadline, "the dead holder's lock was never released"
             time.sleep(0.05)
+
+
+def test_a_symlink_to_a_held_database_is_refused(tmp_path: Path) -> None:
+    """The lock is named from the database's real path: a second stack given a symlink to the
+    first one's database would otherwise take a lock of its own beside it."""
+    db = str(tmp_path / "temporal.db")
+    link = tmp_path / "alias.db"
+    link.symlink_to(db)
+    first = hold_database(db)
+    try:
+        with pytest.raises(DatabaseInUse, match="in use by another running stack"):
+            hold_database(str(link))
+    finally:
+        os.close(first)
