@@ -163,8 +163,10 @@ class ErrorInfo(BaseModel):
     )
     outcome_unknown: bool | None = Field(
         default=None,
-        description="The request reached an agent and its answer never came: the agent may "
-        "have run it. Repeat it with an idempotency_key to be safe.",
+        description="The request reached an agent (or may have) and its answer never came: "
+        "the agent may have run it. Find out whether it ran before sending it again: sent again "
+        "with the same idempotency_key it runs nothing and gets this answer back, while a "
+        "keyless repeat, or one with a new key, may run it a second time.",
     )
 
     @model_validator(mode="before")

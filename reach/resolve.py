@@ -31,6 +31,7 @@ from reach.errors import (
     UnknownCapability,
 )
 from reach.invocation import Endpoint, ResolveInput, pin_of
+from reach.outcome import may_have_run
 from reach.policy.engine import PolicyEngine
 from reach.policy.state import Admission, CapabilityView
 from reach.registry import OperationDeclaration, Registry
@@ -361,8 +362,9 @@ async def pinned_instance(
 def _lost(instance_id: str) -> TransportError:
     return TransportError(
         f"instance {instance_id}, which was sent this request before a Reach process stopped, "
-        "is gone or restarted; it may have run it. The operation is not idempotent, so it "
-        "is not sent again: repeat it with an idempotency_key to be safe",
+        "is gone or restarted. The operation is not idempotent and the request has no "
+        "idempotency_key, so it is not sent again: "
+        + may_have_run(f"agent {instance_id}", idempotent=False, keyed=False),
         retryable=False,
         outcome_unknown=True,
     )

@@ -40,6 +40,7 @@ from typing import Literal
 
 from reach.invocation import CallPlan
 from reach.messages import ErrorInfo
+from reach.outcome import may_have_run as may_have_run_advice
 
 # A broken call is re-delivered to its instance at most this often, 0.5 s, 1 s, 2 s apart.
 MAX_REDELIVERIES = 3
@@ -305,6 +306,28 @@ def may_have_run(failure: Failure) -> bool:
     )
 
 
+# What a keyless write's failed answer adds to its message (`ran_and_failed`).
+RAN = (
+    "the agent answered, so it ran and may have done some of its work: it is not retryable, "
+    "as the operation is not idempotent and the request has no idempotency_key (sent again, "
+    "it may run twice; find out what it did first)"
+)
+# The agent's statuses that say it refused the request before running it.
+REFUSED_UNRUN = frozenset({429})
+
+
+def ran_and_failed(failure: Failure) -> bool:
+    """Whether an attempt's failure is the agent's own answer, one that another attempt may
+    help (a 5xx: `connectors._answers`), after the agent ran it. Such an answer is 'retryable'
+    for Reach's retries, which only an idempotent or keyed request gets (a repeat is then
+    harmless or replays); for a keyless write it is not: it ran, and may have had effects. Only
+    an agent's 429, a refusal, says it did not run it."""
+    error = failure.error
+    if error.type != "agent_error" or not error.retryable or failure.instance_id is None:
+        return False
+    return error.agent is None or error.agent.status not in REFUSED_UNRUN
+
+
 def lost_attempt(failure: Failure) -> Failure:
     """What is remembered of an attempt an earlier, lost run may have sent."""
     error = failure.error.model_copy(
@@ -329,9 +352,15 @@ def reported(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) 
     have run, whatever the operation, and the report says so (`outcome_unknown`, with the
     instance when the last failure names none). A request that is neither idempotent nor keyed
     reports that attempt and is no longer 'retryable', whatever the re-deliveries after it met;
-    an idempotent or keyed one reports its last failure, still as retryable as it was."""
+    an idempotent or keyed one reports its last failure, still as retryable as it was. An
+    agent's failed answer to a keyless write is not 'retryable' either (`ran_and_failed`)."""
     unknown = tries.unknown
     if unknown is None:
+        if not (plan.idempotent or keyed) and ran_and_failed(failure):
+            error = failure.error.model_copy(
+                update={"retryable": False, "message": f"{failure.error.message}; {RAN}"}
+            )
+            return replace(failure, error=error)
         return failure
     if plan.idempotent or keyed:
         if failure.error.outcome_unknown:
@@ -343,17 +372,16 @@ def reported(plan: CallPlan, tries: Attempts, failure: Failure, *, keyed: bool) 
             }
         )
         return replace(failure, error=error, instance_id=failure.instance_id or unknown.instance_id)
-    said = (
-        "it may have run"
-        if unknown.lost_run
-        else "it was sent and its answer never came, so it may have run"
-    )
+    # Not "repeat it with an idempotency_key to be safe": a new key lets it run a second time.
+    who = f"agent {unknown.instance_id}" if unknown.instance_id else "the agent it was sent to"
+    said = may_have_run_advice(who, idempotent=False, keyed=False)
+    if not unknown.lost_run:
+        said = f"it was sent and its answer never came: {said}"
     error = unknown.error.model_copy(
         update={
             "retryable": False,
             "outcome_unknown": True,
-            "message": f"{unknown.error.message}; {said}: repeat it with an idempotency_key "
-            "to be safe",
+            "message": f"{unknown.error.message}; {said}",
         }
     )
     return Failure(error, unknown.instance_id, lost_run=unknown.lost_run)
