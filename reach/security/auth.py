@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 
 from reach.config import AuthSettings
-from reach.errors import Forbidden, Unauthorized
+from reach.errors import Forbidden, ReachError, Unauthorized
 from reach.security.tokens import (
     ANY,
+    TOKEN_PATTERN,
+    FileTokenStore,
     Principal,
+    TokenBook,
     TokenCache,
     bearer,
     check_claimed_caller,
+    merge,
 )
 
 ANONYMOUS = "anonymous"
+# An unknown token re-reads the tokens file at most this often per gateway (`Auth._reread_for`).
+MISS_REREAD_S = 0.05
 
 
 class Auth:
@@ -29,6 +36,7 @@ class Auth:
         self.settings = settings
         self.cache = cache
         self._once_required = False  # `auto` never reopens in this process once it closed
+        self._reread_at = -MISS_REREAD_S  # when an unknown token last re-read the tokens file
 
     @property
     def required(self) -> bool:
@@ -45,11 +53,40 @@ class Auth:
         return self._once_required
 
     def _verify(self, authorization: str | None) -> Principal:
-        book = self.cache.book if self.cache is not None else None
+        cache = self.cache
         token = bearer(authorization)
-        if book is None:
+        if cache is None:
             raise Unauthorized("no token store is configured on this gateway")
-        return book.verify(token)
+        try:
+            return cache.book.verify(token)
+        except Unauthorized:
+            if not self._reread_for(token, cache):
+                raise
+        return cache.book.verify(token)
+
+    def _reread_for(self, token: str, cache: TokenCache) -> bool:
+        """A well-formed token whose id this copy does not hold may have just been issued
+        (`reach tokens issue` writes the host's file first; the file's poll, or the shared
+        store's notice, would bring it a moment later): re-read that file now, at most once
+        per `MISS_REREAD_S` in this gateway, so a flood of unknown tokens cannot hammer it.
+        True when the re-read brought a record of that id."""
+        found = TOKEN_PATTERN.match(token)
+        if found is None or found.group(1) in cache.book.records:
+            return False  # malformed, or a known id: a wrong secret, revoked or expired
+        store = cache.store
+        local = store if isinstance(store, FileTokenStore) else getattr(store, "mirror", None)
+        now = time.monotonic()
+        if not isinstance(local, FileTokenStore) or now - self._reread_at < MISS_REREAD_S:
+            return False
+        self._reread_at = now
+        try:
+            records = local.read()  # a small local file, read in place: the request waits
+        except (ReachError, OSError):
+            return False
+        if not any(r.id == found.group(1) for r in records):
+            return False
+        cache.book = TokenBook(merge(cache.book.records.values(), records).values())
+        return True
 
     def caller(self, authorization: str | None, claimed: str | None) -> Principal:
         """The invoking principal. Without required tokens the caller names itself."""
