@@ -122,7 +122,7 @@ def _gateway_ports(settings: ReachSettings) -> list[tuple[int, str, str, str]]:
             (
                 port,
                 "gateway gRPC front",
-                "reach.transport.ports.grpc / REACH_TRANSPORT__PORTS__GRPC (negative: none)",
+                "reach.transport.ports.grpc / REACH_TRANSPORT__PORTS__GRPC (-1: off)",
                 settings.listen_host,
             )
         )

@@ -411,7 +411,7 @@ class Up:
             )
         await stop_process(old)
         agent.retiring.discard(old)
-        log.warning("%s holds an agent token now, %s", agent.name, agent.where())
+        log.info("%s holds an agent token now, %s", agent.name, agent.where())
 
     def stop(self) -> None:
         """Stop every child: the agents first (they leave), then the dev server."""
