@@ -272,6 +272,13 @@ def cmd_invoke(api: Api, args: argparse.Namespace) -> int:
             f" — it may have run: look (reach trace {rid}) before sending it again; to wait "
             "longer: --timeout-ms MS"
         )
+        if getattr(args, "idempotency_key", None):
+            # The key keeps this timeout: the same key with a longer --timeout-ms replays it.
+            hint = (
+                f" — it may have run: look (reach trace {rid}) before sending it again; its "
+                "idempotency key keeps this timeout, so a longer --timeout-ms needs a new "
+                "--idempotency-key, and only once the trace shows it did not run"
+            )
     elif outcome == "timeout":
         # Without --timeout-ms the deadline is the operation's or policy.default_timeout_ms (5 s).
         hint = " — never sent; to wait longer: --timeout-ms MS"
