@@ -79,6 +79,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows._pins import RunPins, current_history
     from workflows._store_steps import store_step
 
+UNSENT = ("deadline reached before the call was sent", "deadline reached")  # [lost run]
+NEVER = "; it was never sent: no agent ran it"  # (a timeout's: `AttemptLoop._timeout`)
 # Requests accepted before a broken call was re-delivered to its instance retried elsewhere;
 # those accepted before a store outage at routing was waited out gave up as they did then.
 PATCH_REDELIVER = "redeliver-same-attempt"
@@ -157,10 +159,9 @@ class AttemptLoop(TaskFollowing):
     def _timeout(self, inp: InvokeInput, report: Failure) -> InvokeResponse:
         """The deadline's envelope; `report` is what `timed_out` made of it."""
         message = f"no answer within timeout_ms={self._plan.timeout_ms}"
-        instance_id = report.instance_id
-        unknown = True if report.error.outcome_unknown else None
-        if unknown:
-            # It was (or may have been) sent and never answered: nobody knows whether it ran.
+        unknown = report.error.outcome_unknown or None  # unsent: no instance, and it says so
+        instance_id, message = (report.instance_id, message) if unknown else (None, message + NEVER)
+        if unknown:  # it was (or may have been) sent, never answered: did it run? nobody knows
             who = f"agent {instance_id}" if instance_id else "the agent it was sent to"
             keyed = bool(inp.idempotency_key)
             message += "; " + may_have_run(who, idempotent=self._plan.idempotent, keyed=keyed)
@@ -359,7 +360,8 @@ class AttemptLoop(TaskFollowing):
             if token is not None:
                 inline = resolving and inp.plan.mode != "queue"
                 self._pins.failed(attempt, unrouted=failed.unrouted, inline_resolve=inline)
-            self._note(attempt, failed.instance_id, failed.error.type, started, breaker)
+            at = None if failed.error.message == UNSENT[False] else failed.instance_id
+            self._note(attempt, at, failed.error.type, started, breaker)
             raise
         # "accepted", or an agent's task that ended asking (input_required) or canceled.
         outcome = "success" if reply.status == "ok" else reply.status
@@ -422,7 +424,8 @@ class AttemptLoop(TaskFollowing):
     ) -> Any:
         remaining = self._deadline_ms - self._now_ms()
         if remaining <= 0:
-            error = ErrorInfo(type="timeout", message="deadline reached", retryable=False)
+            lost = self._lost_before() or self._tries.unknown  # it may have been sent
+            error = ErrorInfo(type="timeout", message=UNSENT[bool(lost)], retryable=False)
             # Not routed by this run: resolve's turn, or the door's route about to be called.
             door = isinstance(arg, CallInput) and arg.check_first
             raise Failed(error, instance_id, unrouted=name == ACTIVITY_RESOLVE or door)
