@@ -28,6 +28,7 @@ from reach.errors import (
     PayloadTooLarge,
     ReachError,
     TransportError,
+    Unavailable,
     UnknownCapability,
 )
 from reach.invocation import Endpoint, ResolveInput, pin_of
@@ -293,12 +294,16 @@ class Resolver:
         first = await self.policy.state.claim(key, mine, ttl_s)
         before = first != mine
         held = " ".join(first.split(" ")[:2])  # without its claim's token (none before them)
+        taken = first
         if inp.again and inp.token:
             # This run claimed the attempt before (the first key holds its own claim, or one it
             # was told of then): only its claim number `again` found taken is another run's.
             again = f"{held} {inp.token}"
             key = pin_key(inp.request_id, inp.attempt, inp.again)
-            before = await self.policy.state.claim(key, again, ttl_s) != again
+            taken = await self.policy.state.claim(key, again, ttl_s)
+            before = taken != again
+        if before:
+            _refuse_if_superseded(inp, taken)
         if held == _pin(chosen):
             return chosen, before
         owner = held.partition(" ")[0]
@@ -341,6 +346,24 @@ class Resolver:
         except ReachError as err:
             log.warning("request=%s: attempt 1's pin not read: %s", request_id, err.message)
             return False
+
+
+def _refuse_if_superseded(inp: ResolveInput, taken: str) -> None:
+    """Send nothing when the claim found held was made by a later task of this same run (its
+    token's history is longer): this task was lost, and is still running (its worker stalled
+    past the workflow task timeout, then woke). The run that took it over pinned the attempt
+    first and so found no other run's pin (`CallInput.routed_here`): it counts a send-once
+    claim the store cannot check as nothing sent, which this task's send would make untrue.
+    Nothing this task answers is recorded (its task was timed out)."""
+    mine, theirs = (inp.token or "").split("."), taken.rpartition(" ")[2].split(".")
+    if len(mine) != 4 or len(theirs) != 4 or mine[0] != theirs[0]:
+        return  # not both tokens of one run (a request older than counted claims)
+    if not (mine[1].isdigit() and theirs[1].isdigit()) or int(theirs[1]) <= int(mine[1]):
+        return  # an earlier task's claim (a lost one's, or this run's own): `pinned_before`
+    raise Unavailable(
+        f"request {inp.request_id} attempt {inp.attempt} was taken over by another worker "
+        "while this one was stalled; it is not sent from here"
+    )
 
 
 def pin_key(request_id: str, attempt: int, again: int = 0) -> str:
