@@ -44,19 +44,12 @@ with workflow.unsafe.imports_passed_through():
     )
     from reach.outcome import may_have_run
     from reach.policy import (
-        KNOWN_CAPABILITY,
-        LOST_RUN,
-        NOT_SENT,
-        QUEUE_DEADLINE,
-        REDELIVER,
-        STORE_WAIT,
         Attempts,
         Failure,
         GiveUp,
         Redeliver,
         Retry,
         RouteAgain,
-        Rule,
         WaitForStore,
         after_failure,
         refine_plan,
@@ -76,39 +69,15 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows._following import TaskFollowing
     from workflows._following import capability_queue as capability_queue  # invoke.py's
+    from workflows._lost_start import sent_by_lost_first_task, started_after_lost_task
     from workflows._pins import RunPins, current_history
+    from workflows._rules import follows as follows  # invoke.py's
     from workflows._store_steps import store_step
 
 UNSENT = ("deadline reached before the call was sent", "deadline reached")  # [lost run]
 NEVER = "; it was never sent: no agent ran it"  # (a timeout's: `AttemptLoop._timeout`)
-# Requests accepted before a broken call was re-delivered to its instance retried elsewhere;
-# those accepted before a store outage at routing was waited out gave up as they did then.
-PATCH_REDELIVER = "redeliver-same-attempt"
-PATCH_STORE_OUTAGE_WAIT = "store-outage-wait"
-# Those accepted before a capability the registry forgot was waited for ended unknown_capability;
-# queued ones accepted before their last look came before the wait's end could wake at its end.
-PATCH_KNOWN_CAPABILITY = "known-capability-wait"
-PATCH_QUEUE_DEADLINE = "queue-wake-before-deadline"
-# Those accepted before a call refused unsent was told apart re-delivered it (refused again).
-PATCH_NOT_SENT = "not-sent-not-redelivered"
-# Those accepted before an attempt a lost run may have sent was remembered reported what the
-# run after it met (a plain no_instance, a timeout after a store wait) as never sent.
-PATCH_LOST_RUN = "lost-run-remembered"
-PATCHES: dict[Rule, str] = {
-    REDELIVER: PATCH_REDELIVER,
-    STORE_WAIT: PATCH_STORE_OUTAGE_WAIT,
-    KNOWN_CAPABILITY: PATCH_KNOWN_CAPABILITY,
-    QUEUE_DEADLINE: PATCH_QUEUE_DEADLINE,
-    NOT_SENT: PATCH_NOT_SENT,
-    LOST_RUN: PATCH_LOST_RUN,
-}
 # How the log names each step that waits (operators and tests read "retrying in").
 DOING = {Retry: "retrying", Redeliver: "re-delivering", WaitForStore: "waiting for the store"}
-
-
-def follows(rule: Rule) -> bool:
-    """Whether this request follows `rule` (it was accepted after the rule was added)."""
-    return workflow.patched(PATCHES[rule])
 
 
 class AttemptLoop(TaskFollowing):
@@ -132,6 +101,7 @@ class AttemptLoop(TaskFollowing):
         self._pins = RunPins()  # this run's pin claims of each attempt
         self._calling: str | None = None  # the instance the current attempt's call went to
         self._cancel_said: str | None = None  # set when a cancel asked an agent's task to stop
+        self._history_at_start = 0  # the history's length when this run began (`_lost_start`)
 
     def _now_ms(self) -> int:
         return int(workflow.now().timestamp() * 1000)
@@ -186,6 +156,15 @@ class AttemptLoop(TaskFollowing):
             and self._history_at_attempt > FIRST_TASK_EVENTS
         )
 
+    async def _lost_first(self, inp: InvokeInput) -> tuple[bool, str | None] | None:
+        """What a lost earlier task may have sent, when this run began after it and has sent
+        nothing itself (`workflows._lost_start`); None: not asked."""
+        if self._sent or self._tries.redeliveries or self._tries.unknown is not None:
+            return None
+        if not started_after_lost_task(self._history_at_start):
+            return None
+        return await sent_by_lost_first_task(inp, self._pins.made(1))
+
     async def _sleep(self, delay_s: float) -> None:
         self._slept = True
         await workflow.sleep(delay_s)
@@ -222,9 +201,13 @@ class AttemptLoop(TaskFollowing):
                 if self._late is not None:
                     return self._answered_late(inp, failed.instance_id)
                 lost = self._pins.saw(tries.number, failed.pinned_before) or self._lost_before()
-                named = None  # the instance a lost task sent it to, after a wait
+                named, made = None, self._pins.made(tries.number)  # a lost task's instance
                 if failed.unrouted and not lost:
-                    named = await sent_by_lost_run(inp, tries.number, self._pins.made(tries.number))
+                    said = await self._lost_first(inp) if tries.number == 1 else None
+                    if said is None:
+                        named = await sent_by_lost_run(inp, tries.number, made)
+                    else:
+                        lost, named = said
                 failure = Failure(
                     failed.error,
                     failed.instance_id or named,

@@ -55,7 +55,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from reach.messages import AttemptInfo, ErrorInfo, InvokeResponse, RequestStatus
     from reach.outcome import FAILED_OUTCOME, PATCH_FAILED_OUTCOME, fails, failure_message
-    from reach.policy import GiveUp, after_no_token
+    from reach.policy import Failure, GiveUp, after_no_token
     from workflows._attempts import AttemptLoop, follows
     from workflows._attempts import capability_queue as capability_queue  # worker.py's
     from workflows._failures import (
@@ -297,6 +297,7 @@ class InvokeWorkflow(AttemptLoop):
 
     async def _invoke(self, inp: InvokeInput) -> InvokeResponse:
         self._plan = inp.plan
+        self._history_at_start = workflow.info().get_current_history_length()
         self._deadline_ms = inp.deadline_ms
         self._start_ms = inp.accepted_at_ms
         claim: ClaimInput | None = None
@@ -312,7 +313,7 @@ class InvokeWorkflow(AttemptLoop):
                     inp, ACTIVITY_CLAIM_KEY, claim, ClaimOutcome, self._deadline_ms
                 )
             except Failed as failed:
-                return self._envelope(inp, "error", error=failed.error)
+                return await self._claim_failed(inp, failed)
             if owner.owner != inp.request_id:
                 return await self._follow(inp, owner)
         response = await self._wait_for_token(inp) if inp.plan.queue is not None else None
@@ -326,6 +327,19 @@ class InvokeWorkflow(AttemptLoop):
             except Failed:
                 workflow.logger.warning("could not free the idempotency key; it will expire")
         return response
+
+    async def _claim_failed(self, inp: InvokeInput, failed: Failed) -> InvokeResponse:
+        """The idempotency key could not be claimed (the store stayed away until the deadline,
+        or refused it). After a lost earlier task, that task may have claimed it and sent the
+        request: then nobody knows whether it ran (`workflows._lost_start`)."""
+        said = await self._lost_first(inp)
+        if said is None or not said[0]:
+            return self._envelope(inp, "error", error=failed.error)
+        error = failed.error.model_copy(update={"retryable": False, "outcome_unknown": True})
+        if failed.error.retryable:  # the store was waited for until the deadline
+            error = ErrorInfo(type="timeout", message="deadline reached", outcome_unknown=True)
+            return self._timeout(inp, Failure(error, said[1], sent=True))
+        return self._envelope(inp, "error", error=error, instance_id=said[1])
 
     def _frees_key(self, response: InvokeResponse) -> bool:
         """Whether a repeat of this key should run again rather than get this result.
