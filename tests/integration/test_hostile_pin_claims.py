@@ -7,8 +7,6 @@ server's ledger (a line per run of `count`) says what ran; the callback what the
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 from pathlib import Path
 
@@ -16,12 +14,12 @@ import httpx
 import pytest
 from temporalio.client import Client
 
-from gateway_api.devserver import free_port
 from tests.conftest import new_stack
 from tests.helpers import CallbackReceiver, GatewayProcess, Worker, invoke, rid, wait_until
 from tests.integration.test_connector_mcp import registered
 from tests.integration.test_redis_outages import RedisServer
 from tests.mcp_servers import McpServerProcess
+from tests.redis_proxy import RedisProxy
 
 pytestmark = pytest.mark.integration
 
@@ -29,62 +27,21 @@ SENT = b"claim:sent:"  # send-once claims (activities._sent.sent_key)
 PIN = b"claim:pin:"  # an attempt's pin claims (reach.resolve.pin_key)
 
 
-class KeyBlocker:
-    """A TCP proxy to a Redis that drops a connection as soon as a command naming one of the
-    `blocked` key prefixes comes through it; everything else passes."""
+class KeyBlocker(RedisProxy):
+    """Drops a connection as soon as a command naming one of the `blocked` key prefixes comes
+    through it; everything else passes."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        super().__init__(upstream_port)
         self.blocked: set[bytes] = set()
         self.dropped: dict[bytes, int] = {SENT: 0, PIN: 0}
-        self._server: asyncio.Server | None = None
-        self._pumps: set[asyncio.Task[None]] = set()
 
-    async def __aenter__(self) -> KeyBlocker:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._pumps):
-            task.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            writer.close()
-            return
-        both = [
-            asyncio.create_task(self._pump(reader, up_writer, check=True)),
-            asyncio.create_task(self._pump(up_reader, writer, check=False)),
-        ]
-        self._pumps.update(both)
-        try:
-            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in both:
-                task.cancel()
-            for w in (writer, up_writer):
-                with contextlib.suppress(Exception):
-                    w.close()
-            self._pumps.difference_update(both)
-
-    async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, check: bool
-    ) -> None:
-        while chunk := await reader.read(65536):
-            if check:
-                hit = next((key for key in self.blocked if key in chunk), None)
-                if hit is not None:
-                    self.dropped[hit] += 1
-                    return  # never forwarded: the command is not run
-            writer.write(chunk)
-            await writer.drain()
+    async def admit(self, chunk: bytes) -> bool:
+        hit = next((key for key in self.blocked if key in chunk), None)
+        if hit is None:
+            return True
+        self.dropped[hit] += 1
+        return False
 
 
 def runs(server: McpServerProcess, tag: str) -> int:

@@ -15,14 +15,12 @@ whose ledger counts executions, a callback receiver for what each caller was tol
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from gateway_api.devserver import free_port
 from tests.conftest import new_stack
 from tests.helpers import (
     Agent,
@@ -34,6 +32,7 @@ from tests.helpers import (
     wait_until,
 )
 from tests.integration.test_redis_outages import RedisServer
+from tests.redis_proxy import RedisProxy
 
 pytestmark = pytest.mark.integration
 
@@ -43,65 +42,25 @@ TIMEOUT_MS = 15_000  # past the workflow task timeout (10 s): the takeover meets
 LONG_MS = 30_000  # the takeover has time to send it
 
 
-class StoreGate:
-    """A TCP proxy to a Redis: a command whose bytes `stall` matches is held (never forwarded,
-    its connection kept open); one `drop` matches closes its connection unforwarded."""
+class StoreGate(RedisProxy):
+    """A command whose bytes `stall` matches is held (never forwarded, its connection kept
+    open); one `drop` matches closes its connection unforwarded."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        super().__init__(upstream_port)
         self.stall: Callable[[bytes], bool] = lambda chunk: False
         self.drop: Callable[[bytes], bool] = lambda chunk: False
         self.stalled = 0
         self.dropped = 0
-        self._server: asyncio.Server | None = None
-        self._pumps: set[asyncio.Task[None]] = set()
 
-    async def __aenter__(self) -> StoreGate:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._pumps):
-            task.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            writer.close()
-            return
-        both = [
-            asyncio.create_task(self._pump(reader, up_writer, check=True)),
-            asyncio.create_task(self._pump(up_reader, writer, check=False)),
-        ]
-        self._pumps.update(both)
-        try:
-            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in both:
-                task.cancel()
-            for w in (writer, up_writer):
-                with contextlib.suppress(Exception):
-                    w.close()
-            self._pumps.difference_update(both)
-
-    async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, check: bool
-    ) -> None:
-        while chunk := await reader.read(65536):
-            if check and self.stall(chunk):
-                self.stalled += 1
-                await asyncio.Event().wait()  # held until the connection goes
-            if check and self.drop(chunk):
-                self.dropped += 1
-                return
-            writer.write(chunk)
-            await writer.drain()
+    async def admit(self, chunk: bytes) -> bool:
+        if self.stall(chunk):
+            self.stalled += 1
+            await asyncio.Event().wait()  # held until the connection goes
+        if self.drop(chunk):
+            self.dropped += 1
+            return False
+        return True
 
 
 async def test_a_keyed_write_a_lost_task_sent_may_have_run_when_the_takeover_waits_out_the_key(

@@ -19,79 +19,38 @@ pin). Two stories through one real gateway (Temporal dev server, MCP server):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from gateway_api.devserver import free_port
 from tests.conftest import new_stack
 from tests.helpers import GatewayProcess, invoke, rid, wait_until
 from tests.integration.test_connector_mcp import registered
 from tests.integration.test_redis_outages import RedisServer
 from tests.mcp_servers import McpServerProcess
+from tests.redis_proxy import RedisProxy
 
 pytestmark = pytest.mark.integration
 
 SENT = b"claim:sent:"  # the send-once claims' keys (activities._sent.sent_key, in the claim space)
 
 
-class ClaimBlocker:
-    """A TCP proxy to a Redis that drops a connection as soon as a command on a send-once claim
-    comes through it, while `blocking`; everything else passes."""
+class ClaimBlocker(RedisProxy):
+    """Drops a connection as soon as a command on a send-once claim comes through it, while
+    `blocking`; everything else passes."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        super().__init__(upstream_port)
         self.blocking = True
         self.dropped = 0
-        self._server: asyncio.Server | None = None
-        self._pumps: set[asyncio.Task[None]] = set()
 
-    async def __aenter__(self) -> ClaimBlocker:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._pumps):
-            task.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            writer.close()
-            return
-        both = [
-            asyncio.create_task(self._pump(reader, up_writer, check=True)),
-            asyncio.create_task(self._pump(up_reader, writer, check=False)),
-        ]
-        self._pumps.update(both)
-        try:
-            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in both:
-                task.cancel()
-            for w in (writer, up_writer):
-                with contextlib.suppress(Exception):
-                    w.close()
-            self._pumps.difference_update(both)
-
-    async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, check: bool
-    ) -> None:
-        while chunk := await reader.read(65536):
-            if check and self.blocking and SENT in chunk:
-                self.dropped += 1
-                return  # never forwarded: the claim is not made
-            writer.write(chunk)
-            await writer.drain()
+    async def admit(self, chunk: bytes) -> bool:
+        if self.blocking and SENT in chunk:
+            self.dropped += 1
+            return False  # the claim is not made
+        return True
 
 
 @pytest.fixture
