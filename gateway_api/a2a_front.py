@@ -311,7 +311,8 @@ class A2AFront:
                 held = self._streams_of(call.who(call.reader()))
                 events = await streamer(call, rpc_id, params)
                 held.add(events)  # until the response lets go of it (ended, or disconnected)
-                return StreamingResponse(
+                return _HeldStream(
+                    held,
                     events,
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
@@ -328,6 +329,30 @@ class A2AFront:
         except RPCError as exc:
             log.error("Temporal call failed on A2A %s: %s", request.url.path, exc)
             return _error(rpc_error_of(reach_error_of_rpc(exc), call.request_id), rpc_id)
+
+
+class _HeldStream(StreamingResponse):
+    """A stream that gives its caller's slot back the moment it ends or its caller goes, not
+    when the collector gets round to its generator (a traceback's cycle held one for over
+    30 s on a loaded box)."""
+
+    def __init__(
+        self,
+        held: weakref.WeakSet[AsyncIterator[str]],
+        events: AsyncIterator[str],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(events, **kwargs)
+        self.held, self.events = held, events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.held.discard(self.events)
+            close = getattr(self.events, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def _check_version(version: str | None) -> None:
