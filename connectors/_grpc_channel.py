@@ -5,8 +5,10 @@ agent: docs/protocols/grpc.md, its "Connections"). `connectors.grpc` makes the c
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
@@ -46,12 +48,34 @@ class Channel:
     receive_limit: int
     up: bool = False  # READY after the last call
     broken: bool = False  # failed since it was last READY (a READY then is a reconnect)
+    # Left READY since the connector last looked: seen by `watch`, so a connection that broke
+    # and came back between two looks (an agent restarted while a call was on its way) still
+    # counts as a failure and a reconnect.
+    dropped: bool = False
+    watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def state(self) -> grpc.ChannelConnectivity:
         return self.channel.get_state(try_to_connect=False)
 
+    def take_dropped(self) -> bool:
+        dropped, self.dropped = self.dropped, False
+        return dropped
+
+    async def watch(self) -> None:
+        state = self.state()
+        while True:
+            await self.channel.wait_for_state_change(state)
+            new = self.state()
+            if state is grpc.ChannelConnectivity.READY and new is not state:
+                self.dropped = True
+            state = new
+
 
 async def close_channel(channel: Channel) -> None:
+    if channel.watcher is not None:
+        channel.watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await channel.watcher
     await channel.channel.close(grace=None)
 
 
@@ -112,7 +136,9 @@ class ChannelMaker:
         invoke: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
             GRPC_INVOKE_METHOD
         )
-        return Channel(channel, invoke, receive_limit)
+        made = Channel(channel, invoke, receive_limit)
+        made.watcher = asyncio.get_running_loop().create_task(made.watch())
+        return made
 
     def credentials(self) -> grpc.ChannelCredentials:
         """Reach's mTLS credentials, made again when its files change on disk."""

@@ -204,8 +204,9 @@ class GrpcConnector(PooledConnector):
     ) -> Reply:
         channel = entry.value
         timeout = max(timeout_s, 0.001)
-        if channel.up and channel.state() is not grpc.ChannelConnectivity.READY:
-            # READY after the last call, not now: the connection broke in between.
+        dropped = channel.take_dropped()
+        if channel.up and (dropped or channel.state() is not grpc.ChannelConnectivity.READY):
+            # READY after the last call, not now (or not all along): it broke in between.
             channel.up, channel.broken = False, True
             self.stats.count(entry.capability, self.protocol, "failed")
         code = grpc.StatusCode.OK
@@ -247,6 +248,10 @@ class GrpcConnector(PooledConnector):
         """Count a failed connection or a reconnect, from the channel's state after a call."""
         channel = entry.value
         if channel.state() is grpc.ChannelConnectivity.READY:
+            if channel.take_dropped() and channel.up and not channel.broken:
+                # It broke while this call was on its way, and gRPC sent it on a new one.
+                channel.broken = True
+                self.stats.count(entry.capability, self.protocol, "failed")
             if channel.broken:
                 self.stats.count(entry.capability, self.protocol, "reconnected")
             channel.up, channel.broken = True, False

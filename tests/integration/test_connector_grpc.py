@@ -464,6 +464,21 @@ async def test_a_restarted_agent_is_reached_again_on_the_same_channel(agent: Age
         assert counts(conn)["opened"] == 1
 
 
+async def test_every_restart_between_calls_is_counted_however_soon_the_next_call_comes(
+    agent: Agent,
+) -> None:
+    """The next call may leave before the channel has read the old connection's GOAWAY; gRPC
+    then sends it on a new connection, and the break must still be counted (CI saw 0)."""
+    port = free_port()
+    async with GrpcConnector() as conn:
+        ep = endpoint(port)
+        for _ in range(6):
+            async with serving(agent.runtime.dispatch, port):
+                assert (await conn.invoke(ep, message("echo"), 5)).status == "ok"
+        assert (counts(conn)["opened"], counts(conn)["reconnected"]) == (1, 5)
+        assert counts(conn)["failed"] == 5
+
+
 async def test_closing_the_server_refuses_new_calls_and_finishes_those_running(
     agent: Agent,
 ) -> None:
