@@ -38,6 +38,7 @@ from reach.invocation import (
     FollowTaskInput,
     InvokeInput,
     LateAnswer,
+    PinQuery,
     QueuePlan,
     ResolveInput,
     TakeInput,
@@ -81,8 +82,18 @@ async def pinned(request_id: str) -> str:
     return "i0"
 
 
+@activity.defn(name="reach.pinned_attempt")
+async def pinned_attempt(inp: PinQuery) -> str:
+    """Another run's pin of the attempt: one for the `-read-pin` cases (a lost task sent it)."""
+    return "i0" if inp.request_id.endswith("-read-pin") else ""
+
+
 @activity.defn(name="reach.claim_key")
 async def claim_key(inp: ClaimInput) -> ClaimOutcome:
+    if inp.request_id.endswith("lost-claim-read-pin"):  # the store stays away
+        raise ApplicationError(
+            "store away", {"retryable": True}, type="unavailable", non_retryable=True
+        )
     return ClaimOutcome(owner=inp.request_id, same_request=True)
 
 
@@ -98,7 +109,11 @@ async def release_route(request_id: str) -> bool:
 
 @activity.defn(name="reach.take_token")
 async def take_token(inp: TakeInput) -> float:
-    return 0.2 if first_time(f"take-{inp.buckets[0].key}") else 0.0
+    wait = 30.0 if inp.buckets[0].key in LONG_WAITS else 0.2  # a long one: cancelled in it
+    return wait if first_time(f"take-{inp.buckets[0].key}") else 0.0
+
+
+LONG_WAITS = {"cap:cancel-rate-wait"}
 
 
 @activity.defn(name="reach.call")
@@ -237,6 +252,16 @@ CASES = {
     # signal came with the start): the store away until the deadline; the lost run is
     # remembered (PATCH_LOST_RUN) and named from the pin at the end (PATCH_NAME_LOST_LATER).
     "lost-run": ("lostrun", {"timeout_ms": 2500}),
+    # After a lost first task (a signal came with the start), the idempotency key's claim
+    # meets the store away until the deadline: attempt 1's pin is read (PATCH_LOST_FIRST_TASK),
+    # another run's, so the lost task may have sent it: a timeout, outcome unknown, naming i0.
+    "lost-claim-read-pin": ("query", {"idempotency_key": "order-2", "timeout_ms": 2500}),
+    # The store outage at routing, recorded after an inline resolve's failure left its pin
+    # claim unsure (PATCH_PIN_UNSURE): the next claim goes on the same key again.
+    "store-outage-unsure": ("outage", {}),
+    # Cancelled while waiting for a rate-limit token, no call in flight: the attempt's pin is
+    # read for a lost task's send (PATCH_CANCEL_READS_PIN); none here, so plainly canceled.
+    "cancel-rate-wait": ("query", {"queue": True, "timeout_ms": 60_000}),
     # Attempt 1 routed at the door: one call; the instance left first; a retry elsewhere.
     "door-routed": ("query", DOOR),
     "door-stale": ("stale", DOOR),
@@ -275,13 +300,14 @@ PUSH_AT: dict[str, list[tuple[str, int, int]]] = {
 }
 # Cases started with a signal (a push notification: it changes nothing before a task is
 # followed), so that their first task finds more than a first task's events.
-START_SIGNAL = {"lost-run": SIGNAL_A2A_PUSH}
+START_SIGNAL = {"lost-run": SIGNAL_A2A_PUSH, "lost-claim-read-pin": SIGNAL_A2A_PUSH}
 # Cases whose file is the history of the request's delivery workflow, not its own.
 DELIVERY = {"callback-delivery"}
 # Each cancel case: the event it waits for before it cancels.
 CANCEL_AT = {
     "cancel-queued-call": "EVENT_TYPE_ACTIVITY_TASK_SCHEDULED",
     "cancel-a2a-task": "EVENT_TYPE_TIMER_STARTED",
+    "cancel-rate-wait": "EVENT_TYPE_TIMER_STARTED",
 }
 
 
@@ -334,6 +360,7 @@ async def main(names: list[str]) -> None:
                 take_token,
                 release_route,
                 pinned,
+                pinned_attempt,
             ],
         ):
             for name in names:

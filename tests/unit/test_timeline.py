@@ -60,6 +60,7 @@ RETRY = [
     "attempt_succeeded",
     "result",
 ]
+EXPECTED_STORE_OUTAGE = ["accepted", "routing_failed", "store_wait", *SUCCESS[1:]]
 EXPECTED = {
     "success": SUCCESS,
     "retry": RETRY,
@@ -84,7 +85,7 @@ EXPECTED = {
     "door-deadline": ["accepted", "instance_chosen", "released", "timeout"],
     "idempotency-key": ["accepted", "idempotency", *RETRY[1:]],
     "rate-limit-queue": ["accepted", "rate_limited", "token", *SUCCESS[1:]],
-    "store-outage": ["accepted", "routing_failed", "store_wait", *SUCCESS[1:]],
+    "store-outage": EXPECTED_STORE_OUTAGE,
     "redeliver": [
         "accepted",
         "instance_chosen",
@@ -129,6 +130,20 @@ EXPECTED = {
         "routing_failed",
         "result",
     ],
+    # The store outage again, recorded after a failed inline resolve left its pin claim unsure
+    # (patch pin-claim-unsure-made-again): the story reads the same.
+    "store-outage-unsure": EXPECTED_STORE_OUTAGE,
+    # Cancelled in a rate-limit wait, nothing in flight: the pin read finds no lost send
+    # (patch cancel-reads-lost-pin), so plainly canceled.
+    "cancel-rate-wait": ["accepted", "rate_limited", "result"],
+    # After a lost first task, the key's claim met the store away until the deadline; attempt
+    # 1's pin was another run's (patch lost-first-task-read-pin): it may have run, on i0.
+    "lost-claim-read-pin": [
+        "accepted",
+        *["idempotency", "store_wait"] * 2,
+        "idempotency",
+        "timeout",
+    ],
 }
 # Each recording's final status (the rest: success).
 STATUS = {
@@ -142,6 +157,8 @@ STATUS = {
     "cancel-queued-call-before": "error",
     "not-sent": "error",
     "lost-run": "error",
+    "cancel-rate-wait": "canceled",
+    "lost-claim-read-pin": "timeout",
 }
 
 
@@ -169,6 +186,13 @@ async def test_recorded_history_reads_as_its_story(name: str) -> None:
     assert accepted.detail["caller"] == "recorder"
     assert accepted.detail["capability"] == "knowledge-retriever"
     assert timeline.accepted_at is not None
+
+
+async def test_a_key_claim_after_a_lost_first_task_ends_unknown_naming_its_pin() -> None:
+    end = the(await timeline_of("lost-claim-read-pin"), "timeout")
+    assert end.detail["instance"] == "i0"
+    assert end.detail["error"]["outcome_unknown"] is True
+    assert end.detail["error"]["retryable"] is False
 
 
 async def test_a_retry_names_attempts_instances_and_the_backoff() -> None:
