@@ -291,7 +291,8 @@ class RedisStore(Store):
 class _RedisSubscription(Subscription):
     """A channel read by a task of its own that reconnects (with backoff) whenever the
     connection drops, telling the listener (None) that it may have missed messages. A quiet
-    connection is pinged, so one that died silently is noticed too."""
+    connection is pinged, and one whose ping gets no answer within `PING_AFTER_S` is dropped and
+    made again, so one that died silently (a half-open socket, a frozen proxy) is noticed too."""
 
     PING_AFTER_S = 5.0
 
@@ -310,19 +311,24 @@ class _RedisSubscription(Subscription):
                 self._listener(None)
                 delay_s = 0.1
                 clock = asyncio.get_running_loop().time
-                quiet_since = clock()
+                quiet_since, pinged_at = clock(), None
                 while True:
                     # One wait for the whole quiet spell (not a wake-up a second: three
                     # subscriptions a gateway woke its loop three times a second for nothing).
                     # None also comes at once for what is not a message (the subscribe's
-                    # confirmation, a ping's pong): only a spell that lasted is pinged.
+                    # confirmation): only a spell that lasted is pinged.
                     message = await pubsub.get_message(timeout=self.PING_AFTER_S)
                     if message is None:
-                        if clock() - quiet_since >= self.PING_AFTER_S:
+                        now = clock()
+                        if pinged_at is not None and now - pinged_at >= self.PING_AFTER_S:
+                            raise ConnectionError(
+                                f"no answer to a ping within {self.PING_AFTER_S:g} s"
+                            )
+                        if pinged_at is None and now - quiet_since >= self.PING_AFTER_S:
                             await pubsub.ping()
-                            quiet_since = clock()
+                            pinged_at = now
                         continue
-                    quiet_since = clock()
+                    quiet_since, pinged_at = clock(), None  # a message or a pong: alive
                     if message.get("type") == "message":
                         self._listener(str(message["data"]))
             except asyncio.CancelledError:

@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from redis.asyncio.client import PubSub
@@ -18,6 +19,7 @@ from reach.registry import HealthReport, JoinRequest, Registry
 from reach.registry.sweeps import SweepPlan
 from reach.store import MemoryStore, Store
 from reach.store.redis import RedisStore
+from tests.redis_proxy import RedisProxy
 
 pytestmark = pytest.mark.integration
 
@@ -130,3 +132,46 @@ async def test_a_quiet_subscription_pings_once_a_spell_and_still_hears(
         assert heard[0] is None  # told on (re)connecting that it may have missed some
     finally:
         await subscription.aclose()
+
+
+class _SwallowsFirstPing(RedisProxy):
+    """Holds the first PING it sees for good: that connection looks alive and never answers."""
+
+    def __init__(self, upstream_port: int) -> None:
+        super().__init__(upstream_port)
+        self.swallowed = False
+
+    async def admit(self, chunk: bytes) -> bool:
+        if b"PING" in chunk and not self.swallowed:
+            self.swallowed = True
+            await asyncio.Event().wait()  # until the proxy closes
+        return True
+
+
+async def test_a_subscription_whose_ping_goes_unanswered_reconnects_and_hears_again(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A connection that died silently (a frozen proxy, a half-open socket) answers no ping:
+    the subscription must make a new one, not wait on the dead one for ever (revocations and
+    policy changes would go unheard until the next resync)."""
+    port = urlsplit(redis_url).port or 6379
+    async with _SwallowsFirstPing(port) as proxy:
+        store = RedisStore.from_url(proxy.url, prefix=redis_prefix)
+        heard: list[str | None] = []
+        subscription = await store.subscribe("frozen", heard.append)
+        subscription.PING_AFTER_S = 0.3  # type: ignore[attr-defined]  # its first read not yet made
+        try:
+            deadline = time.monotonic() + 20
+            while heard.count(None) < 2:  # told on connecting, and again on reconnecting
+                assert time.monotonic() < deadline, (
+                    f"no reconnect after an unanswered ping: {heard}"
+                )
+                await asyncio.sleep(0.05)
+            assert proxy.swallowed
+            while "after" not in heard:
+                assert time.monotonic() < deadline, "the new connection heard nothing"
+                await store.publish("frozen", "after")
+                await asyncio.sleep(0.1)
+        finally:
+            await subscription.aclose()
+            await store.aclose()
