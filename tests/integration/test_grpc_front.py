@@ -851,7 +851,7 @@ def test_a_busy_grpc_port_names_the_port_and_the_setting() -> None:
         )
     assert done.returncode != 0
     assert f"port {port} (gateway gRPC front)" in done.stderr
-    assert "REACH_TRANSPORT__PORTS__GRPC" in done.stderr
+    assert "REACH_TRANSPORT__PORTS__GRPC (-1: off)" in done.stderr  # as docs/configuration.md
 
 
 async def test_a_negative_port_turns_the_front_off(temporal_server: str, tmp_path: Path) -> None:
