@@ -305,7 +305,10 @@ class _RedisSubscription(Subscription):
     async def _run(self) -> None:
         delay_s = 0.1
         while True:
-            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            # Every reply is read, not only messages: a ping's answer is the proof of life, and
+            # with decoded responses redis-py reads a bare PONG as a bogus message it would drop
+            # among the subscribe confirmations if asked to ignore those.
+            pubsub = self._client.pubsub()
             try:
                 await pubsub.subscribe(self._channel)
                 self._listener(None)
@@ -315,8 +318,8 @@ class _RedisSubscription(Subscription):
                 while True:
                     # One wait for the whole quiet spell (not a wake-up a second: three
                     # subscriptions a gateway woke its loop three times a second for nothing).
-                    # None also comes at once for what is not a message (the subscribe's
-                    # confirmation): only a spell that lasted is pinged.
+                    # Only a spell that lasted is pinged; anything read (a message, a pong, a
+                    # confirmation) ends it.
                     message = await pubsub.get_message(timeout=self.PING_AFTER_S)
                     if message is None:
                         now = clock()
@@ -328,7 +331,7 @@ class _RedisSubscription(Subscription):
                             await pubsub.ping()
                             pinged_at = now
                         continue
-                    quiet_since, pinged_at = clock(), None  # a message or a pong: alive
+                    quiet_since, pinged_at = clock(), None  # it answered: alive
                     if message.get("type") == "message":
                         self._listener(str(message["data"]))
             except asyncio.CancelledError:

@@ -130,6 +130,7 @@ async def test_a_quiet_subscription_pings_once_a_spell_and_still_hears(
             assert time.monotonic() < deadline, "the message after the quiet spell was lost"
             await asyncio.sleep(0.02)
         assert heard[0] is None  # told on (re)connecting that it may have missed some
+        assert heard.count(None) == 1, "a live connection whose pings are answered was dropped"
     finally:
         await subscription.aclose()
 
