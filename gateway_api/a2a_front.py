@@ -223,9 +223,9 @@ class A2AFront:
         # streams): held here so that they run to their verdict and are accounted.
         self.jobs: set[asyncio.Task[Any]] = set()
         # Each caller's open streams (SendStreamingMessage, SubscribeToTask), by its name.
-        self.streams: dict[str, weakref.WeakSet[AsyncIterator[str]]] = {}
+        self.streams: dict[str, weakref.WeakSet[object]] = {}
 
-    def _streams_of(self, caller: str) -> weakref.WeakSet[AsyncIterator[str]]:
+    def _streams_of(self, caller: str) -> weakref.WeakSet[object]:
         """The caller's open streams on this gateway, with room for one more (else 429)."""
         if len(self.streams) > MAX_STREAM_CALLERS:  # callers' names are the callers' choice
             self.streams = {name: held for name, held in self.streams.items() if held}
@@ -309,7 +309,14 @@ class A2AFront:
             streamer = STREAMERS.get(method)
             if streamer is not None:
                 held = self._streams_of(call.who(call.reader()))
-                events = await streamer(call, rpc_id, params)
+                # Counted before the first await: streams asked for at once all passed the
+                # count while each read its task (192 held where 64 may be).
+                slot = _Slot()
+                held.add(slot)
+                try:
+                    events = await streamer(call, rpc_id, params)
+                finally:
+                    held.discard(slot)
                 held.add(events)  # until the response lets go of it (ended, or disconnected)
                 return _HeldStream(
                     held,
@@ -331,6 +338,10 @@ class A2AFront:
             return _error(rpc_error_of(reach_error_of_rpc(exc), call.request_id), rpc_id)
 
 
+class _Slot:
+    """A stream's place in its caller's count while the stream is being opened."""
+
+
 class _HeldStream(StreamingResponse):
     """A stream that gives its caller's slot back the moment it ends or its caller goes, not
     when the collector gets round to its generator (a traceback's cycle held one for over
@@ -338,7 +349,7 @@ class _HeldStream(StreamingResponse):
 
     def __init__(
         self,
-        held: weakref.WeakSet[AsyncIterator[str]],
+        held: weakref.WeakSet[object],
         events: AsyncIterator[str],
         **kwargs: Any,
     ) -> None:

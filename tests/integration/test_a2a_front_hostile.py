@@ -64,11 +64,22 @@ async def env(temporal_server: str, tmp_path_factory: pytest.TempPathFactory) ->
             "allowed_operations": ["*"],
             "denied_operations": ["secret"],
         },
+        {
+            "name": "carol",
+            "caller": "carol",
+            "target_capability": capability,
+            "allowed_operations": ["slow"],
+        },
     ]
     (tmp / "reach.yaml").write_text(yaml.safe_dump(config))
     store = FileTokenStore(tmp / "tokens.json")
     tokens = {}
-    for name, kind in [("alice", "caller"), ("bob", "caller"), ("agent", "agent")]:
+    for name, kind in [
+        ("alice", "caller"),
+        ("bob", "caller"),
+        ("carol", "caller"),
+        ("agent", "agent"),
+    ]:
         token, record = issue(name, kind, ["*"] if kind == "agent" else [])  # type: ignore[arg-type]
         store.write(record)
         tokens[name] = token
@@ -190,6 +201,33 @@ async def test_a_caller_holds_at_most_so_many_streams(env: Env) -> None:
         # The gateway frees the slot once it sees the disconnect (at the stream's next write
         # at the latest, every 2 s): on a loaded box that took over 10 s once.
         await wait_until(room, timeout_s=30)
+
+
+async def test_streams_asked_for_at_once_are_bounded_too(env: Env) -> None:
+    """Streams asked for at the same moment all passed the count while the first read its
+    task (SubscribeToTask's describe): 192 racing subscribes by one token were all held."""
+    params = json.loads(send(operation="slow", timeout_ms=60_000))["params"]
+    params["message"]["parts"] = [{"data": {"s": 20}}]
+    params["configuration"] = {"returnImmediately": True}
+    body = {"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": params}
+    answer = (await env.post(env.capability, "carol", json.dumps(body).encode())).json()
+    subscribe = {"jsonrpc": "2.0", "id": 2, "method": "SubscribeToTask"}
+    subscribe["params"] = {"id": answer["result"]["task"]["id"]}
+    asked = 3 * MAX_STREAMS_PER_CALLER
+    limits = httpx.Limits(max_connections=asked + 4)
+    headers = {"Authorization": f"Bearer {env.tokens['carol']}"}
+    url = f"{env.gateway.url}/a2a/{env.capability}"
+    async with (
+        httpx.AsyncClient(trust_env=False, timeout=30, limits=limits, headers=headers) as http,
+        contextlib.AsyncExitStack() as streams,
+    ):
+
+        async def stream() -> bool:
+            response = await streams.enter_async_context(http.stream("POST", url, json=subscribe))
+            return response.headers["content-type"].startswith("text/event-stream")
+
+        held = await asyncio.gather(*(stream() for _ in range(asked)))
+    assert held.count(True) == MAX_STREAMS_PER_CALLER, held.count(True)
 
 
 async def test_a_stream_ends_when_the_gateway_stops(
