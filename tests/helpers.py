@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -455,3 +455,31 @@ def executions(ledger: Path, request_id: str) -> list[str]:
         return []
     rows = [line.split() for line in ledger.read_text().splitlines() if line.strip()]
     return [instance for request, instance in rows if request == request_id]
+
+
+def redis_stack(
+    temporal: str, tmp: Path, redis_url: str, *, heartbeat_timeout: float = 90.0, **extra: str
+) -> Stack:
+    """A stack (its own task queue, as `tests.conftest.new_stack`) whose registry is the Redis
+    at `redis_url`: a test's private redis-server, or a proxy of the test's in front of one;
+    `extra` settings on top."""
+    return Stack(
+        temporal=temporal,
+        tmp=tmp,
+        task_queue=f"tq-{uuid.uuid4().hex[:12]}",
+        registry="redis",
+        heartbeat_timeout=heartbeat_timeout,
+        extra={"REACH_REGISTRY__REDIS_URL": redis_url, **extra},
+    )
+
+
+class Ledgered(Protocol):
+    """A test server (`tests.mcp_servers.McpServerProcess`) whose ledger `calls` has a line per
+    run of its `count` tool: the tag it was called with."""
+
+    calls: Path
+
+
+def runs(server: Ledgered, tag: str) -> int:
+    """How many times `server` ran `count` for `tag`."""
+    return server.calls.read_text().splitlines().count(tag)

@@ -7,15 +7,28 @@ server's ledger (a line per run of `count`) says what ran; the callback what the
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from temporalio.client import Client
 
-from tests.conftest import new_stack
-from tests.helpers import CallbackReceiver, GatewayProcess, Worker, invoke, rid, wait_until
+from tests.helpers import (
+    CallbackReceiver,
+    GatewayProcess,
+    Stack,
+    Worker,
+    invoke,
+    redis_stack,
+    rid,
+    runs,
+    wait_until,
+)
 from tests.integration.test_connector_mcp import registered
 from tests.integration.test_redis_outages import RedisServer
 from tests.mcp_servers import McpServerProcess
@@ -44,8 +57,111 @@ class KeyBlocker(RedisProxy):
         return False
 
 
-def runs(server: McpServerProcess, tag: str) -> int:
-    return server.calls.read_text().splitlines().count(tag)
+@dataclass
+class Scene:
+    """One story's real processes: a private Redis (`redis`), the proxy in front of it
+    (`blocker`), an MCP server registered as `capability` through `gateway`, a callback
+    receiver, and the worker a story starts to take a request over (`other`)."""
+
+    redis: RedisServer
+    blocker: KeyBlocker
+    stack: Stack
+    gateway: GatewayProcess
+    server: McpServerProcess
+    capability: str
+    cb: CallbackReceiver
+    other: Worker | None = None
+
+    def log(self) -> str:
+        return self.other.proc.output()[-3000:] if self.other is not None else ""
+
+
+@contextlib.asynccontextmanager
+async def keyless_writes(
+    temporal_server: str,
+    tmp_path: Path,
+    http: httpx.AsyncClient,
+    capability: str,
+    *,
+    gateway: str = "doomed",
+    proxy: type[KeyBlocker] = KeyBlocker,
+    through_proxy: bool = True,
+    **extra: str,
+) -> AsyncIterator[Scene]:
+    """A `Scene` whose gateway's Redis is behind `proxy` (or, not `through_proxy`, the
+    private Redis itself); every process stopped when the block ends."""
+    redis = RedisServer()
+    redis.start()
+    server = McpServerProcess(tmp_path, "stateless").start()
+    scene: Scene | None = None
+    try:
+        async with proxy(redis.port) as blocker:
+            url = blocker.url if through_proxy else redis.url
+            stack = redis_stack(temporal_server, tmp_path, url, **extra)
+            process = await GatewayProcess(stack, gateway).ready()
+            await server.ready()
+            async with registered(http, process, server, capability), CallbackReceiver() as cb:
+                scene = Scene(redis, blocker, stack, process, server, capability, cb)
+                yield scene
+    finally:
+        if scene is not None and scene.other is not None:
+            scene.other.proc.stop()
+        server.stop()
+        redis.stop()
+
+
+async def refused_unsent_twice(
+    http: httpx.AsyncClient, scene: Scene, request_id: str, *, sleep_s: float = 120
+) -> str:
+    """Starts a keyless write (`count`, its tag returned) while the gateway's send-once claims
+    are dropped, and waits until it was refused unsent twice (the door's route, then the
+    workflow's own resolve, which pinned it) and waits for the store again."""
+    tag = rid()
+    scene.blocker.blocked = {SENT}
+    r = await invoke(
+        http,
+        scene.gateway,
+        scene.capability,
+        "count",
+        request_id=request_id,
+        payload={"tag": tag, "sleep_s": sleep_s},
+        timeout_ms=60_000,
+        callback=scene.cb.url,
+    )
+    assert r.status_code == 202, r.text
+    await wait_until(lambda: scene.blocker.dropped[SENT] >= 2, 30)
+    await wait_until(lambda: scene.gateway.proc.output().count("waiting for the store") >= 2, 30)
+    return tag
+
+
+async def sent_after_a_wait(http: httpx.AsyncClient, scene: Scene, request_id: str) -> str:
+    """`refused_unsent_twice`, then the claims pass: the task that fires the wait's timer
+    sends it, and the server runs it."""
+    tag = await refused_unsent_twice(http, scene, request_id)
+    scene.blocker.blocked = set()
+    await wait_until(lambda: runs(scene.server, tag) == 1, 30)  # sent by this task
+    return tag
+
+
+async def cancelled_then_taken_over(
+    temporal_server: str, scene: Scene, request_id: str
+) -> dict[str, Any]:
+    """SIGKILLs the gateway, cancels `request_id`, then starts a worker that takes it over:
+    the envelope the caller was sent."""
+    scene.gateway.proc.kill()
+    client = await Client.connect(temporal_server)
+    await client.get_workflow_handle(request_id).cancel()
+    scene.other = await Worker(scene.stack).ready()
+    await scene.cb.wait(1, timeout_s=60)
+    return scene.cb.received[0][1]
+
+
+def said_it_may_have_run(scene: Scene, tag: str, envelope: dict[str, Any]) -> dict[str, Any]:
+    """Asserts the server ran it once and the caller was told it may have run; its error."""
+    assert runs(scene.server, tag) == 1, scene.log()  # it ran, once
+    error = envelope.get("error") or {}
+    assert error.get("outcome_unknown") is True, (envelope, scene.log())
+    return error
 
 
 async def test_a_write_sent_by_a_lost_task_stays_unknown_when_the_next_run_s_pin_met_the_store_away(
@@ -62,60 +178,19 @@ async def test_a_write_sent_by_a_lost_task_stays_unknown_when_the_next_run_s_pin
     is 'routed here', and its refused send-once claim reads as 'nothing was sent' until the
     deadline. The server had run it: the caller must be told it may have run (issue 25), not a
     retryable refusal or a plain timeout, which a retry would run a second time."""
-    redis = RedisServer()
-    redis.start()
-    server = McpServerProcess(tmp_path, "stateless").start()
-    other: Worker | None = None
-    try:
-        async with KeyBlocker(redis.port) as blocker:
-            stack = new_stack(
-                temporal_server,
-                tmp_path,
-                registry="redis",
-                heartbeat_timeout=90.0,
-                extra={"REACH_REGISTRY__REDIS_URL": blocker.url},
-            )
-            doomed = await GatewayProcess(stack, "doomed").ready()
-            await server.ready()
-            async with registered(http, doomed, server, "tools-lost"), CallbackReceiver() as cb:
-                tag = rid()
-                blocker.blocked = {SENT}
-                r = await invoke(
-                    http,
-                    doomed,
-                    "tools-lost",
-                    "count",
-                    request_id=rid(),
-                    payload={"tag": tag, "sleep_s": 120},
-                    timeout_ms=60_000,
-                    callback=cb.url,
-                )
-                assert r.status_code == 202, r.text
-                # Refused unsent after the workflow's own resolve pinned it: it waits again.
-                await wait_until(lambda: blocker.dropped[SENT] >= 2, 30)
-                await wait_until(
-                    lambda: doomed.proc.output().count("waiting for the store") >= 2, 30
-                )
-                blocker.blocked = set()
-                await wait_until(lambda: runs(server, tag) == 1, 30)  # sent by this task
-                blocker.blocked = {SENT, PIN}
-                doomed.proc.kill()
-                other = await Worker(stack).ready()
-                pins = blocker.dropped[PIN]
-                await wait_until(lambda: blocker.dropped[PIN] > pins, 60)  # its resolve: lost
-                blocker.blocked = {SENT}
-                await cb.wait(1, timeout_s=90)
-                envelope = cb.received[0][1]
-    finally:
-        if other is not None:
-            other.proc.stop()
-        server.stop()
-        redis.stop()
-    log = other.proc.output()[-3000:] if other is not None else ""
-    assert runs(server, tag) == 1, log  # it ran, once
-    error = envelope.get("error") or {}
-    assert error.get("retryable") is not True, (envelope, log)
-    assert error.get("outcome_unknown") is True, (envelope, log)
+    async with keyless_writes(temporal_server, tmp_path, http, "tools-lost") as scene:
+        blocker = scene.blocker
+        tag = await sent_after_a_wait(http, scene, rid())
+        blocker.blocked = {SENT, PIN}
+        scene.gateway.proc.kill()
+        scene.other = await Worker(scene.stack).ready()
+        pins = blocker.dropped[PIN]
+        await wait_until(lambda: blocker.dropped[PIN] > pins, 60)  # its resolve: lost
+        blocker.blocked = {SENT}
+        await scene.cb.wait(1, timeout_s=90)
+        envelope = scene.cb.received[0][1]
+    error = said_it_may_have_run(scene, tag, envelope)
+    assert error.get("retryable") is not True, (envelope, scene.log())
     assert envelope.get("instance_id", "").startswith("mcp-"), envelope  # and where it went
 
 
@@ -127,58 +202,37 @@ async def test_a_write_a_lost_task_sent_then_cancelled_says_it_may_have_run(
     request before any worker takes it over. The worker that does finds the cancel in its first
     task: the request ends canceled, and the caller must be told the server may have run it
     (the lost task sent it), not a cancel of a request nothing ran."""
-    redis = RedisServer()
-    redis.start()
-    server = McpServerProcess(tmp_path, "stateless").start()
-    other: Worker | None = None
     capability = "tools-cancel"
     unread = {"circuit_breaker": {"enabled": False}, "outlier": {"enabled": False}}
-    try:
-        stack = new_stack(
-            temporal_server,
-            tmp_path,
-            registry="redis",
-            heartbeat_timeout=90.0,
-            extra={
-                "REACH_REGISTRY__REDIS_URL": redis.url,
-                "REACH_POLICY__CAPABILITIES": json.dumps({capability: unread}),
-            },
+    policy = json.dumps({capability: unread})
+    async with keyless_writes(
+        temporal_server,
+        tmp_path,
+        http,
+        capability,
+        through_proxy=False,  # the store as it is: nothing blocked
+        REACH_POLICY__CAPABILITIES=policy,
+    ) as scene:
+        doomed = scene.gateway
+        warm = await invoke(
+            http, doomed, capability, "echo", payload={"text": "x"}, timeout_ms=20_000
         )
-        doomed = await GatewayProcess(stack, "doomed").ready()
-        await server.ready()
-        async with registered(http, doomed, server, capability), CallbackReceiver() as cb:
-            warm = await invoke(
-                http, doomed, capability, "echo", payload={"text": "x"}, timeout_ms=20_000
-            )
-            assert warm.status_code == 200, warm.text
-            tag, request_id = rid(), rid()
-            r = await invoke(
-                http,
-                doomed,
-                capability,
-                "count",
-                request_id=request_id,
-                payload={"tag": tag, "sleep_s": 120},
-                timeout_ms=40_000,
-                callback=cb.url,
-            )
-            assert r.status_code == 202, r.text
-            await wait_until(lambda: runs(server, tag) == 1, 30)
-            doomed.proc.kill()
-            client = await Client.connect(temporal_server)
-            await client.get_workflow_handle(request_id).cancel()
-            other = await Worker(stack).ready()
-            await cb.wait(1, timeout_s=60)
-            envelope = cb.received[0][1]
-    finally:
-        if other is not None:
-            other.proc.stop()
-        server.stop()
-        redis.stop()
-    log = other.proc.output()[-3000:] if other is not None else ""
-    assert runs(server, tag) == 1, log  # it ran, once
-    error = envelope.get("error") or {}
-    assert error.get("outcome_unknown") is True, (envelope, log)
+        assert warm.status_code == 200, warm.text
+        tag, request_id = rid(), rid()
+        r = await invoke(
+            http,
+            doomed,
+            capability,
+            "count",
+            request_id=request_id,
+            payload={"tag": tag, "sleep_s": 120},
+            timeout_ms=40_000,
+            callback=scene.cb.url,
+        )
+        assert r.status_code == 202, r.text
+        await wait_until(lambda: runs(scene.server, tag) == 1, 30)
+        envelope = await cancelled_then_taken_over(temporal_server, scene, request_id)
+    said_it_may_have_run(scene, tag, envelope)
 
 
 async def test_a_write_a_lost_task_sent_after_a_wait_then_cancelled_says_it_may_have_run(
@@ -188,54 +242,9 @@ async def test_a_write_a_lost_task_sent_after_a_wait_then_cancelled_says_it_may_
     claims were refused while the store was away, then passed): the lost task's only trace is
     its pin and send-once claim. The cancel comes before another worker takes the request
     over: it must still say the server may have run it."""
-    redis = RedisServer()
-    redis.start()
-    server = McpServerProcess(tmp_path, "stateless").start()
-    other: Worker | None = None
-    try:
-        async with KeyBlocker(redis.port) as blocker:
-            stack = new_stack(
-                temporal_server,
-                tmp_path,
-                registry="redis",
-                heartbeat_timeout=90.0,
-                extra={"REACH_REGISTRY__REDIS_URL": blocker.url},
-            )
-            doomed = await GatewayProcess(stack, "doomed").ready()
-            await server.ready()
-            async with registered(http, doomed, server, "tools-lc"), CallbackReceiver() as cb:
-                tag, request_id = rid(), rid()
-                blocker.blocked = {SENT}
-                r = await invoke(
-                    http,
-                    doomed,
-                    "tools-lc",
-                    "count",
-                    request_id=request_id,
-                    payload={"tag": tag, "sleep_s": 120},
-                    timeout_ms=60_000,
-                    callback=cb.url,
-                )
-                assert r.status_code == 202, r.text
-                await wait_until(lambda: blocker.dropped[SENT] >= 2, 30)
-                await wait_until(
-                    lambda: doomed.proc.output().count("waiting for the store") >= 2, 30
-                )
-                blocker.blocked = set()
-                await wait_until(lambda: runs(server, tag) == 1, 30)  # sent by this task
-                doomed.proc.kill()
-                client = await Client.connect(temporal_server)
-                await client.get_workflow_handle(request_id).cancel()
-                other = await Worker(stack).ready()
-                await cb.wait(1, timeout_s=60)
-                envelope = cb.received[0][1]
-    finally:
-        if other is not None:
-            other.proc.stop()
-        server.stop()
-        redis.stop()
-    log = other.proc.output()[-3000:] if other is not None else ""
-    assert runs(server, tag) == 1, log  # it ran, once
-    error = envelope.get("error") or {}
-    assert error.get("outcome_unknown") is True, (envelope, log)
+    async with keyless_writes(temporal_server, tmp_path, http, "tools-lc") as scene:
+        request_id = rid()
+        tag = await sent_after_a_wait(http, scene, request_id)
+        envelope = await cancelled_then_taken_over(temporal_server, scene, request_id)
+    said_it_may_have_run(scene, tag, envelope)
     assert str(envelope.get("instance_id")).startswith("mcp-"), envelope  # and where it went

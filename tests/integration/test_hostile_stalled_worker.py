@@ -15,12 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import new_stack
-from tests.helpers import CallbackReceiver, GatewayProcess, Worker, invoke, rid, wait_until
-from tests.integration.test_connector_mcp import registered
-from tests.integration.test_hostile_pin_claims import PIN, SENT, KeyBlocker, runs
-from tests.integration.test_redis_outages import RedisServer
-from tests.mcp_servers import McpServerProcess
+from tests.helpers import Worker, rid, runs, wait_until
+from tests.integration.test_hostile_pin_claims import (
+    PIN,
+    SENT,
+    KeyBlocker,
+    keyless_writes,
+    refused_unsent_twice,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -59,73 +61,43 @@ async def test_a_write_a_stalled_worker_sent_after_the_takeover_pinned_it_stays_
     dropped until the deadline; its call was 'routed here'). A claim found held by a later
     task of the same run now tells A it was taken over, and it sends nothing: whatever the
     caller is told, a write that ran must say it may have run (issue 25)."""
-    redis = RedisServer()
-    redis.start()
-    server = McpServerProcess(tmp_path, "stateless").start()
-    other: Worker | None = None
-    stalled: GatewayProcess | None = None
     envelope: dict[str, object] = {}
-    try:
-        pa = KeyHolder(redis.port)
-        async with pa, KeyBlocker(redis.port) as pb:
-            stack = new_stack(
-                temporal_server,
-                tmp_path,
-                registry="redis",
-                heartbeat_timeout=90.0,
-                extra={"REACH_REGISTRY__REDIS_URL": pa.url},
+    async with (
+        keyless_writes(
+            temporal_server, tmp_path, http, "tools-stall", gateway="stalled", proxy=KeyHolder
+        ) as scene,
+        KeyBlocker(scene.redis.port) as pb,
+    ):
+        pa, stalled = scene.blocker, scene.gateway
+        assert isinstance(pa, KeyHolder)
+        stack_b = replace(scene.stack, extra={"REACH_REGISTRY__REDIS_URL": pb.url})
+        try:
+            pb.blocked = {SENT}
+            tag = await refused_unsent_twice(http, scene, rid(), sleep_s=1)
+            pa.held = {PIN}  # the next resolve's pin claim waits in the proxy
+            await wait_until(lambda: pa.holding >= 1, 30)
+            stalled.proc.kill(signal.SIGSTOP)
+            scene.other = await Worker(stack_b).ready()
+            # B took it over, pinned it first and was refused unsent (nothing sent by it).
+            await wait_until(lambda: pb.dropped[SENT] >= 1, 60)
+            pa.held, pa.blocked = set(), set()
+            pa.release.set()  # A's claim reaches the store now, after B's
+            stalled.proc.kill(signal.SIGCONT)
+            # A wakes: it sends the write (before the fix) or finds it taken over.
+            await wait_until(
+                lambda: runs(scene.server, tag) > 0 or TAKEN_OVER in stalled.proc.output(), 30
             )
-            stack_b = replace(stack, extra={"REACH_REGISTRY__REDIS_URL": pb.url})
-            stalled = await GatewayProcess(stack, "stalled").ready()
-            await server.ready()
-            async with registered(http, stalled, server, "tools-stall"), CallbackReceiver() as cb:
-                tag = rid()
-                pa.blocked = {SENT}
-                pb.blocked = {SENT}
-                r = await invoke(
-                    http,
-                    stalled,
-                    "tools-stall",
-                    "count",
-                    request_id=rid(),
-                    payload={"tag": tag, "sleep_s": 1},
-                    timeout_ms=60_000,
-                    callback=cb.url,
-                )
-                assert r.status_code == 202, r.text
-                await wait_until(lambda: pa.dropped[SENT] >= 2, 30)
-                await wait_until(
-                    lambda: stalled.proc.output().count("waiting for the store") >= 2, 30
-                )
-                pa.held = {PIN}  # the next resolve's pin claim waits in the proxy
-                await wait_until(lambda: pa.holding >= 1, 30)
-                stalled.proc.kill(signal.SIGSTOP)
-                other = await Worker(stack_b).ready()
-                # B took it over, pinned it first and was refused unsent (nothing sent by it).
-                await wait_until(lambda: pb.dropped[SENT] >= 1, 60)
-                pa.held, pa.blocked = set(), set()
-                pa.release.set()  # A's claim reaches the store now, after B's
-                stalled.proc.kill(signal.SIGCONT)
-                # A wakes: it sends the write (before the fix) or finds it taken over.
-                await wait_until(
-                    lambda: runs(server, tag) > 0 or TAKEN_OVER in stalled.proc.output(), 30
-                )
-                await cb.wait(1, timeout_s=90)
-                envelope = cb.received[0][1]
-    finally:
-        if stalled is not None:
+            await scene.cb.wait(1, timeout_s=90)
+            envelope = scene.cb.received[0][1]
+        finally:
             stalled.proc.kill(signal.SIGCONT)
             stalled.proc.stop()
-        if other is not None:
-            other.proc.stop()
-        server.stop()
-        redis.stop()
-    log = other.proc.output()[-3000:] if other is not None else ""
-    woke = stalled.proc.output() if stalled is not None else ""
+    log = scene.log()
+    woke = stalled.proc.output()
     error = envelope.get("error") or {}
     assert isinstance(error, dict)
-    if runs(server, tag):  # it ran (before the fix: unavailable, retryable, 'not sent')
-        assert runs(server, tag) == 1, log
+    if runs(scene.server, tag):  # it ran (before the fix: unavailable, retryable, 'not sent')
+        assert runs(scene.server, tag) == 1, log
         assert error.get("retryable") is not True, (envelope, log)
         assert error.get("outcome_unknown") is True, (envelope, log)
     else:  # the stalled worker sent nothing: whatever the caller is told is true
