@@ -25,8 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import new_stack
-from tests.helpers import GatewayProcess, invoke, rid, wait_until
+from tests.helpers import GatewayProcess, invoke, redis_stack, rid, runs, wait_until
 from tests.integration.test_connector_mcp import registered
 from tests.integration.test_redis_outages import RedisServer
 from tests.mcp_servers import McpServerProcess
@@ -55,81 +54,69 @@ class ClaimBlocker(RedisProxy):
 
 @pytest.fixture
 async def stack(
-    temporal_server: str, tmp_path: Path
+    temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> AsyncIterator[tuple[GatewayProcess, McpServerProcess, ClaimBlocker]]:
+    """One gateway whose Redis is behind a `ClaimBlocker`, the MCP server registered through it
+    as `tools-away`."""
     redis = RedisServer()
     redis.start()
     server = McpServerProcess(tmp_path, "stateless").start()
     try:
         async with ClaimBlocker(redis.port) as blocker:
-            stack = new_stack(
-                temporal_server,
-                tmp_path,
-                registry="redis",
-                heartbeat_timeout=60.0,
-                extra={"REACH_REGISTRY__REDIS_URL": blocker.url},
-            )
+            stack = redis_stack(temporal_server, tmp_path, blocker.url, heartbeat_timeout=60.0)
             async with GatewayProcess(stack) as gateway:
                 await server.ready()
-                yield gateway, server, blocker
+                async with registered(http, gateway, server, "tools-away"):
+                    yield gateway, server, blocker
     finally:
         server.stop()
         redis.stop()
 
 
-def runs(server: McpServerProcess, tag: str) -> int:
-    return server.calls.read_text().splitlines().count(tag)
+async def count(
+    http: httpx.AsyncClient, gateway: GatewayProcess, tag: str, timeout_ms: int
+) -> httpx.Response:
+    """A keyless write (the server's `count`, ledgered under `tag`), answered in the call."""
+    return await invoke(
+        http,
+        gateway,
+        "tools-away",
+        "count",
+        request_id=rid(),
+        payload={"tag": tag},
+        timeout_ms=timeout_ms,
+    )
 
 
 async def test_a_write_that_waited_for_its_send_claim_runs_once_when_the_store_is_back(
     stack: tuple[GatewayProcess, McpServerProcess, ClaimBlocker], http: httpx.AsyncClient
 ) -> None:
     gateway, server, blocker = stack
-    async with registered(http, gateway, server, "tools-away"):
-        tag = rid()
-        call = asyncio.create_task(
-            invoke(
-                http,
-                gateway,
-                "tools-away",
-                "count",
-                request_id=rid(),
-                payload={"tag": tag},
-                timeout_ms=40_000,
-            )
-        )
-        # Refused unsent twice (the door's route, then the workflow's own): it waits again.
-        await wait_until(lambda: call.done() or blocker.dropped >= 2, 30)
-        await wait_until(
-            lambda: call.done() or gateway.proc.output().count("waiting for the store") >= 2, 30
-        )
-        blocker.blocking = False
-        r = await call
-        assert r.status_code == 200, r.text
-        assert r.json()["status"] == "success", r.text
-        assert runs(server, tag) == 1
+    tag = rid()
+    call = asyncio.create_task(count(http, gateway, tag, 40_000))
+    # Refused unsent twice (the door's route, then the workflow's own): it waits again.
+    await wait_until(lambda: call.done() or blocker.dropped >= 2, 30)
+    await wait_until(
+        lambda: call.done() or gateway.proc.output().count("waiting for the store") >= 2, 30
+    )
+    blocker.blocking = False
+    r = await call
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "success", r.text
+    assert runs(server, tag) == 1
 
 
 async def test_a_write_whose_send_claim_never_met_the_store_is_retryable_not_unknown(
     stack: tuple[GatewayProcess, McpServerProcess, ClaimBlocker], http: httpx.AsyncClient
 ) -> None:
     gateway, server, blocker = stack
-    async with registered(http, gateway, server, "tools-away"):
-        tag = rid()
-        r = await invoke(
-            http,
-            gateway,
-            "tools-away",
-            "count",
-            request_id=rid(),
-            payload={"tag": tag},
-            timeout_ms=8_000,
-        )
-        assert blocker.dropped >= 3, blocker.dropped  # re-routed after each wait for the store
-        body = r.json()
-        error = body["error"]
-        assert not error.get("outcome_unknown"), body  # nothing was sent, by any run
-        assert error["type"] in ("unavailable", "timeout"), body
-        assert runs(server, tag) == 0
-        if error["type"] == "unavailable":
-            assert error["retryable"] is True, body
+    tag = rid()
+    r = await count(http, gateway, tag, 8_000)
+    assert blocker.dropped >= 3, blocker.dropped  # re-routed after each wait for the store
+    body = r.json()
+    error = body["error"]
+    assert not error.get("outcome_unknown"), body  # nothing was sent, by any run
+    assert error["type"] in ("unavailable", "timeout"), body
+    assert runs(server, tag) == 0
+    if error["type"] == "unavailable":
+        assert error["retryable"] is True, body
