@@ -21,13 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import new_stack
 from tests.helpers import (
     Agent,
     CallbackReceiver,
     GatewayProcess,
     executions,
     invoke,
+    redis_stack,
     rid,
     wait_until,
 )
@@ -63,6 +63,29 @@ class StoreGate(RedisProxy):
         return True
 
 
+async def keyed_create(
+    http: httpx.AsyncClient,
+    gateway: GatewayProcess,
+    capability: str,
+    request_id: str,
+    timeout_ms: int,
+    callback: str,
+) -> None:
+    """Starts a keyed write (`create`, its key `k-<request_id>`) whose outcome goes to
+    `callback`: accepted, to run in the workflow."""
+    r = await invoke(
+        http,
+        gateway,
+        capability,
+        "create",
+        request_id=request_id,
+        idempotency_key=f"k-{request_id}",
+        timeout_ms=timeout_ms,
+        callback=callback,
+    )
+    assert r.status_code == 202, r.text
+
+
 async def test_a_keyed_write_a_lost_task_sent_may_have_run_when_the_takeover_waits_out_the_key(
     temporal_server: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
@@ -70,13 +93,7 @@ async def test_a_keyed_write_a_lost_task_sent_may_have_run_when_the_takeover_wai
     redis.start()
     try:
         async with StoreGate(redis.port) as gate:
-            stack = new_stack(
-                temporal_server,
-                tmp_path,
-                registry="redis",
-                heartbeat_timeout=90.0,
-                extra={"REACH_REGISTRY__REDIS_URL": gate.url},
-            )
+            stack = redis_stack(temporal_server, tmp_path, gate.url)
             doomed = GatewayProcess(stack, "doomed")  # eager start: the first tasks run here
             other = GatewayProcess(stack, "other")  # its worker takes the requests over
             await asyncio.gather(doomed.ready(), other.ready())
@@ -92,31 +109,11 @@ async def test_a_keyed_write_a_lost_task_sent_may_have_run_when_the_takeover_wai
                 assert r.status_code == 200, r.text
             async with CallbackReceiver() as receiver:
                 sent, unsent = rid(), rid()
-                r = await invoke(
-                    http,
-                    doomed,
-                    "keyed-warm",
-                    "create",
-                    request_id=sent,
-                    idempotency_key=f"k-{sent}",
-                    timeout_ms=TIMEOUT_MS,
-                    callback=receiver.url,
-                )
-                assert r.status_code == 202, r.text
+                await keyed_create(http, doomed, "keyed-warm", sent, TIMEOUT_MS, receiver.url)
                 await wait_until(lambda: bool(executions(ledger, sent)), 15, every_s=0.02)
                 mark, target = unsent.encode(), sent.encode()
                 gate.stall = lambda chunk: IDEM in chunk and mark in chunk
-                r = await invoke(
-                    http,
-                    doomed,
-                    "keyed-quick",
-                    "create",
-                    request_id=unsent,
-                    idempotency_key=f"k-{unsent}",
-                    timeout_ms=LONG_MS,
-                    callback=receiver.url,
-                )
-                assert r.status_code == 202, r.text
+                await keyed_create(http, doomed, "keyed-quick", unsent, LONG_MS, receiver.url)
                 await wait_until(lambda: gate.stalled >= 1, 15, every_s=0.02)  # its key: held
                 doomed.proc.kill()
                 # Through the sent request's takeover and deadline: its key is not claimed
