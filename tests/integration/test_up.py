@@ -52,11 +52,15 @@ def up_env(tmp: Path, **extra: str) -> dict[str, str]:
 
 
 class Up:
-    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
-        self.log = tmp / f"up-{len(list(tmp.glob('up-*.log')))}.log"
+    """`reach up` (and `flags`) in its own process, its output in a file of `tmp` named after
+    `name`."""
+
+    def __init__(self, tmp: Path, env: dict[str, str], *flags: str, name: str = "up") -> None:
+        self.env = env
+        self.log = tmp / f"{name}-{len(list(tmp.glob(f'{name}-*.log')))}.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway_api", "up"],
+                [sys.executable, "-m", "gateway_api", "up", *flags],
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -73,9 +77,13 @@ class Up:
 
         await wait_until(up, 90, every_s=0.2)
 
-    async def interrupt(self) -> int:
-        self.proc.send_signal(signal.SIGINT)
+    async def ended(self, sig: signal.Signals) -> int:
+        """Its exit code once `sig` ended it (30 s at most)."""
+        self.proc.send_signal(sig)
         return await asyncio.to_thread(self.proc.wait, 30)
+
+    async def interrupt(self) -> int:
+        return await self.ended(signal.SIGINT)
 
 
 async def test_up_runs_the_stack_stops_cleanly_and_keeps_history(tmp_path: Path) -> None:

@@ -4,55 +4,29 @@ leaves nothing that blocks the next one."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway_api.devserver import database_lock
-from tests.helpers import ROOT, wait_until
-from tests.integration.test_up import processes_mentioning, up_env
+from tests.helpers import wait_until
+from tests.integration.test_up import Up, processes_mentioning, up_env
 
 pytestmark = pytest.mark.integration
 
 
-class Stack:
+class Stack(Up):
     """`reach up --no-demo` in its own process, its output in a file of `tmp`."""
 
     def __init__(self, tmp: Path, env: dict[str, str]) -> None:
-        self.env = env
-        self.log = tmp / f"up-shared-{len(list(tmp.glob('up-shared-*.log')))}.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway_api", "up", "--no-demo"],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-            )
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    async def ready(self) -> None:
-        async def up() -> bool:
-            assert self.proc.poll() is None, self.output()
-            return "Agent-Reach is up." in self.output()
-
-        await wait_until(up, 90, every_s=0.2)
+        super().__init__(tmp, env, "--no-demo", name="up-shared")
 
     async def answers(self) -> bool:
         url = f"http://127.0.0.1:{self.env['REACH_LISTEN_PORT']}/reach/capabilities"
         async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
             return (await http.get(url)).status_code == 200
-
-    async def ended(self, sig: signal.Signals) -> int:
-        self.proc.send_signal(sig)
-        return await asyncio.to_thread(self.proc.wait, 30)
 
 
 async def test_a_second_stack_on_the_same_database_is_refused_and_a_killed_ones_is_not(
