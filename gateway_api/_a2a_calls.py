@@ -56,7 +56,7 @@ from gateway_api.errors import reach_error_of_rpc
 from gateway_api.front import Bytes
 from gateway_api.gateway import Gateway
 from gateway_api.steps.identify import AUTHORIZATION, CALLER, TRACEPARENT, Metadata
-from gateway_api.steps.wait import SYNC_GRACE_S
+from gateway_api.steps.wait import SYNC_GRACE_S, LetGo
 from reach import acceptance
 from reach.errors import ReachError, Unavailable, UnknownCapability
 from reach.listing import DEFAULT_LIMIT, MAX_LIMIT, UNDER_WAY
@@ -116,7 +116,7 @@ class _Front:
 
     __slots__ = ("_started", "let_go", "request_id")
 
-    def __init__(self, let_go: float | None = None) -> None:
+    def __init__(self, let_go: LetGo = None) -> None:
         self.request_id: str | None = None
         self.let_go = let_go
         self._started = asyncio.Event()
@@ -124,7 +124,7 @@ class _Front:
     async def named(self, request_id: str, caller: str) -> None:
         self.request_id = request_id
 
-    async def started(self, request_id: str) -> float | None:
+    async def started(self, request_id: str) -> LetGo:
         self._started.set()
         return self.let_go
 
@@ -149,6 +149,8 @@ class Call:
         self.request_id: str | None = None
         self.raw: dict[str, Any] = {}  # the params as sent (numbers as the caller wrote them)
         self.draining: asyncio.Event | None = None  # set when the server stops (http_limits)
+        # Done once a stream's response ends (its caller may have gone): the door lets go.
+        self.gone: asyncio.Future[None] | None = None
 
     # -- who reads ----------------------------------------------------------------------------
 
@@ -184,7 +186,8 @@ class Call:
     ) -> AsyncIterator[str]:
         """The events of SendStreamingMessage: refusals are raised before the first."""
         body = await self._invoke_body(params)
-        job, front = await self._started(body, "SendStreamingMessage")
+        self.gone = asyncio.get_running_loop().create_future()
+        job, front = await self._started(body, "SendStreamingMessage", self.gone)
         if job.done():
             job.result()  # a refusal: raised here, answered as a JSON-RPC error
         rid = front.request_id or job.result().request_id
@@ -303,11 +306,11 @@ class Call:
         return out, max(seen, len(story.events))
 
     async def _started(
-        self, body: dict[str, Any], method: str
+        self, body: dict[str, Any], method: str, let_go: LetGo = None
     ) -> tuple[asyncio.Task[InvokeResponse], _Front]:
         """The door's invoke in the background, once its workflow is durable (or it ended):
         the door still waits for its verdict and accounts it, as for any invoke."""
-        front = _Front()
+        front = _Front(let_go)
         job = asyncio.create_task(self._door(body, front, method))
         self.jobs.add(job)
         job.add_done_callback(_finished(self.jobs))

@@ -321,6 +321,7 @@ class A2AFront:
                 return _HeldStream(
                     held,
                     events,
+                    call.gone,
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
                 )
@@ -345,22 +346,26 @@ class _Slot:
 class _HeldStream(StreamingResponse):
     """A stream that gives its caller's slot back the moment it ends or its caller goes, not
     when the collector gets round to its generator (a traceback's cycle held one for over
-    30 s on a loaded box)."""
+    30 s on a loaded box); and lets the door's wait for its request go (`gone`), so a stream
+    its caller left holds no room among the bytes in flight until its task ends."""
 
     def __init__(
         self,
         held: weakref.WeakSet[object],
         events: AsyncIterator[str],
+        gone: asyncio.Future[None] | None,
         **kwargs: Any,
     ) -> None:
         super().__init__(events, **kwargs)
-        self.held, self.events = held, events
+        self.held, self.events, self.gone = held, events, gone
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.held.discard(self.events)
+            if self.gone is not None and not self.gone.done():
+                self.gone.set_result(None)
             close = getattr(self.events, "aclose", None)
             if close is not None:
                 await close()
