@@ -218,8 +218,10 @@ def cancelled(
     """The error of a `canceled` request: who asked (the cancel's reason), and whether an agent
     may have run it — a call in flight (or accepted, or a task followed: `said` tells what the
     agent's task was asked), or an earlier attempt whose outcome nobody knows."""
-    reason = workflow.cancellation_reason() or "no reason given"
-    message = f"the request was cancelled by its caller ({reason}) before it had a result"
+    # The fronts' cancels name who asked; one with no reason came from outside them (an
+    # operator's `temporal workflow cancel`, the Temporal UI).
+    reason = workflow.cancellation_reason() or "no reason given: an operator's cancel"
+    message = f"the request was cancelled ({reason}) before it had a result"
     if in_flight:
         message += f"; agent {instance_id} had it and may have run it in part or whole"
     elif earlier_unknown:

@@ -330,7 +330,7 @@ async def test_a_queue_mode_task_cancelled_mid_call_ends_canceled(front: Front) 
     error = reach_error(cancelled)
     assert error["type"] == "request_closed", error
     assert error["outcome_unknown"] is True, error
-    assert "cancelled by its caller (CancelTask from orchestrator" in error["message"], error
+    assert "was cancelled (CancelTask from orchestrator" in error["message"], error
 
 
 def error_of(response: httpx.Response) -> dict[str, Any]:
