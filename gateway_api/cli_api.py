@@ -288,7 +288,8 @@ def _hint(status: int, path: str, said: str = "") -> str:
     if status == 404 and path.endswith("/timeline") and "refused at the door" not in said:
         return (
             " — `reach requests` lists recent ones; a request the door refused never started "
-            "and has no timeline (the gateway's audit trail has its refusal)"
+            "and has no timeline (the gateway's audit trail has its refusal); another caller's "
+            "request reads as unknown too (an admin token reads every one)"
         )
     return ""
 

@@ -235,6 +235,7 @@ async def test_trace_of_a_request_refused_at_the_door_says_so(
     )
     assert done.returncode == 1
     assert "a request the door refused never started and has no timeline" in done.stderr
+    assert "another caller's request reads as unknown too" in done.stderr
 
 
 def _first_python_block(page: str) -> str:
