@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 import reach
 from gateway_api.deps import GatewayDep, ReaderDep
@@ -54,6 +54,12 @@ def _serve(name: str) -> Response:
 @router.get("/ui")
 async def page() -> Response:
     return _serve("index.html")
+
+
+@router.get("/ui/")
+async def page_slashed() -> Response:
+    """The page's own address has no slash (its assets are relative to it): sent there."""
+    return RedirectResponse("/ui", status_code=308)
 
 
 @router.get("/ui/dashboard.js")

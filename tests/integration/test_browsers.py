@@ -43,3 +43,5 @@ async def test_pages_elsewhere_are_refused_programs_and_its_own_pages_served(
         r = await http.post("/reach/invoke", content=INVOKE, headers=own)
         assert r.json()["error"]["type"] == "unknown_capability", r.text
         assert (await http.get("/ui", headers={"Host": "localhost"})).status_code == 200
+        slashed = await http.get("/ui/", headers={"Host": "localhost"})  # typed by hand
+        assert (slashed.status_code, slashed.headers.get("location")) == (308, "/ui")
