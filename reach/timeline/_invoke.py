@@ -54,7 +54,11 @@ class InvokeStory(AttemptStory):
         }
         self.retries_if_idempotent = plan.get("retries_if_idempotent")
         retries = plan.get("max_retries", 0)
-        if self.plan_open["idempotent"]:
+        if inp.get("idempotency_key") and not plan.get("idempotent"):
+            # The key is what makes a retry safe, whatever the agents say of the operation.
+            idempotent = None
+            safety = f"keyed (idempotency_key), {retries} {'retry' if retries == 1 else 'retries'}"
+        elif self.plan_open["idempotent"]:
             idempotent = None
             safety = f"idempotent if the agents say so ({self.retries_if_idempotent} retries then)"
         else:

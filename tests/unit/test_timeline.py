@@ -630,3 +630,12 @@ def test_since_and_status() -> None:
     assert status_of("FAILED", "success") == "error"  # a bug after a door-routed start
     assert status_of("TERMINATED", "running") == "error"
     assert status_of("TIMED_OUT", None) == "timeout"
+
+
+def test_a_keyed_request_says_its_key_is_what_makes_retries_safe() -> None:
+    """Not 'idempotent if the agents say so': with a key, retries are safe whatever they say."""
+    event = started(idempotency_key="order-7")
+    event.attrs["input"]["plan"]["max_retries"] = 2
+    accepted = the(build_timeline("req-1", [event]), "accepted")
+    assert "keyed (idempotency_key), 2 retries, queue" in accepted.summary
+    assert "order-7" not in accepted.summary  # the caller's key is not shown
