@@ -8,11 +8,13 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
+from starlette.types import Receive
 from temporalio.service import RPCError
 
 from gateway_api._mcp_ask import Offer
 from gateway_api._mcp_tools import call_result, rpc_error_of
 from gateway_api.errors import reach_error_of_rpc
+from gateway_api.steps.wait import LetGo
 from reach.errors import ReachError
 from reach.messages import InvokeResponse
 
@@ -27,22 +29,35 @@ class Call:
     A call with an `offer` claims it as soon as it is named, before the request can start, so
     that the agent's first question finds it (`_mcp_ask`)."""
 
-    __slots__ = ("durable", "let_go", "offer", "request_id")
+    __slots__ = ("durable", "gone", "let_go", "offer", "request_id")
 
-    def __init__(self, let_go: float | None = None, offer: Offer | None = None) -> None:
+    def __init__(
+        self,
+        let_go: float | None = None,
+        offer: Offer | None = None,
+        gone: asyncio.Future[Any] | None = None,
+    ) -> None:
         self.request_id: str | None = None
         self.let_go = let_go
         self.offer = offer
         self.durable = asyncio.Event()
+        # Done when the client went away: the door lets the request go (it goes on durably).
+        self.gone = gone
 
     async def named(self, request_id: str, caller: str) -> None:
         self.request_id = request_id
         if self.offer is not None:
             await self.offer.claim(request_id, caller)
 
-    async def started(self, request_id: str) -> float | None:
+    async def started(self, request_id: str) -> LetGo:
         self.durable.set()
-        return self.let_go
+        return self.let_go if self.let_go is not None else self.gone
+
+
+async def disconnected(receive: Receive) -> None:
+    """Until the client disconnects (its message was read whole: nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def consumed(task: asyncio.Future[InvokeResponse]) -> None:

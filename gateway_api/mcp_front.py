@@ -62,7 +62,7 @@ from gateway_api import _mcp_logging as logs
 from gateway_api import _mcp_sse as sse
 from gateway_api import _mcp_tasks as tasks
 from gateway_api import _mcp_wire as wire
-from gateway_api._mcp_call import Call, consumed, named, outcome
+from gateway_api._mcp_call import Call, consumed, disconnected, named, outcome
 from gateway_api._mcp_http import host_allowed, origin_allowed
 from gateway_api._mcp_listen import MAX_STREAMS_PER_CALLER as MAX_STREAMS_PER_CALLER
 from gateway_api._mcp_listen import Listeners
@@ -400,17 +400,20 @@ class McpFront:
         # A session whose client answers questions relays its agents' (`_mcp_ask`): streamed.
         caps = "" if modern else wire.session_caps(headers.get(wire.SESSION_HEADER), caller)
         offer = ask.Offer(state, caps) if caps and streams and let_go is None else None
-        front = Call(let_go, offer)
+        # A client gone mid-call lets the door's wait go, as the HTTP front's does (it held its
+        # room among the bytes in flight to the verdict), and releases its offer: its
+        # questions are not held to the deadline.
+        gone = None
+        if let_go is None and receive is not None:
+            watch = offer.watch(receive) if offer is not None else disconnected(receive)
+            gone = asyncio.ensure_future(watch)
+        front = Call(let_go, offer, gone)
         invoke = self.gateway.door.invoke(metadata, Bytes(raw), front)
         if let_go is not None:
             return await self._task(invoke, front, modern, asked)
-        if not streams:  # awaited here: no timer, no task
-            return await outcome(invoke, front, modern)
-        # A client gone mid-call releases its offer: its questions are not held to the deadline.
-        gone = None
-        if offer is not None and receive is not None:
-            gone = asyncio.ensure_future(offer.watch(receive))
         try:
+            if not streams:  # awaited here: no timer, no task
+                return await outcome(invoke, front, modern)
             task = asyncio.ensure_future(invoke)
             session = headers.get(wire.SESSION_HEADER)
             return await self._streamed(task, message, front, send, level, session)

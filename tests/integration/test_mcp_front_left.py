@@ -1,0 +1,74 @@
+"""An MCP client that goes away mid `tools/call` (its connection closed before the answer): the
+gateway lets the door's wait for it go, as it does for an HTTP invoke whose client left, so
+the call holds no room among the bytes in flight (`transport.max_inflight_bytes`) until its
+verdict. Before, a client dropping long calls one at a time, never more than one open, filled
+its share and was refused. A real gateway with tokens required and a real agent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from agent_reach_sdk import AgentRuntime
+from reach.security.tokens import FileTokenStore, issue
+from tests.conftest import new_stack
+from tests.helpers import GatewayProcess, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+async def slow(payload: dict[str, Any]) -> dict[str, Any]:
+    await asyncio.sleep(float(payload.get("s", 0)))
+    return {}
+
+
+@pytest.mark.parametrize("accept", ["application/json", "application/json, text/event-stream"])
+async def test_a_call_its_client_left_gives_its_room_back(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory, accept: str
+) -> None:
+    tmp = tmp_path_factory.mktemp("mcp-left")
+    capability = f"mcp-left-{uuid.uuid4().hex[:6]}"
+    store = FileTokenStore(tmp / "tokens.json")
+    caller, record = issue("dave")
+    store.write(record)
+    agent, record = issue("agent", "agent", [capability])
+    store.write(record)
+    # Room for a few dozen of these bodies in this caller's share.
+    extra = {"REACH_TRANSPORT__MAX_INFLIGHT_BYTES": "8000"}
+    runtime = AgentRuntime(
+        capability,
+        protocol="http",
+        service_address="127.0.0.1:0",
+        heartbeat_interval=0.5,
+        token=agent,
+    )
+    runtime.operation("slow")(slow)
+    headers = {"Authorization": f"Bearer {caller}", "Accept": accept}
+    async with GatewayProcess(new_stack(temporal_server, tmp, extra=extra)) as gateway:
+        runtime.reach_url = gateway.url
+        url = f"{gateway.url}/mcp"
+        async with runtime, httpx.AsyncClient(trust_env=False, timeout=30) as http:
+
+            async def call_and_leave() -> bool:
+                params = {
+                    "name": f"{capability}.slow",
+                    "arguments": {"s": 60},
+                    "_meta": {"reach/timeoutMs": 120_000},
+                }
+                body = {"jsonrpc": "2.0", "id": uuid.uuid4().hex, "method": "tools/call"}
+                body["params"] = params
+                try:  # left once it has waited a moment (the call has started by then)
+                    answer = await http.post(url, json=body, headers=headers, timeout=0.5)
+                except httpx.ReadTimeout:
+                    return True
+                # An answer in time is the door's refusal: the caller's share is full.
+                assert "max_inflight_bytes" in json.dumps(answer.json()), answer.text
+                return False
+
+            for _ in range(100):  # one call at a time, each left after half a second
+                await wait_until(call_and_leave, timeout_s=30)
