@@ -149,7 +149,7 @@ class Call:
         self.request_id: str | None = None
         self.raw: dict[str, Any] = {}  # the params as sent (numbers as the caller wrote them)
         self.draining: asyncio.Event | None = None  # set when the server stops (http_limits)
-        # Done once a stream's response ends (its caller may have gone): the door lets go.
+        # Done once the caller went (a stream's response ended): the door lets its wait go.
         self.gone: asyncio.Future[None] | None = None
 
     # -- who reads ----------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class Call:
         context = body.get("context_id")
         immediately = params.configuration.return_immediately
         # returnImmediately: answered once durable, and nothing of it is held here after.
-        response = await self._door(body, _Front(0.0 if immediately else None), "SendMessage")
+        response = await self._door(body, _Front(0.0 if immediately else self.gone), "SendMessage")
         if response.status == "accepted" and immediately and "callback" not in body:
             rid = response.request_id
             task = Task(id=rid, context_id=context or rid)

@@ -325,7 +325,13 @@ class A2AFront:
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
                 )
-            result = await HANDLERS[method](call, params)
+            if method == "SendMessage":  # blocking: a caller gone lets the door's wait go
+                call.gone = asyncio.ensure_future(_disconnected(request.receive))
+            try:
+                result = await HANDLERS[method](call, params)
+            finally:
+                if call.gone is not None:
+                    call.gone.cancel()
             return JSONResponse({"jsonrpc": "2.0", "id": rpc_id, "result": result})
         except ClientDisconnect:
             return Response(status_code=400)
@@ -337,6 +343,12 @@ class A2AFront:
         except RPCError as exc:
             log.error("Temporal call failed on A2A %s: %s", request.url.path, exc)
             return _error(rpc_error_of(reach_error_of_rpc(exc), call.request_id), rpc_id)
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Until the client disconnects (its body was read whole: nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class _Slot:

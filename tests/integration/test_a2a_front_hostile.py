@@ -230,13 +230,14 @@ async def test_streams_asked_for_at_once_are_bounded_too(env: Env) -> None:
     assert held.count(True) == MAX_STREAMS_PER_CALLER, held.count(True)
 
 
-async def test_a_stream_its_caller_left_gives_its_room_back(
-    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+@pytest.mark.parametrize("method", ["SendStreamingMessage", "SendMessage"])
+async def test_a_call_its_caller_left_gives_its_room_back(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory, method: str
 ) -> None:
-    """A SendStreamingMessage whose caller went away held its room among the bytes in flight
-    until its task ended (the door still waited for its verdict), as an HTTP invoke whose
-    client left does not: a caller opening and dropping streams of long tasks, one at a time,
-    filled its share and was refused 503 with nothing open."""
+    """A SendStreamingMessage (or a blocking SendMessage) whose caller went away held its room
+    among the bytes in flight until its task ended (the door still waited for its verdict), as
+    an HTTP invoke whose client left does not: a caller opening and dropping calls of long
+    tasks, one at a time, filled its share and was refused with nothing open."""
     tmp = tmp_path_factory.mktemp("a2a-left")
     capability = f"hx-left-{uuid.uuid4().hex[:6]}"
     store = FileTokenStore(tmp / "tokens.json")
@@ -256,7 +257,7 @@ async def test_a_stream_its_caller_left_gives_its_room_back(
     runtime.operation("slow")(slow)
     params = json.loads(send(operation="slow", timeout_ms=120_000))["params"]
     params["message"]["parts"] = [{"data": {"s": 60}}]
-    body = {"jsonrpc": "2.0", "id": 3, "method": "SendStreamingMessage", "params": params}
+    body = {"jsonrpc": "2.0", "id": 3, "method": method, "params": params}
     headers = {"Authorization": f"Bearer {caller}"}
     async with GatewayProcess(new_stack(temporal_server, tmp, extra=extra)) as gateway:
         runtime.reach_url = gateway.url
@@ -265,13 +266,20 @@ async def test_a_stream_its_caller_left_gives_its_room_back(
 
             async def opened() -> bool:
                 params["message"]["messageId"] = uuid.uuid4().hex
+                if method == "SendMessage":  # left once it has waited a moment (started)
+                    try:
+                        refused = await http.post(url, json=body, headers=headers, timeout=0.5)
+                    except httpx.ReadTimeout:
+                        return True
+                    assert "max_inflight_bytes" in refused.text, refused.text
+                    return False
                 async with http.stream("POST", url, json=body, headers=headers) as stream:
                     if not stream.headers["content-type"].startswith("text/event-stream"):
                         return False  # refused: the caller's share is full (until room is back)
                     first = await anext(aiter_data(stream.aiter_lines()))
                     return "task" in json.loads(first["data"])["result"]
 
-            for _ in range(100):  # one open at a time, each let go of after its first event
+            for _ in range(100):  # one at a time, each let go of after its first event
                 await wait_until(opened, timeout_s=30)
 
 
