@@ -35,6 +35,8 @@ from reach.policy.state import PolicyState
 log = logging.getLogger("reach.gateway")
 
 KEEPALIVE_S = 15.0
+RECHECK_S = 2.0
+"""How often a stream checks its caller's token again (in memory): a revoked one ends it."""
 RELAY_EVERY_S = 0.25
 """How often a streamed call with a progress token reads its progress record (one store read)."""
 
@@ -129,9 +131,13 @@ async def stream(
     state: PolicyState,
     level: str | None = None,
     asks: Offer | None = None,
+    check: Callable[[], object] | None = None,
 ) -> None:
     """The rest of a long call as an SSE stream (see the module docstring); `level`: the log
-    messages relayed (`_mcp_logging`); `asks`: the agents' questions relayed (`_mcp_ask`)."""
+    messages relayed (`_mcp_logging`); `asks`: the agents' questions relayed (`_mcp_ask`);
+    `check`: the caller's token checked again every `RECHECK_S`, a token revoked (or expired)
+    since the call began ending the stream with its error before the call's later notes and
+    result (the call goes on), as the A2A front's streams and the MCP listen streams end."""
     try:
         await send(
             {
@@ -152,10 +158,20 @@ async def stream(
             if token is not None:
                 await http.chunk(send, relay.notice(request_id))
         loop = asyncio.get_running_loop()
-        said = loop.time()
+        said = checked = loop.time()
         while not task.done():
             every = RELAY_EVERY_S if relay is not None or asks is not None else KEEPALIVE_S
-            await asyncio.wait({task}, timeout=every)
+            await asyncio.wait({task}, timeout=every if check is None else min(every, RECHECK_S))
+            if check is not None and loop.time() - checked >= RECHECK_S - 0.01:
+                checked = loop.time()
+                try:
+                    check()
+                except ReachError as exc:
+                    data = {"type": exc.type, "status": exc.http_status, "request_id": request_id}
+                    error = wire.RpcError(wire.REACH_REFUSED, exc.message, data)
+                    await http.chunk(send, wire.sse_event(wire.error(message.id, error)))
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
             forwarded = relay is not None and await relay.forward(send)
             if (asks is not None and await asks.forward(send)) or forwarded:
                 said = loop.time()

@@ -49,7 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.datastructures import State
@@ -65,7 +65,7 @@ from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_call import Call, consumed, disconnected, named, outcome
 from gateway_api._mcp_http import host_allowed, origin_allowed
 from gateway_api._mcp_listen import MAX_STREAMS_PER_CALLER as MAX_STREAMS_PER_CALLER
-from gateway_api._mcp_listen import Listeners
+from gateway_api._mcp_listen import Listeners, token_check
 from gateway_api._mcp_sse import Relay as Relay  # what a streamed call relays (tests read it)
 from gateway_api._mcp_tools import Catalog, rpc_error_of
 from gateway_api.errors import CatchBugs
@@ -416,7 +416,8 @@ class McpFront:
                 return await outcome(invoke, front, modern)
             task = asyncio.ensure_future(invoke)
             session = headers.get(wire.SESSION_HEADER)
-            return await self._streamed(task, message, front, send, level, session)
+            check = token_check(self.gateway.guard, headers)
+            return await self._streamed(task, message, front, send, level, session, check)
         finally:
             if gone is not None:
                 gone.cancel()
@@ -431,9 +432,11 @@ class McpFront:
         send: Send,
         level: str | None,
         session: str | None,
+        check: Callable[[], object] | None = None,
     ) -> dict[str, Any] | None:
         """A call whose client takes a stream: answered as one when it runs long, or at once
-        when the client wants its progress, log messages or questions."""
+        when the client wants its progress, log messages or questions; `check`: its caller's
+        token, checked again while it streams."""
         modern = message.modern
         state = self.gateway.views.policy.state
         if not modern:  # read beside the call, which has started
@@ -448,7 +451,7 @@ class McpFront:
             self._keep(task)
             rid = front.request_id
             said = lambda ended: outcome(ended, named(rid), modern)  # noqa: E731
-            await sse.stream(send, message, task, rid, said, state, level, offer)
+            await sse.stream(send, message, task, rid, said, state, level, offer, check)
             return None
         return await outcome(task, front, modern)
 

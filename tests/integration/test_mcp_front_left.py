@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from typing import Any
 
@@ -72,3 +73,62 @@ async def test_a_call_its_client_left_gives_its_room_back(
 
             for _ in range(100):  # one call at a time, each left after half a second
                 await wait_until(call_and_leave, timeout_s=30)
+
+
+async def test_a_revoked_caller_s_call_stream_ends_before_its_result(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A tools/call answered as a stream (a progressToken) went on sending its caller's
+    progress and result after the caller's token was revoked (checked once, when the call
+    came), where the A2A front's streams and the MCP listen streams end within a recheck."""
+    tmp = tmp_path_factory.mktemp("mcp-revoked-call")
+    capability = f"mcp-rv-{uuid.uuid4().hex[:6]}"
+    store = FileTokenStore(tmp / "tokens.json")
+    caller, record = issue("erin")
+    store.write(record)
+    admin, admin_record = issue("ops", "admin")
+    store.write(admin_record)
+    agent, agent_record = issue("agent", "agent", [capability])
+    store.write(agent_record)
+    runtime = AgentRuntime(
+        capability,
+        protocol="http",
+        service_address="127.0.0.1:0",
+        heartbeat_interval=0.5,
+        token=agent,
+    )
+    runtime.operation("slow")(slow)
+    params = {
+        "name": f"{capability}.slow",
+        "arguments": {"s": 20},
+        "_meta": {"progressToken": "p-1", "reach/timeoutMs": 60_000},
+    }
+    body = {"jsonrpc": "2.0", "id": 11, "method": "tools/call", "params": params}
+    headers = {"Authorization": f"Bearer {caller}", "Accept": "application/json, text/event-stream"}
+    async with GatewayProcess(new_stack(temporal_server, tmp)) as gateway:
+        runtime.reach_url = gateway.url
+        async with (
+            runtime,
+            httpx.AsyncClient(trust_env=False, timeout=60) as http,
+            http.stream("POST", f"{gateway.url}/mcp", json=body, headers=headers) as stream,
+        ):
+            assert stream.headers["content-type"] == "text/event-stream"
+            lines = stream.aiter_lines()
+            first = json.loads(
+                await anext(line[6:] async for line in lines if line[:6] == "data: ")
+            )
+            assert first["method"] == "notifications/progress"
+            gone = await http.delete(
+                f"{gateway.url}/reach/admin/tokens/{record.id}",
+                headers={"Authorization": f"Bearer {admin}"},
+            )
+            assert gone.status_code == 200, gone.text
+            revoked = time.monotonic()
+            rest = [json.loads(line[6:]) async for line in lines if line[:6] == "data: "]
+            ended = time.monotonic() - revoked
+    assert ended < 10, ended  # within a recheck, not at the call's end (20 s)
+    assert rest[-1]["id"] == 11, rest
+    error = rest[-1]["error"]
+    assert error["data"]["type"] == "unauthorized", error
+    assert f"token {record.id} is revoked" in error["message"]
+    assert not any("result" in frame for frame in rest), rest
