@@ -37,6 +37,7 @@ class Auth:
         self.cache = cache
         self._once_required = False  # `auto` never reopens in this process once it closed
         self._reread_at = -MISS_REREAD_S  # when an unknown token last re-read the tokens file
+        self._reread_stamp: tuple[int, int, int] | None = None  # the file as that read found it
 
     @property
     def required(self) -> bool:
@@ -68,7 +69,8 @@ class Auth:
         """A well-formed token whose id this copy does not hold may have just been issued
         (`reach tokens issue` writes the host's file first; the file's poll, or the shared
         store's notice, would bring it a moment later): re-read that file now, at most once
-        per `MISS_REREAD_S` in this gateway, so a flood of unknown tokens cannot hammer it.
+        per `MISS_REREAD_S` in this gateway and only when the file changed since the last such
+        read, so a flood of unknown tokens cannot hammer it (a stat, not a parse, per miss).
         True when the re-read brought a record of that id."""
         found = TOKEN_PATTERN.match(token)
         if found is None or found.group(1) in cache.book.records:
@@ -78,7 +80,10 @@ class Auth:
         now = time.monotonic()
         if not isinstance(local, FileTokenStore) or now - self._reread_at < MISS_REREAD_S:
             return False
-        self._reread_at = now
+        stamp = local.stamp()
+        if stamp is None or stamp == self._reread_stamp:
+            return False  # no file, or the one already read: nothing new in it
+        self._reread_at, self._reread_stamp = now, stamp
         try:
             records = local.read()  # a small local file, read in place: the request waits
         except (ReachError, OSError):

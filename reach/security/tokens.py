@@ -264,7 +264,9 @@ class FileTokenStore(TokenStore):
     async def save_many(self, records: list[TokenRecord]) -> None:
         await asyncio.to_thread(self.write_many, records)
 
-    def _stamp(self) -> tuple[int, int, int] | None:
+    def stamp(self) -> tuple[int, int, int] | None:
+        """The file's (mtime, size, inode), None when absent: a write (a new file put in
+        place) changes it."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
@@ -273,10 +275,10 @@ class FileTokenStore(TokenStore):
 
     async def watch(self, on_change: Callable[[], None]) -> Callable[[], Awaitable[None]]:
         async def poll() -> None:
-            seen = self._stamp()
+            seen = self.stamp()
             while True:
                 await asyncio.sleep(FILE_POLL_S)
-                now = self._stamp()
+                now = self.stamp()
                 if now != seen:
                     seen = now
                     on_change()

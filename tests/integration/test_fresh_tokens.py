@@ -81,5 +81,23 @@ async def test_a_flood_of_unknown_tokens_reads_the_file_a_bounded_number_of_time
         took = time.monotonic() - started
         assert refused == 2000
         assert store.reads - before <= 1 + took / MISS_REREAD_S, (store.reads - before, took)
+        # An unchanged file is never read again, however long the flood goes on (each miss
+        # costs a stat): 2,000 tokens with no store read made a gateway's loop parse a
+        # 2,000-token file up to 20 times a second.
+        read = store.reads
+        for _ in range(3):
+            await wait_until(past(time.monotonic() + MISS_REREAD_S), 5, every_s=0.01)
+            with pytest.raises(Unauthorized):
+                auth.caller(f"Bearer {issue('nobody')[0]}", None)
+        assert store.reads == read
+        # Changed (another token issued), the next miss reads it once more.
+        _, another = issue("another", "admin")
+        store.write(another)
+        await wait_until(lambda: another.id in cache.book.records, 5)  # the poll's own read
+        await wait_until(past(time.monotonic() + MISS_REREAD_S), 5, every_s=0.01)
+        read = store.reads
+        with pytest.raises(Unauthorized):
+            auth.caller(f"Bearer {issue('nobody')[0]}", None)
+        assert store.reads == read + 1
     finally:
         await cache.aclose()
