@@ -163,19 +163,27 @@ async def test_a_body_nested_past_the_stack_is_a_parse_error(env: Env) -> None:
     assert answer.json()["error"]["code"] == -32700
 
 
-async def test_a_caller_holds_at_most_so_many_streams(env: Env) -> None:
-    """Each open stream reads its task's history every 2 s: one token could hold as many as
-    the gateway takes connections (1,000), ~500 history reads a second."""
+async def subscribe_to_a_slow_task(
+    env: Env, caller: str
+) -> tuple[dict[str, Any], str, dict[str, str]]:
+    """`caller` starts a 20 s task (answered at once): the SubscribeToTask body that follows
+    it, the front's URL and the caller's headers."""
     params = json.loads(send(operation="slow", timeout_ms=60_000))["params"]
     params["message"]["parts"] = [{"data": {"s": 20}}]
     params["configuration"] = {"returnImmediately": True}
     body = {"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": params}
-    answer = (await env.post(env.capability, "alice", json.dumps(body).encode())).json()
+    answer = (await env.post(env.capability, caller, json.dumps(body).encode())).json()
     subscribe = {"jsonrpc": "2.0", "id": 2, "method": "SubscribeToTask"}
     subscribe["params"] = {"id": answer["result"]["task"]["id"]}
+    headers = {"Authorization": f"Bearer {env.tokens[caller]}"}
+    return subscribe, f"{env.gateway.url}/a2a/{env.capability}", headers
+
+
+async def test_a_caller_holds_at_most_so_many_streams(env: Env) -> None:
+    """Each open stream reads its task's history every 2 s: one token could hold as many as
+    the gateway takes connections (1,000), ~500 history reads a second."""
+    subscribe, url, headers = await subscribe_to_a_slow_task(env, "alice")
     limits = httpx.Limits(max_connections=MAX_STREAMS_PER_CALLER + 4)
-    headers = {"Authorization": f"Bearer {env.tokens['alice']}"}
-    url = f"{env.gateway.url}/a2a/{env.capability}"
     async with (
         httpx.AsyncClient(trust_env=False, timeout=30, limits=limits, headers=headers) as http,
         contextlib.AsyncExitStack() as streams,
@@ -206,17 +214,9 @@ async def test_a_caller_holds_at_most_so_many_streams(env: Env) -> None:
 async def test_streams_asked_for_at_once_are_bounded_too(env: Env) -> None:
     """Streams asked for at the same moment all passed the count while the first read its
     task (SubscribeToTask's describe): 192 racing subscribes by one token were all held."""
-    params = json.loads(send(operation="slow", timeout_ms=60_000))["params"]
-    params["message"]["parts"] = [{"data": {"s": 20}}]
-    params["configuration"] = {"returnImmediately": True}
-    body = {"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": params}
-    answer = (await env.post(env.capability, "carol", json.dumps(body).encode())).json()
-    subscribe = {"jsonrpc": "2.0", "id": 2, "method": "SubscribeToTask"}
-    subscribe["params"] = {"id": answer["result"]["task"]["id"]}
+    subscribe, url, headers = await subscribe_to_a_slow_task(env, "carol")
     asked = 3 * MAX_STREAMS_PER_CALLER
     limits = httpx.Limits(max_connections=asked + 4)
-    headers = {"Authorization": f"Bearer {env.tokens['carol']}"}
-    url = f"{env.gateway.url}/a2a/{env.capability}"
     async with (
         httpx.AsyncClient(trust_env=False, timeout=30, limits=limits, headers=headers) as http,
         contextlib.AsyncExitStack() as streams,
