@@ -39,8 +39,9 @@ async def test_a_call_its_client_left_gives_its_room_back(
     store.write(record)
     agent, record = issue("agent", "agent", [capability])
     store.write(record)
-    # Room for a few dozen of these bodies in this caller's share.
-    extra = {"REACH_TRANSPORT__MAX_INFLIGHT_BYTES": "8000"}
+    # Room for about 23 of these calls in this caller's share (the code before was refused at
+    # the 47th at 8000 bytes): 40, one at a time, must all go through.
+    extra = {"REACH_TRANSPORT__MAX_INFLIGHT_BYTES": "4000"}
     runtime = AgentRuntime(
         capability,
         protocol="http",
@@ -71,7 +72,7 @@ async def test_a_call_its_client_left_gives_its_room_back(
                 assert "max_inflight_bytes" in json.dumps(answer.json()), answer.text
                 return False
 
-            for _ in range(100):  # one call at a time, each left after half a second
+            for _ in range(40):  # one call at a time, each left after half a second
                 await wait_until(call_and_leave, timeout_s=30)
 
 
