@@ -333,15 +333,21 @@ class Call:
             self.request_id = front.request_id
 
     async def _outcome(self, rid: str, body: dict[str, Any]) -> InvokeResponse:
-        """A started request's end, waited for until its deadline (then its state now)."""
-        engine = self.gateway.engine
-        policy = self.gateway.settings.policy
-        timeout_ms = body.get("timeout_ms") or policy.default_timeout_ms
+        """A started request's end, waited for until its deadline (then its state now) or
+        until its caller goes (`gone`: nobody to answer, the request goes on durably)."""
+        engine, policy = self.gateway.engine, self.gateway.settings.policy
+        timeout_s = float(body.get("timeout_ms") or policy.default_timeout_ms) / 1000 + SYNC_GRACE_S
+        end = asyncio.ensure_future(engine.outcome(engine.handle(rid)))
+        waits: set[asyncio.Future[Any]] = {end} if self.gone is None else {end, self.gone}
         try:
-            async with asyncio.timeout(float(timeout_ms) / 1000 + SYNC_GRACE_S):
-                return await engine.outcome(engine.handle(rid))
-        except TimeoutError:
-            return await self.gateway.requests.status(rid)
+            await asyncio.wait(waits, timeout=timeout_s, return_when="FIRST_COMPLETED")
+        finally:
+            end.cancel()  # a no-op once it ended
+        if end.done() and not end.cancelled():
+            return end.result()
+        if self.gone is not None and self.gone.done():
+            return InvokeResponse(request_id=rid, status="accepted")
+        return await self.gateway.requests.status(rid)
 
     async def _invoke_body(self, params: SendMessageRequest) -> dict[str, Any]:
         """The `POST /reach/invoke` body a message stands for (docs/a2a-front.md)."""

@@ -284,6 +284,42 @@ async def test_a_call_its_caller_left_gives_its_room_back(
                 await wait_until(opened, timeout_s=30)
 
 
+async def test_a_blocking_call_its_caller_left_is_not_waited_for(
+    temporal_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A blocking SendMessage whose caller went away was let go by the door (accepted), then
+    its task's end was waited for all the same, up to its deadline, with nobody to answer: a
+    waiter per dropped call, and a stopping gateway held by them (uvicorn waits for its
+    requests' handlers: 'Waiting for background tasks to complete')."""
+    tmp = tmp_path_factory.mktemp("a2a-left-wait")
+    capability = f"hx-lw-{uuid.uuid4().hex[:6]}"
+    runtime = AgentRuntime(
+        capability, protocol="http", service_address="127.0.0.1:0", heartbeat_interval=0.5
+    )
+    runtime.operation("slow")(slow)
+    params = json.loads(send(operation="slow", timeout_ms=120_000))["params"]
+    params["message"]["parts"] = [{"data": {"s": 60}}]
+    body = {"jsonrpc": "2.0", "id": 4, "method": "SendMessage", "params": params}
+    gateway = GatewayProcess(new_stack(temporal_server, tmp))
+    try:
+        runtime.reach_url = (await gateway.ready()).url
+        async with runtime, httpx.AsyncClient(trust_env=False, timeout=30) as http:
+            with pytest.raises(httpx.ReadTimeout):  # the caller leaves its blocking call
+                await http.post(f"{gateway.url}/a2a/{capability}", json=body, timeout=2)
+
+            async def running() -> bool:
+                query = {"capability": capability, "status": "running"}
+                rows = (await http.get(f"{gateway.url}/reach/requests", params=query)).json()
+                return len(rows["requests"]) == 1
+
+            await wait_until(running, timeout_s=30)
+            os.killpg(gateway.proc.popen.pid, signal.SIGTERM)
+        await asyncio.to_thread(gateway.proc.popen.wait, 90)
+        assert "Waiting for background tasks" not in gateway.proc.output()
+    finally:
+        gateway.proc.stop()
+
+
 async def test_a_stream_ends_when_the_gateway_stops(
     temporal_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
