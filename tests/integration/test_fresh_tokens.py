@@ -15,7 +15,7 @@ import pytest
 from reach.config import AuthSettings
 from reach.errors import Unauthorized
 from reach.security.auth import MISS_REREAD_S, Auth
-from reach.security.tokens import FileTokenStore, TokenCache, TokenRecord, issue
+from reach.security.tokens import FileTokenStore, TokenBook, TokenCache, TokenRecord, issue
 from tests.conftest import new_stack
 from tests.helpers import GatewayProcess, wait_until
 
@@ -101,3 +101,21 @@ async def test_a_flood_of_unknown_tokens_reads_the_file_a_bounded_number_of_time
         assert store.reads == read + 1
     finally:
         await cache.aclose()
+
+
+async def test_a_token_read_by_someone_elses_miss_is_kept(tmp_path: Path) -> None:
+    """A miss re-reads a changed file once (its stamp): a flood's unknown token that came
+    first read the file with a token just issued in it, threw that away, and the new token's
+    own first use found the file 'already read' and was refused until the file's poll."""
+    store = FileTokenStore(tmp_path / "tokens.json")
+    _, record = issue("someone", "admin")
+    store.write(record)
+    cache = TokenCache(store)  # not started: no poll of its own, only the misses' re-reads
+    cache.book = TokenBook(await store.load())
+    auth = Auth(AuthSettings(mode="tokens"), cache)
+    fresh, record = issue("fresh")
+    store.write(record)
+    with pytest.raises(Unauthorized):  # someone else's unknown token, first after the write
+        auth.caller(f"Bearer {issue('nobody')[0]}", None)
+    await wait_until(past(time.monotonic() + MISS_REREAD_S), 5, every_s=0.01)
+    assert auth.caller(f"Bearer {fresh}", None).name == "fresh"
