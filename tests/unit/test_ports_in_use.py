@@ -3,6 +3,7 @@ at a time, a second `reach up` beside another was refused once per port, four ru
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 from collections.abc import Iterator
@@ -50,16 +51,37 @@ def test_free_ports_pass() -> None:
     require_all_free([(free_port(), "gateway", "REACH_LISTEN_PORT", "127.0.0.1")])
 
 
+@contextlib.contextmanager
+def _three_free_in_a_row() -> Iterator[int]:
+    """A port held listening whose next two are free too, above the suite's per-worker ranges
+    (10000-29999) and below the kernel's ephemeral one (32768-): nothing else hands those out, where
+    the two after a port-0 bind were another test's connections' to take (CI saw one taken)."""
+    for base in range(30_000, 32_700, 3):
+        held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            held.bind(("127.0.0.1", base))
+            for port in (base + 1, base + 2):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            held.close()
+            continue
+        held.listen()
+        try:
+            yield base
+        finally:
+            held.close()
+        return
+    raise AssertionError("no three free ports in a row in 30000-32699")
+
+
 def test_free_ports_come_from_the_range_given_and_skip_one_in_use(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With REACH_FREE_PORTS set (the suite sets one range per xdist worker, below the ephemeral
     range) every port handed out is inside it, none twice in a row, and one in use is passed
     over: a gateway's gRPC front bound on port 0 once took the HTTP port its gateway was given."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        busy = s.getsockname()[1]
+    with _three_free_in_a_row() as busy:
         monkeypatch.setenv("REACH_FREE_PORTS", f"{busy}-{busy + 2}")
         handed = [free_port() for _ in range(4)]
     assert busy not in handed
