@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import httpx
 
@@ -483,3 +483,38 @@ class Ledgered(Protocol):
 def runs(server: Ledgered, tag: str) -> int:
     """How many times `server` ran `count` for `tag`."""
     return server.calls.read_text().splitlines().count(tag)
+
+
+def tokened_http_agent(
+    tmp: Path, capability: str, *callers: tuple[str, Literal["caller", "admin"]]
+) -> TokenedAgent:
+    """A tokens file in `tmp` holding an agent token for `capability` and one token per
+    (name, kind) in `callers`; an HTTP agent (on a free port) that heartbeats with the agent's
+    token every 0.5 s, its operations still to add, its `reach_url` still to set."""
+    from agent_reach_sdk.runtime import AgentRuntime
+    from reach.security.tokens import FileTokenStore, issue
+
+    store = FileTokenStore(tmp / "tokens.json")
+    tokens, ids = [], []
+    for name, kind in callers:
+        token, record = issue(name, kind)
+        store.write(record)
+        tokens.append(token)
+        ids.append(record.id)
+    agent, record = issue("agent", "agent", [capability])
+    store.write(record)
+    runtime = AgentRuntime(
+        capability,
+        protocol="http",
+        service_address="127.0.0.1:0",
+        heartbeat_interval=0.5,
+        token=agent,
+    )
+    return TokenedAgent(runtime, tokens, ids)
+
+
+@dataclass
+class TokenedAgent:
+    runtime: Any  # an AgentRuntime
+    tokens: list[str]  # the callers' tokens, in the order asked
+    ids: list[str]  # their ids (`reach tokens revoke <id>`)

@@ -25,7 +25,7 @@ from agent_reach_sdk import AgentRuntime
 from gateway_api.a2a_front import MAX_STREAMS_PER_CALLER, RpcError, parse_call
 from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
-from tests.helpers import ROOT, GatewayProcess, wait_until
+from tests.helpers import ROOT, GatewayProcess, tokened_http_agent, wait_until
 
 pytestmark = [pytest.mark.integration]
 
@@ -240,21 +240,11 @@ async def test_a_call_its_caller_left_gives_its_room_back(
     tasks, one at a time, filled its share and was refused with nothing open."""
     tmp = tmp_path_factory.mktemp("a2a-left")
     capability = f"hx-left-{uuid.uuid4().hex[:6]}"
-    store = FileTokenStore(tmp / "tokens.json")
-    caller, record = issue("dave")
-    store.write(record)
-    agent, record = issue("agent", "agent", [capability])
-    store.write(record)
+    tokened = tokened_http_agent(tmp, capability, ("dave", "caller"))
+    runtime, (caller,) = tokened.runtime, tokened.tokens
     # Room for about 15 of these calls in this caller's share (the code before was refused at
     # the 16th): twice that many, one at a time, must all go through.
     extra = {"REACH_TRANSPORT__MAX_INFLIGHT_BYTES": "8000"}
-    runtime = AgentRuntime(
-        capability,
-        protocol="http",
-        service_address="127.0.0.1:0",
-        heartbeat_interval=0.5,
-        token=agent,
-    )
     runtime.operation("slow")(slow)
     params = json.loads(send(operation="slow", timeout_ms=120_000))["params"]
     params["message"]["parts"] = [{"data": {"s": 60}}]

@@ -15,10 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agent_reach_sdk import AgentRuntime
-from reach.security.tokens import FileTokenStore, issue
 from tests.conftest import new_stack
-from tests.helpers import GatewayProcess, wait_until
+from tests.helpers import GatewayProcess, tokened_http_agent, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -34,21 +32,11 @@ async def test_a_call_its_client_left_gives_its_room_back(
 ) -> None:
     tmp = tmp_path_factory.mktemp("mcp-left")
     capability = f"mcp-left-{uuid.uuid4().hex[:6]}"
-    store = FileTokenStore(tmp / "tokens.json")
-    caller, record = issue("dave")
-    store.write(record)
-    agent, record = issue("agent", "agent", [capability])
-    store.write(record)
+    tokened = tokened_http_agent(tmp, capability, ("dave", "caller"))
+    runtime, (caller,) = tokened.runtime, tokened.tokens
     # Room for about 23 of these calls in this caller's share (the code before was refused at
     # the 47th at 8000 bytes): 40, one at a time, must all go through.
     extra = {"REACH_TRANSPORT__MAX_INFLIGHT_BYTES": "4000"}
-    runtime = AgentRuntime(
-        capability,
-        protocol="http",
-        service_address="127.0.0.1:0",
-        heartbeat_interval=0.5,
-        token=agent,
-    )
     runtime.operation("slow")(slow)
     headers = {"Authorization": f"Bearer {caller}", "Accept": accept}
     async with GatewayProcess(new_stack(temporal_server, tmp, extra=extra)) as gateway:
@@ -84,20 +72,8 @@ async def test_a_revoked_caller_s_call_stream_ends_before_its_result(
     came), where the A2A front's streams and the MCP listen streams end within a recheck."""
     tmp = tmp_path_factory.mktemp("mcp-revoked-call")
     capability = f"mcp-rv-{uuid.uuid4().hex[:6]}"
-    store = FileTokenStore(tmp / "tokens.json")
-    caller, record = issue("erin")
-    store.write(record)
-    admin, admin_record = issue("ops", "admin")
-    store.write(admin_record)
-    agent, agent_record = issue("agent", "agent", [capability])
-    store.write(agent_record)
-    runtime = AgentRuntime(
-        capability,
-        protocol="http",
-        service_address="127.0.0.1:0",
-        heartbeat_interval=0.5,
-        token=agent,
-    )
+    tokened = tokened_http_agent(tmp, capability, ("erin", "caller"), ("ops", "admin"))
+    runtime, (caller, admin), caller_id = tokened.runtime, tokened.tokens, tokened.ids[0]
     runtime.operation("slow")(slow)
     params = {
         "name": f"{capability}.slow",
@@ -120,7 +96,7 @@ async def test_a_revoked_caller_s_call_stream_ends_before_its_result(
             )
             assert first["method"] == "notifications/progress"
             gone = await http.delete(
-                f"{gateway.url}/reach/admin/tokens/{record.id}",
+                f"{gateway.url}/reach/admin/tokens/{caller_id}",
                 headers={"Authorization": f"Bearer {admin}"},
             )
             assert gone.status_code == 200, gone.text
@@ -131,5 +107,5 @@ async def test_a_revoked_caller_s_call_stream_ends_before_its_result(
     assert rest[-1]["id"] == 11, rest
     error = rest[-1]["error"]
     assert error["data"]["type"] == "unauthorized", error
-    assert f"token {record.id} is revoked" in error["message"]
+    assert f"token {caller_id} is revoked" in error["message"]
     assert not any("result" in frame for frame in rest), rest
