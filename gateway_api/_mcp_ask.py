@@ -30,6 +30,7 @@ from starlette.types import Receive, Send
 
 from gateway_api import _mcp_http as http
 from gateway_api import _mcp_wire as wire
+from gateway_api.http_limits import disconnected
 from reach import asks
 from reach.errors import ReachError
 from reach.policy.state import PolicyState
@@ -78,8 +79,7 @@ class Offer:
         """Until the client goes away (its stream closed), then the offer is released: a
         question waiting on it is given up within `reach.asks.OFFER_CHECK_S`, not held to the
         call's deadline (the server's `send` says nothing of a client gone)."""
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        await disconnected(receive)
         await self.close()
 
     async def close(self) -> None:

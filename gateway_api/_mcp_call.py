@@ -8,7 +8,6 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
-from starlette.types import Receive
 from temporalio.service import RPCError
 
 from gateway_api._mcp_ask import Offer
@@ -52,12 +51,6 @@ class Call:
     async def started(self, request_id: str) -> LetGo:
         self.durable.set()
         return self.let_go if self.let_go is not None else self.gone
-
-
-async def disconnected(receive: Receive) -> None:
-    """Until the client disconnects (its message was read whole: nothing else comes)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def consumed(task: asyncio.Future[InvokeResponse]) -> None:

@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 from gateway_api import _mcp_http as http
 from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_tools import CATALOG_TTL_S, Catalog, Tool
-from gateway_api.http_limits import DRAINING
+from gateway_api.http_limits import DRAINING, disconnected
 from gateway_api.steps.identify import identify
 from reach.errors import ReachError
 from reach.registry import Registry
@@ -224,7 +224,7 @@ class Listeners:
         # Counted before the first await: streams asked for at once all passed `room` while
         # the first list was read (a Redis registry's), 67 of 192 held where 64 may be.
         self.open[caller] = self.open.get(caller, 0) + 1
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = asyncio.ensure_future(disconnected(receive))
         stopping = asyncio.ensure_future((draining or asyncio.Event()).wait())
         try:
             seen = await _listed(catalog, caller, guard)
@@ -300,8 +300,3 @@ async def _listed(catalog: Catalog, caller: str, guard: Guard | None) -> list[An
         return await catalog.listed_for(caller, guard)
     except ReachError:
         return None
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -27,6 +27,7 @@ from starlette.types import Send
 from gateway_api import _mcp_http as http
 from gateway_api import _mcp_wire as wire
 from gateway_api._mcp_ask import Offer
+from gateway_api._mcp_listen import RECHECK_S  # the same pace as a listen stream's
 from reach import progress
 from reach.errors import ReachError
 from reach.messages import InvokeResponse
@@ -35,8 +36,6 @@ from reach.policy.state import PolicyState
 log = logging.getLogger("reach.gateway")
 
 KEEPALIVE_S = 15.0
-RECHECK_S = 2.0
-"""How often a stream checks its caller's token again (in memory): a revoked one ends it."""
 RELAY_EVERY_S = 0.25
 """How often a streamed call with a progress token reads its progress record (one store read)."""
 

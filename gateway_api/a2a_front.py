@@ -83,7 +83,7 @@ from gateway_api._a2a_tasks import (
 )
 from gateway_api.errors import BodyLimit, CatchBugs, error_response, reach_error_of_rpc
 from gateway_api.gateway import Gateway
-from gateway_api.http_limits import DRAINING
+from gateway_api.http_limits import DRAINING, disconnected
 from gateway_api.steps.identify import AUTHORIZATION, CALLER, IDEMPOTENCY_KEY, TRACEPARENT
 from reach import acceptance
 from reach.errors import InvalidRequest, RateLimited, ReachError, UnknownCapability
@@ -326,7 +326,7 @@ class A2AFront:
                     headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
                 )
             if method == "SendMessage":  # blocking: a caller gone lets the door's wait go
-                call.gone = asyncio.ensure_future(_disconnected(request.receive))
+                call.gone = asyncio.ensure_future(disconnected(request.receive))
             try:
                 result = await HANDLERS[method](call, params)
             finally:
@@ -343,12 +343,6 @@ class A2AFront:
         except RPCError as exc:
             log.error("Temporal call failed on A2A %s: %s", request.url.path, exc)
             return _error(rpc_error_of(reach_error_of_rpc(exc), call.request_id), rpc_id)
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Until the client disconnects (its body was read whole: nothing else comes)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class _Slot:

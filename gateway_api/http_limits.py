@@ -189,3 +189,10 @@ def _refusal(held: int, cap: int) -> Any:
         await response(scope, receive, send)
 
     return refuse
+
+
+async def disconnected(receive: Receive) -> None:
+    """Until the client disconnects, for a request whose body was read whole (nothing else
+    comes): run beside a long answer, so that a caller gone lets go of what it held."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -62,7 +62,7 @@ from gateway_api import _mcp_logging as logs
 from gateway_api import _mcp_sse as sse
 from gateway_api import _mcp_tasks as tasks
 from gateway_api import _mcp_wire as wire
-from gateway_api._mcp_call import Call, consumed, disconnected, named, outcome
+from gateway_api._mcp_call import Call, consumed, named, outcome
 from gateway_api._mcp_http import host_allowed, origin_allowed
 from gateway_api._mcp_listen import MAX_STREAMS_PER_CALLER as MAX_STREAMS_PER_CALLER
 from gateway_api._mcp_listen import Listeners, token_check
@@ -71,6 +71,7 @@ from gateway_api._mcp_tools import Catalog, rpc_error_of
 from gateway_api.errors import CatchBugs
 from gateway_api.front import Bytes
 from gateway_api.gateway import Gateway
+from gateway_api.http_limits import disconnected
 from gateway_api.routes.invoke import metadata_of
 from gateway_api.steps.identify import Identity, identify
 from reach import asks as reach_asks

@@ -19,6 +19,7 @@ from gateway_api.deps import (
 from gateway_api.errors import envelope_response, status_code_of
 from gateway_api.front import Body
 from gateway_api.gateway import Gateway
+from gateway_api.http_limits import disconnected
 from gateway_api.steps.identify import TRACEPARENT, Metadata
 from reach import acceptance
 from reach.acceptance import LateAnswerBody
@@ -99,7 +100,7 @@ class HttpFront:
     async def started(self, request_id: str) -> asyncio.Future[Any] | None:
         if self.receive is None:
             return None
-        self._gone = asyncio.create_task(_disconnected(self.receive))
+        self._gone = asyncio.create_task(disconnected(self.receive))
         return self._gone
 
     def close(self) -> None:
@@ -115,12 +116,6 @@ class HttpFront:
     async def named(self, request_id: str, caller: str) -> None:
         self.state.request_id = request_id
         self.caller = caller
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Until the client disconnects (its body was read whole: nothing else comes)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class _RequestBody:
